@@ -1,0 +1,38 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both build .venv first.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+
+.PHONY: venv demo test test-fast bench train-models clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c constraints.txt -e '.[test,fast,metrics]'
+	touch $(STAMP)
+
+demo: venv
+	$(BIN)/specrelay demo
+
+test: venv
+	$(BIN)/python -m pytest -q -ra
+
+test-fast: venv
+	$(BIN)/python -m pytest -q -ra -m "not demo"
+
+bench: venv
+	$(BIN)/python -m specrelay.bench all
+
+train-models: venv
+	$(BIN)/python scripts/train_demo_models.py data
+	$(BIN)/python scripts/train_demo_models.py tokenizers
+	$(BIN)/python scripts/train_demo_models.py target --minutes 55
+	$(BIN)/python scripts/train_demo_models.py draft --minutes 25
+	$(BIN)/python scripts/train_demo_models.py draft-xv --minutes 25
+	$(BIN)/python scripts/train_demo_models.py eval
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,288 @@
+"""The whole specrelay wire protocol: every message, field and limit, in one place.
+
+A message is two ZeroMQ frames: a 2-byte header (protocol version, message type) and a MessagePack body
+encoded from a typed msgspec Struct (array_like: fields travel by position, no names; trailing defaults
+are omitted). No pickle anywhere. Probability arrays travel as little-endian float32 `bytes`.
+
+Socket topology (edge DEALER -> broker frontend ROUTER; broker backend ROUTER <- worker DEALER):
+  edge   -> broker : [header, body]                      OPEN, VERIFY, CLOSE, RESAMPLE
+  broker -> worker : [client_id, header, body]           the broker prepends the edge's identity
+  worker -> broker : [client_id, header, body]           VERDICT/ERROR/RESAMPLED (client_id b"" for
+                                                         READY, HEARTBEAT, DISCONNECT)
+  broker -> edge   : [header, body]                      VERDICT, ERROR, RESAMPLED
+  client <-> edge  : [header, body]                      GENERATE, CANCEL / TOKENS, DONE, ERROR
+Every session-scoped body has `session` as its first field so the broker can route without decoding the
+rest (`SessionHeader`). The broker never decodes tensors.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from typing import Annotated, Union
+
+import msgspec
+
+from .errors import InvalidRequest
+
+PROTOCOL_VERSION = 1
+MAX_CONTEXT = 32_768        # tokens in OPEN.tokens (prompt + history on re-prefill)
+MAX_DRAFT = 64              # draft tokens in one VERIFY
+MAX_TAIL = 64               # committed tokens the cloud has not seen, carried by a VERIFY
+MAX_FRAME = 8 * 1024 * 1024  # MAXMSGSIZE on every socket (per frame)
+MAX_FRAMES = 4              # ZeroMQ's MAXMSGSIZE limits frames, not their number: we cap it ourselves
+MAX_PROMPT_CHARS = 1_000_000
+
+U63 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_CONTEXT * 4)]
+
+
+class MsgType(enum.IntEnum):
+    OPEN = 1
+    VERIFY = 2
+    VERDICT = 3
+    CLOSE = 4
+    ERROR = 5
+    READY = 6
+    HEARTBEAT = 7
+    DISCONNECT = 8
+    RESAMPLE = 9     # X-CoSD HR: edge asks the cloud to sample a server-only token
+    RESAMPLED = 10
+    GENERATE = 20    # client -> edge worker
+    CANCEL = 21
+    TOKENS = 22      # edge worker -> client, as tokens are committed
+    DONE = 23
+
+
+class Base(msgspec.Struct, array_like=True, omit_defaults=True, forbid_unknown_fields=False):
+    pass
+
+
+class SessionHeader(Base):
+    """The first field of every session-scoped body; all the broker ever decodes."""
+
+    session: U63
+
+
+class Open(Base):
+    """Start (or re-prefill) a session on a worker.
+
+    session: random 63-bit id chosen by the edge. tokens: the whole target-vocab context (prompt, plus the
+    committed history when re-sending after RESEND_CONTEXT). mode: greedy | sample | coupled.
+    temperature/top_k/top_p: the shared transform. seed: the counter-based RNG seed. resample: what a
+    rejection in `sample` mode sends down: full | hr | srdv. shared_vocab: hash of the draft's shared-vocab
+    mask (b"" = same vocabulary); the worker must hold the same mask.
+    """
+
+    session: U63
+    tokens: Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_CONTEXT)]
+    mode: str = "greedy"
+    temperature: float = 0.0
+    top_k: Annotated[int, msgspec.Meta(ge=0)] = 0
+    top_p: float = 1.0
+    seed: U63 = 0
+    resample: str = "full"
+    shared_vocab: str = ""
+
+
+class Verify(Base):
+    """Score a draft block. pos: the edge's committed length (prompt included), so pos - len(tail) is
+    what the cloud must already know. tail: committed tokens the cloud has not seen (a token the edge
+    drew itself after a rejection). draft: x_1..x_d as target ids. q: float32 q(x_i) per draft token
+    (sample mode only)."""
+
+    session: U63
+    seq: U63
+    pos: Count
+    tail: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_TAIL)] = []
+    draft: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_DRAFT)] = []
+    q: bytes = b""
+
+
+class Verdict(Base):
+    """The cloud's answer to VERIFY. n_accepted: accepted draft prefix. next_token: recovered or bonus
+    token (-1: the edge resolves the rejection itself from the fields below). p: float32 target
+    probabilities at the rejected position over the shared vocabulary (resample full | hr). theta_o: mass of
+    p outside the shared vocabulary (hr). candidates/cand_p: SR-DV candidates z ~ p and p(z)."""
+
+    session: U63
+    seq: U63
+    n_accepted: Count
+    next_token: int = -1
+    p: bytes = b""
+    theta_o: float = 0.0
+    candidates: list[TokenId] = []
+    cand_p: bytes = b""
+
+
+class Resample(Base):
+    """Edge -> cloud after a rejection it could not resolve: kind 'server_only' (hr: sample p restricted to
+    target-only tokens) or 'candidates' (srdv: another round). Refers to the last verdict's position."""
+
+    session: U63
+    seq: U63
+    kind: str = "server_only"
+    round: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 0
+
+
+class Resampled(Base):
+    session: U63
+    seq: U63
+    token: int = -1
+    candidates: list[TokenId] = []
+    cand_p: bytes = b""
+
+
+class Close(Base):
+    session: U63
+
+
+class Error(Base):
+    """code: BAD_REQUEST | RESEND_CONTEXT | WORKER_LOST | UNAVAILABLE | TIMEOUT | INTERNAL.
+    message: one sentence naming the field at fault. seq: of the failed request (0 when unknown)."""
+
+    session: U63
+    seq: U63 = 0
+    code: str = "INTERNAL"
+    message: str = ""
+
+
+class Ready(Base):
+    """Worker -> broker on start: what it serves and how many sessions it takes."""
+
+    model: str = ""
+    vocab_size: int = 0
+    max_sessions: int = 0
+    max_batch: int = 0
+
+
+class Heartbeat(Base):
+    """Both directions; from a worker it carries its load (open sessions)."""
+
+    load: int = 0
+
+
+class Disconnect(Base):
+    reason: str = ""
+
+
+class Generate(Base):
+    """Client -> edge worker. request: client-chosen id echoed in every reply."""
+
+    request: U63
+    prompt: Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)]
+    max_new_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_CONTEXT)] = 64
+    temperature: float = 0.0
+    top_k: Annotated[int, msgspec.Meta(ge=0)] = 0
+    top_p: float = 1.0
+    seed: U63 = 0
+    draft_len: Annotated[int, msgspec.Meta(ge=-1, le=MAX_DRAFT)] = -1  # -1 = auto
+    mode: str = ""       # "" = greedy at temperature 0, else sample
+    resample: str = ""   # "" = the edge's default
+
+
+class Cancel(Base):
+    request: U63
+
+
+class Tokens(Base):
+    request: U63
+    token_ids: list[int]
+    text: str
+
+
+class Done(Base):
+    request: U63
+    stats: dict[str, float]
+
+
+MESSAGES: dict[MsgType, type[Base]] = {
+    MsgType.OPEN: Open, MsgType.VERIFY: Verify, MsgType.VERDICT: Verdict, MsgType.CLOSE: Close,
+    MsgType.ERROR: Error, MsgType.READY: Ready, MsgType.HEARTBEAT: Heartbeat, MsgType.DISCONNECT: Disconnect,
+    MsgType.RESAMPLE: Resample, MsgType.RESAMPLED: Resampled, MsgType.GENERATE: Generate,
+    MsgType.CANCEL: Cancel, MsgType.TOKENS: Tokens, MsgType.DONE: Done,
+}
+TYPE_OF: dict[type[Base], MsgType] = {cls: t for t, cls in MESSAGES.items()}
+Message = Union[tuple(MESSAGES.values())]  # noqa: UP007
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders = {t: msgspec.msgpack.Decoder(cls) for t, cls in MESSAGES.items()}
+_session_decoder = msgspec.msgpack.Decoder(SessionHeader)
+
+
+def header(msg_type: MsgType) -> bytes:
+    return bytes((PROTOCOL_VERSION, msg_type))
+
+
+def encode(msg: Base) -> list[bytes]:
+    """Message -> [header, body] frames."""
+    return [header(TYPE_OF[type(msg)]), _encoder.encode(msg)]
+
+
+def parse_header(frame: bytes) -> MsgType:
+    if len(frame) != 2:
+        raise InvalidRequest(f"header frame must be 2 bytes, got {len(frame)}", field="header")
+    if frame[0] != PROTOCOL_VERSION:
+        raise InvalidRequest(f"protocol version {frame[0]} is not supported (this side speaks "
+                             f"{PROTOCOL_VERSION})", field="header.version")
+    try:
+        return MsgType(frame[1])
+    except ValueError:
+        raise InvalidRequest(f"unknown message type {frame[1]}", field="header.type") from None
+
+
+def decode(frames: list[bytes]) -> Base:
+    """[header, body] -> typed message; any defect raises InvalidRequest naming the field."""
+    if len(frames) != 2:
+        raise InvalidRequest(f"a message is 2 frames (header, body), got {len(frames)}", field="frames")
+    msg_type = parse_header(frames[0])
+    try:
+        return _decoders[msg_type].decode(frames[1])
+    except msgspec.ValidationError as exc:
+        name, field = MESSAGES[msg_type].__name__, _field_name(MESSAGES[msg_type], str(exc))
+        raise InvalidRequest(f"{name}.{field}: {exc}", field=field) from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"{MESSAGES[msg_type].__name__} body is not valid MessagePack: {exc}",
+                             field="body") from None
+
+
+def _field_name(cls: type[Base], error: str) -> str:
+    """msgspec reports array_like positions as `$[i]`; turn that into the field's name."""
+    m = re.search(r"\$\[(\d+)\]", error)
+    if not m:
+        return "body"
+    i = int(m.group(1))
+    return cls.__struct_fields__[i] if i < len(cls.__struct_fields__) else f"[{i}]"
+
+
+def session_of(body: bytes) -> int:
+    """The session id of a session-scoped body (its first field), without decoding the rest."""
+    try:
+        return _session_decoder.decode(body).session
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise InvalidRequest(f"cannot read the session id: {exc}", field="session") from None
+
+
+def f32(values) -> bytes:
+    """float32 little-endian bytes of a 1-D tensor / sequence."""
+    import numpy as np
+
+    if hasattr(values, "detach"):
+        values = values.detach().to("cpu").float().numpy()
+    return np.asarray(values, dtype="<f4").tobytes()
+
+
+def from_f32(data: bytes, expected: int | None = None, field: str = "p"):
+    """bytes -> float32 torch tensor [n]; checks the length (and, if given, the element count)."""
+    import numpy as np
+    import torch
+
+    if len(data) % 4:
+        raise InvalidRequest(f"{field} must be float32 bytes (length divisible by 4), got {len(data)}", field=field)
+    arr = torch.from_numpy(np.frombuffer(data, dtype="<f4").copy())
+    if expected is not None and arr.shape[0] != expected:
+        raise InvalidRequest(f"{field} has {arr.shape[0]} values, expected {expected}", field=field)
+    if not torch.isfinite(arr).all() or (arr < 0).any():
+        raise InvalidRequest(f"{field} must hold finite probabilities >= 0", field=field)
+    return arr

@@ -1,0 +1,162 @@
+"""Model runner shared by edge and cloud: any Hugging Face causal LM + tokenizer, incremental decoding
+with a KV cache, rollback of rejected positions (cache crop), and a ragged batched forward for verification.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from .errors import FatalError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (keys, values), each [kv_heads, seq, head_dim]
+
+
+class ModelRunner:
+    """A causal LM and its tokenizer, loaded by `AutoModelForCausalLM`/`AutoTokenizer` from a path or hub id."""
+
+    def __init__(self, model, tokenizer, name: str = "") -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        self.device = next(model.parameters()).device
+        params = inspect.signature(model.forward).parameters
+        # transformers 5 calls the argument `cache`, 4.x `past_key_values`
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        eos = model.generation_config.eos_token_id if model.generation_config else None
+        eos = eos if eos is not None else tokenizer.eos_token_id
+        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+
+    @classmethod
+    def load(cls, name_or_path: str, device: str = "cpu", dtype: str = "float32") -> "ModelRunner":
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype]).to(device)
+        except (OSError, ValueError) as exc:
+            raise FatalError(f"cannot load model {name_or_path!r}: {exc}") from exc
+        return cls(model, tokenizer, name=str(name_or_path))
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache()
+
+    @torch.no_grad()
+    def forward(self, ids: list[int], cache: DynamicCache, start: int) -> torch.Tensor:  # -> [n, V] float32
+        """Run `ids` at positions start.. on top of `cache` (which grows by len(ids))."""
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, n]
+        positions = torch.arange(start, start + len(ids), device=self.device)[None]  # [1, n]
+        out = self.model(input_ids=input_ids, position_ids=positions, use_cache=True, **{self._cache_kw: cache})
+        return out.logits[0].float()
+
+    @torch.no_grad()
+    def forward_batch(self, rows: list["BatchRow"]) -> list[tuple[torch.Tensor, KV]]:
+        """One forward pass over many sequences with different cached lengths and new-token counts.
+
+        Past K/V are left-padded to the longest past, new tokens right-padded; the attention mask hides
+        padding and position ids are per row. Returns, per row, (logits [n_i, V] float32, new K/V for its
+        n_i tokens) — the caller keeps only the K/V of tokens that end up committed.
+        """
+        b = len(rows)
+        past = max(r.past_len for r in rows)
+        width = max(len(r.ids) for r in rows)
+        ids = torch.zeros(b, width, dtype=torch.long)
+        positions = torch.zeros(b, width, dtype=torch.long)
+        mask = torch.zeros(b, past + width, dtype=torch.long)
+        for i, r in enumerate(rows):
+            n = len(r.ids)
+            ids[i, :n] = torch.tensor(r.ids)
+            positions[i] = r.past_len + torch.arange(width)  # padded tail keeps counting: harmless, masked
+            mask[i, past - r.past_len: past + n] = 1
+        cache = DynamicCache(ddp_cache_data=_stack_left_padded([r.kv for r in rows], past)) if past else DynamicCache()
+        out = self.model(input_ids=ids.to(self.device), position_ids=positions.to(self.device),
+                         attention_mask=mask.to(self.device), use_cache=True, **{self._cache_kw: cache})
+        results = []
+        for i, r in enumerate(rows):
+            n = len(r.ids)
+            new_kv = [(layer.keys[i, :, past:past + n], layer.values[i, :, past:past + n]) for layer in cache.layers]
+            results.append((out.logits[i, :n].float(), new_kv))
+        return results
+
+
+@dataclass
+class BatchRow:
+    """One sequence in a batched forward: its cached K/V (None when empty), cached length, new token ids."""
+
+    kv: KV | None
+    past_len: int
+    ids: list[int]
+
+
+def _stack_left_padded(kvs: list[KV | None], past: int) -> KV:
+    """Per layer, stack rows into [batch, kv_heads, past, head_dim], zero-padding each row on the left."""
+    template = next(kv for kv in kvs if kv)
+    layers = []
+    for li, (k0, v0) in enumerate(template):
+        shape = (len(kvs), k0.shape[0], past, k0.shape[2])
+        keys, values = k0.new_zeros(shape), v0.new_zeros(shape)
+        for i, kv in enumerate(kvs):
+            if kv:
+                k, v = kv[li]
+                keys[i, :, past - k.shape[1]:] = k
+                values[i, :, past - v.shape[1]:] = v
+        layers.append((keys, values))
+    return layers
+
+
+def append_kv(kv: KV | None, new: KV, keep: int) -> KV:
+    """kv + the first `keep` positions of `new` (per layer concatenation along the sequence axis)."""
+    if kv is None:
+        return [(k[:, :keep].clone(), v[:, :keep].clone()) for k, v in new]
+    return [(torch.cat([k, nk[:, :keep]], 1), torch.cat([v, nv[:, :keep]], 1)) for (k, v), (nk, nv) in zip(kv, new)]
+
+
+@dataclass
+class Decoder:
+    """One sequence's incremental decoding state: the ids whose K/V are cached, and rollback by cache crop."""
+
+    runner: ModelRunner
+    ids: list[int] = field(default_factory=list)
+    cache: DynamicCache | None = None
+    last_logits: torch.Tensor | None = None  # [V] logits after the last cached id
+
+    def __post_init__(self) -> None:
+        self.cache = self.runner.new_cache()
+
+    def rollback(self, length: int) -> None:
+        """Forget cached positions >= length (rejected draft tokens)."""
+        if length < len(self.ids):
+            self.cache.crop(length - len(self.ids))  # negative: remove that many (transformers 4.x and 5.x)
+            self.ids = self.ids[:length]
+            self.last_logits = None
+
+    def extend(self, ids: list[int]) -> torch.Tensor:  # -> [n, V]
+        logits = self.runner.forward(ids, self.cache, start=len(self.ids))
+        self.ids.extend(ids)
+        self.last_logits = logits[-1]
+        return logits
+
+    def sync(self, context: list[int]) -> None:
+        """Make the cache cover exactly `context` minus nothing it already holds: keep the common prefix."""
+        n = len(self.ids)
+        if n > len(context) or self.ids != context[:n]:
+            common = 0
+            for a, b in zip(self.ids, context):
+                if a != b:
+                    break
+                common += 1
+            self.rollback(common)
+
+    def next_logits(self, context: list[int]) -> torch.Tensor:  # -> [V]
+        """Logits for the token after `context`, feeding only the part of it the cache lacks."""
+        self.sync(context)
+        if len(self.ids) == len(context) and self.last_logits is not None:
+            return self.last_logits
+        if len(self.ids) == len(context):  # fully cached but logits lost to a rollback: re-run the last id
+            self.rollback(len(context) - 1)
+        return self.extend(context[len(self.ids):])[-1]

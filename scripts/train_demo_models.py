@@ -1,0 +1,311 @@
+"""Train the demo model pair (and a cross-vocabulary draft) on CPython's standard library source.
+
+Reproducible (seeded) and budgeted by wall time, so it fits a laptop:
+
+    python scripts/train_demo_models.py data          # split Lib/ (tests left out, 5% held out), prompts
+    python scripts/train_demo_models.py tokenizers    # byte-level BPE 8k (target) + Metaspace/byte-fallback 4k (xv)
+    python scripts/train_demo_models.py target  --minutes 45
+    python scripts/train_demo_models.py draft   --minutes 20 --threads 1   # distilled from the target (KL)
+    python scripts/train_demo_models.py draft-xv --minutes 20 --threads 1  # its own tokenizer, LM loss
+    python scripts/train_demo_models.py eval          # held-out loss, greedy agreement, alpha -> models/metrics.json
+
+Everything lands in models/ as save_pretrained directories that AutoModelForCausalLM/AutoTokenizer load offline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import random
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "models"
+WORK = ROOT / ".train"  # token caches, checkpoints (git-ignored)
+SEED = 1234
+EOS = "<|endoftext|>"
+TEST_DIRS = {"test", "tests", "idle_test", "unittests"}
+SEQ_LEN = 256
+
+TARGET_CFG = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=8)
+DRAFT_CFG = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=3, num_attention_heads=4)
+
+
+def log(*parts) -> None:
+    print(time.strftime("%H:%M:%S"), *parts, flush=True)
+
+
+# ----------------------------------------------------------------------------- data
+
+def stdlib_files() -> list[Path]:
+    """Every .py file of the running interpreter's Lib/, test directories and site-packages left out."""
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for path in sorted(lib.rglob("*.py")):
+        parts = set(path.relative_to(lib).parts[:-1])
+        if parts & TEST_DIRS or "site-packages" in parts or "dist-packages" in parts:
+            continue
+        files.append(path)
+    return files
+
+
+def split_files() -> tuple[list[Path], list[Path]]:
+    files = stdlib_files()
+    rng = random.Random(SEED)
+    held = set(rng.sample(range(len(files)), max(1, round(0.05 * len(files)))))
+    train = [f for i, f in enumerate(files) if i not in held]
+    heldout = [f for i, f in enumerate(files) if i in held]
+    return train, heldout
+
+
+def read(path: Path) -> str:
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+def make_prompts(heldout: list[Path], n: int = 40) -> list[dict]:
+    """Prompts cut from held-out files: a few whole lines ending at a line break, 80-400 chars."""
+    rng = random.Random(SEED + 1)
+    prompts = []
+    while len(prompts) < n:
+        text = read(rng.choice(heldout))
+        lines = text.splitlines(keepends=True)
+        if len(lines) < 20:
+            continue
+        start = rng.randrange(0, len(lines) - 10)
+        chunk = "".join(lines[start:start + rng.randint(3, 8)])
+        if 80 <= len(chunk) <= 400 and chunk.strip():
+            prompts.append({"prompt": chunk})
+    return prompts
+
+
+def cmd_data(args) -> None:
+    train, heldout = split_files()
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    MODELS.mkdir(exist_ok=True)
+    split = {"stdlib": str(lib), "seed": SEED, "train_files": len(train),
+             "train_chars": sum(len(read(f)) for f in train),
+             "heldout_files": [str(f.relative_to(lib)) for f in heldout]}
+    (MODELS / "split.json").write_text(json.dumps(split, indent=1))
+    with open(MODELS / "heldout_prompts.jsonl", "w") as fh:
+        for p in make_prompts(heldout):
+            fh.write(json.dumps(p) + "\n")
+    log(f"train files {len(train)} ({split['train_chars']} chars), held-out files {len(heldout)}")
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+def train_target_tokenizer(texts: list[str]):
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok = ByteLevelBPETokenizer(add_prefix_space=False)
+    tok.train_from_iterator(texts, vocab_size=8192, min_frequency=2, special_tokens=[EOS], show_progress=False)
+    return PreTrainedTokenizerFast(tokenizer_object=tok._tokenizer, bos_token=EOS, eos_token=EOS,
+                                   pad_token=EOS, model_max_length=1024, clean_up_tokenization_spaces=False)
+
+
+def train_xv_tokenizer(texts: list[str]):
+    """SentencePiece-style BPE: Metaspace ('▁' for space) plus <0xNN> byte-fallback tokens, 4k merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=True)
+    trainer = trainers.BpeTrainer(vocab_size=4096, min_frequency=2, special_tokens=["<unk>", "<s>", "</s>"],
+                                  limit_alphabet=200, show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    for b in range(256):  # byte fallback pieces, as Llama/SentencePiece spell them
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    tok = Tokenizer.from_str(json.dumps(spec))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="</s>", model_max_length=1024, clean_up_tokenization_spaces=False)
+
+
+def cmd_tokenizers(args) -> None:
+    train, heldout = split_files()
+    texts = [read(f) for f in train]
+    for name, fn in (("demo-target", train_target_tokenizer), ("demo-draft-xv", train_xv_tokenizer)):
+        tok = fn(texts)
+        sample = read(heldout[0])[:5000]
+        assert tok.decode(tok(sample).input_ids) == sample, f"{name} tokenizer does not round-trip"
+        tok.save_pretrained(WORK / f"tok-{name}")
+        log(f"{name}: vocab {len(tok)}")
+        encode_corpus(tok, name)
+
+
+def encode_corpus(tok, name: str) -> None:
+    train, heldout = split_files()
+    for split, files in (("train", train), ("heldout", heldout)):
+        ids: list[int] = []
+        for f in files:
+            ids.extend(tok(read(f)).input_ids)
+            ids.append(tok.eos_token_id)
+        torch.save(torch.tensor(ids, dtype=torch.int32), WORK / f"{name}.{split}.pt")
+        log(f"{name} {split}: {len(ids)} tokens")
+
+
+# ----------------------------------------------------------------------------- models
+
+def new_model(tok, cfg: dict):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=len(tok), max_position_embeddings=1024, tie_word_embeddings=True,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, num_key_value_heads=cfg["num_attention_heads"], **cfg)
+    torch.manual_seed(SEED)
+    return LlamaForCausalLM(config)
+
+
+def n_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def batches(data: torch.Tensor, batch: int, gen: torch.Generator):
+    while True:
+        starts = torch.randint(0, len(data) - SEQ_LEN - 1, (batch,), generator=gen)
+        yield torch.stack([data[s:s + SEQ_LEN + 1].long() for s in starts])
+
+
+def heldout_windows(name: str, n: int = 48) -> torch.Tensor:
+    data = torch.load(WORK / f"{name}.heldout.pt")
+    step = (len(data) - SEQ_LEN - 1) // n
+    return torch.stack([data[i * step:i * step + SEQ_LEN + 1].long() for i in range(n)])
+
+
+@torch.no_grad()
+def heldout_loss(model, name: str) -> float:
+    model.eval()
+    losses = []
+    for chunk in heldout_windows(name).split(8):
+        logits = model(chunk[:, :-1]).logits
+        losses.append(F.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten()).item())
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def train_loop(model, name: str, minutes: float, loss_fn, lr: float, batch: int, out: Path, tok) -> dict:
+    """AdamW with warmup and a cosine decay over the wall-time budget; saves to `out` on the way."""
+    data = torch.load(WORK / f"{name}.train.pt")
+    gen = torch.Generator().manual_seed(SEED)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    t0, step, budget = time.time(), 0, minutes * 60
+    model.train()
+    for x in batches(data, batch, gen):
+        frac = (time.time() - t0) / budget
+        if frac >= 1:
+            break
+        scale = min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        for group in opt.param_groups:
+            group["lr"] = lr * scale
+        loss = loss_fn(model, x)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % 50 == 0:
+            log(f"{out.name} step {step} loss {loss.item():.3f} lr {lr * scale:.2e} {time.time() - t0:.0f}s")
+        if step % 500 == 0:
+            save(model, tok, out)
+    save(model, tok, out)
+    stats = {"steps": step, "tokens_seen": step * batch * SEQ_LEN, "wall_minutes": round((time.time() - t0) / 60, 1),
+             "params": n_params(model), "heldout_loss": round(heldout_loss(model, name), 4)}
+    (out / "training.json").write_text(json.dumps(stats, indent=1))
+    log(out.name, stats)
+    return stats
+
+
+def save(model, tok, out: Path) -> None:
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+
+
+def lm_loss(model, x):
+    logits = model(x[:, :-1]).logits
+    return F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+
+
+def load_tok(name: str):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(WORK / f"tok-{name}")
+
+
+def cmd_target(args) -> None:
+    tok = load_tok("demo-target")
+    model = new_model(tok, TARGET_CFG)
+    log(f"target params {n_params(model)}")
+    train_loop(model, "demo-target", args.minutes, lm_loss, 2e-3, args.batch, MODELS / "demo-target", tok)
+
+
+def cmd_draft(args) -> None:
+    """DistillSpec-style: minimise KL(p_target || q_draft) on training text, temperature 1."""
+    from transformers import AutoModelForCausalLM
+
+    tok = load_tok("demo-target")
+    teacher = AutoModelForCausalLM.from_pretrained(MODELS / "demo-target").eval()
+    model = new_model(tok, DRAFT_CFG)
+    assert n_params(model) * 5 <= n_params(teacher), "draft must be at most 1/5 of the target"
+    log(f"draft params {n_params(model)} (target {n_params(teacher)})")
+
+    def kd_loss(student, x):
+        with torch.no_grad():
+            log_p = F.log_softmax(teacher(x[:, :-1]).logits, -1)
+        log_q = F.log_softmax(student(x[:, :-1]).logits, -1)
+        return (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+
+    train_loop(model, "demo-target", args.minutes, kd_loss, 3e-3, args.batch, MODELS / "demo-draft", tok)
+
+
+def cmd_draft_xv(args) -> None:
+    tok = load_tok("demo-draft-xv")
+    model = new_model(tok, DRAFT_CFG)
+    log(f"draft-xv params {n_params(model)}")
+    train_loop(model, "demo-draft-xv", args.minutes, lm_loss, 3e-3, args.batch, MODELS / "demo-draft-xv", tok)
+
+
+@torch.no_grad()
+def cmd_eval(args) -> None:
+    """Teacher-forced on held-out code: greedy agreement argmax q == argmax p, and alpha = E[sum min(p, q)]."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(MODELS / "demo-target").eval()
+    draft = AutoModelForCausalLM.from_pretrained(MODELS / "demo-draft").eval()
+    agree, alpha, n = 0.0, 0.0, 0
+    for chunk in heldout_windows("demo-target").split(8):
+        p = F.softmax(target(chunk[:, :-1]).logits, -1)
+        q = F.softmax(draft(chunk[:, :-1]).logits, -1)
+        agree += (p.argmax(-1) == q.argmax(-1)).float().sum().item()
+        alpha += torch.minimum(p, q).sum(-1).sum().item()
+        n += p.shape[0] * p.shape[1]
+    metrics = {"draft_greedy_agreement": round(agree / n, 4), "draft_alpha_t1": round(alpha / n, 4),
+               "heldout_positions": n}
+    (MODELS / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    log(metrics)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("phase", choices=["data", "tokenizers", "target", "draft", "draft-xv", "eval"])
+    parser.add_argument("--minutes", type=float, default=45)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(SEED)
+    WORK.mkdir(exist_ok=True)
+    {"data": cmd_data, "tokenizers": cmd_tokenizers, "target": cmd_target, "draft": cmd_draft,
+     "draft-xv": cmd_draft_xv, "eval": cmd_eval}[args.phase](args)
+
+
+if __name__ == "__main__":
+    main()

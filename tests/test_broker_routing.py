@@ -1,0 +1,259 @@
+"""The broker's pure routing core: events in, (socket, frames) actions out, time passed by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from specrelay.broker.routing import BACKEND, FRONTEND, HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, Router
+from specrelay.common import protocol
+from specrelay.common.protocol import MsgType
+
+EDGE, EDGE2 = b"edge-1", b"edge-2"
+W1, W2 = b"worker-1", b"worker-2"
+TTL = HEARTBEAT_INTERVAL * HEARTBEAT_LIVENESS
+
+
+def ready(router: Router, worker: bytes, now: float = 0.0, max_sessions: int = 0):
+    return router.from_worker([worker, b"", *protocol.encode(protocol.Ready(max_sessions=max_sessions))], now)
+
+
+def edge_send(router: Router, msg, edge: bytes = EDGE, now: float = 0.0):
+    return router.from_edge([edge, *protocol.encode(msg)], now)
+
+
+def worker_send(router: Router, worker: bytes, msg, client: bytes = EDGE, now: float = 0.0):
+    return router.from_worker([worker, client, *protocol.encode(msg)], now)
+
+
+def open_(session: int):
+    return protocol.Open(session=session, tokens=[1, 2, 3])
+
+
+def verify(session: int, seq: int):
+    return protocol.Verify(session=session, seq=seq, pos=3, draft=[4, 5])
+
+
+def only(actions):
+    assert len(actions) == 1, actions
+    return actions[0]
+
+
+def error_of(action, edge: bytes = EDGE) -> protocol.Error:
+    socket, frames = action
+    assert socket == FRONTEND and frames[0] == edge
+    msg = protocol.decode(frames[1:])
+    assert isinstance(msg, protocol.Error), msg
+    return msg
+
+
+def worker_of(action) -> bytes:
+    socket, frames = action
+    assert socket == BACKEND
+    return frames[0]
+
+
+@pytest.fixture
+def router() -> Router:
+    r = Router()
+    ready(r, W1)
+    ready(r, W2)
+    return r
+
+
+def test_open_goes_to_least_loaded_worker_with_deterministic_ties(router):
+    # equal loads -> the earliest registered worker; then alternate as loads grow
+    assert [worker_of(only(edge_send(router, open_(s)))) for s in (1, 2, 3, 4)] == [W1, W2, W1, W2]
+    assert router.stats.sessions_open == 4
+    edge_send(router, protocol.Close(session=1))
+    assert worker_of(only(edge_send(router, open_(5)))) == W1
+
+
+def test_forwarded_frames_are_unchanged_and_prefixed_with_ids(router):
+    frames = protocol.encode(open_(7))
+    socket, out = only(router.from_edge([EDGE, *frames], 0.0))
+    assert (socket, out) == (BACKEND, [W1, EDGE, *frames])
+    verdict = protocol.encode(protocol.Verdict(session=7, seq=0, n_accepted=0))
+    assert router.from_worker([W1, EDGE, *verdict], 0.0) == [(FRONTEND, [EDGE, *verdict])]
+
+
+def test_full_workers_are_skipped():
+    router = Router()
+    ready(router, W1, max_sessions=1)
+    ready(router, W2, max_sessions=1)
+    assert worker_of(only(edge_send(router, open_(1)))) == W1
+    assert worker_of(only(edge_send(router, open_(2)))) == W2
+    assert error_of(only(edge_send(router, open_(3)))).code == "UNAVAILABLE"
+
+
+def test_session_affinity(router):
+    edge_send(router, open_(1))
+    edge_send(router, open_(2))
+    for seq in range(3):
+        assert worker_of(only(edge_send(router, verify(2, seq)))) == W2
+    resample = protocol.Resample(session=2, seq=2)
+    assert worker_of(only(edge_send(router, resample))) == W2
+    assert worker_of(only(edge_send(router, open_(2)))) == W2  # re-OPEN from the same edge: same worker
+
+
+def test_close_forwards_then_forgets(router):
+    edge_send(router, open_(1))
+    assert worker_of(only(edge_send(router, protocol.Close(session=1)))) == W1
+    assert router.sessions == {}
+    assert edge_send(router, protocol.Close(session=1)) == []  # closing twice is a no-op
+
+
+def test_unknown_session_asks_for_context(router):
+    err = error_of(only(edge_send(router, verify(99, 5))))
+    assert (err.code, err.session, err.seq) == ("RESEND_CONTEXT", 99, 5)
+    assert router.stats.resend_context_sent == 1
+
+
+def test_no_workers_is_unavailable():
+    router = Router()
+    err = error_of(only(edge_send(router, open_(1))))
+    assert (err.code, err.session) == ("UNAVAILABLE", 1)
+    assert router.sessions == {}
+
+
+def test_session_of_another_edge_is_rejected(router):
+    edge_send(router, open_(1), edge=EDGE)
+    for msg in (open_(1), verify(1, 0), protocol.Close(session=1)):
+        err = error_of(only(edge_send(router, msg, edge=EDGE2)), edge=EDGE2)
+        assert err.code == "BAD_REQUEST" and "another edge" in err.message
+    assert router.sessions[1].edge == EDGE
+
+
+@pytest.mark.parametrize("frames, field", [
+    ([b"\x01\x02"], "frames"),
+    ([b"\x01\x02", b"x", b"y"], "frames"),
+    ([b"\x01", protocol.encode(verify(1, 0))[1]], "header"),
+    ([b"\x09\x02", protocol.encode(verify(1, 0))[1]], "version"),
+    ([b"\x01\x63", protocol.encode(verify(1, 0))[1]], "type"),
+    ([b"\x01\x02", b"\xc1garbage"], "session"),
+    ([b"\x01\x02", protocol.encode(protocol.Close(session=1))[1]], "seq"),
+    (protocol.encode(protocol.Verdict(session=1, seq=0, n_accepted=0)), "VERDICT"),
+    (protocol.encode(protocol.Ready()), "READY"),
+])
+def test_malformed_edge_input_is_bad_request_and_counted(router, frames, field):
+    err = error_of(only(router.from_edge([EDGE, *frames], 0.0)))
+    assert err.code == "BAD_REQUEST" and field in err.message, err.message
+    assert router.stats.bad_requests == 1
+    assert worker_of(only(edge_send(router, open_(1)))) == W1  # still serving
+
+
+def test_oversized_message_is_rejected_by_its_real_frame_count(router):
+    err = error_of(only(router.from_edge([EDGE, b"a", b"b", b"c", b"d", b"e"], 0.0, n_frames=1000)))
+    assert err.code == "BAD_REQUEST" and "999" in err.message
+
+
+def test_bad_request_names_the_readable_session(router):
+    body = protocol.encode(verify(42, 0))[1]
+    err = error_of(only(router.from_edge([EDGE, b"\x01\x63", body], 0.0)))
+    assert err.session == 42
+
+
+def test_heartbeats_every_interval_with_assigned_load(router):
+    edge_send(router, open_(1))
+    beats = router.tick(0.0)
+    assert sorted(worker_of(a) for a in beats) == [W1, W2]
+    for _, frames in beats:
+        assert frames[1] == b"" and protocol.parse_header(frames[2]) == MsgType.HEARTBEAT
+    assert protocol.decode(beats[0][1][2:]).load == 1  # W1 holds session 1
+    assert router.tick(HEARTBEAT_INTERVAL / 2) == []
+    assert len(router.tick(HEARTBEAT_INTERVAL)) == 2
+    assert router.next_deadline() == pytest.approx(2 * HEARTBEAT_INTERVAL)
+
+
+def test_worker_messages_keep_it_alive(router):
+    for t in (1.0, 2.0, 3.0, 4.0):
+        worker_send(router, W1, protocol.Heartbeat(load=2), now=t)
+    router.tick(TTL + 1.5)
+    assert set(router.workers) == {W1}
+    assert router.workers[W1].reported_load == 2
+
+
+def test_expired_worker_answers_in_flight_requests_with_worker_lost(router):
+    edge_send(router, open_(1))              # W1
+    edge_send(router, open_(2), edge=EDGE2)  # W2
+    edge_send(router, open_(3))              # W1, idle after its OPEN is answered
+    worker_send(router, W1, protocol.Error(session=3, code="BAD_REQUEST"))
+    edge_send(router, verify(1, 10))
+    edge_send(router, verify(1, 11))
+    worker_send(router, W1, protocol.Verdict(session=1, seq=10, n_accepted=2))
+    worker_send(router, W2, protocol.Heartbeat(), client=b"", now=TTL - 0.1)
+
+    actions = router.tick(TTL)
+    lost = [error_of(a) for a in actions if a[0] == FRONTEND]
+    assert [(e.code, e.session, e.seq) for e in lost] == [("WORKER_LOST", 1, 11)]
+    to_workers = {(worker_of(a), protocol.parse_header(a[1][2])) for a in actions if a[0] == BACKEND}
+    assert to_workers == {(W1, MsgType.DISCONNECT), (W2, MsgType.HEARTBEAT)}
+    assert set(router.sessions) == {2} and set(router.workers) == {W2}
+    assert router.stats.worker_lost_sent == 1 and router.stats.live_workers == 1
+    assert worker_of(only(edge_send(router, open_(1), now=TTL))) == W2  # re-OPEN lands on a live worker
+
+
+def test_disconnect_loses_an_unanswered_open(router):
+    edge_send(router, open_(1))
+    err = error_of(only(worker_send(router, W1, protocol.Disconnect(reason="bye"), client=b"")))
+    assert (err.code, err.session, err.seq) == ("WORKER_LOST", 1, 0)
+
+
+def test_ready_again_means_restart(router):
+    edge_send(router, open_(1))
+    edge_send(router, verify(1, 4))
+    err = error_of(only(ready(router, W1)))
+    assert (err.code, err.seq) == ("WORKER_LOST", 4)
+    assert set(router.workers) == {W1, W2} and router.sessions == {}
+
+
+def test_unknown_worker_is_told_to_register(router):
+    actions = worker_send(router, b"stranger", protocol.Verdict(session=1, seq=0, n_accepted=0))
+    assert worker_of(only(actions)) == b"stranger"
+    assert protocol.parse_header(actions[0][1][2]) == MsgType.DISCONNECT
+    assert router.stats.unknown_worker_messages == 1
+
+
+@pytest.mark.parametrize("frames", [
+    [b"", b"\x01\x06"],
+    [b"", b"\x07\x07", b""],
+    [b"", *protocol.encode(verify(1, 0))],
+    [b"", b"\x01\x06", b"\xc1"],
+    [b"", *protocol.encode(protocol.Verdict(session=1, seq=0, n_accepted=0))],  # no edge id
+])
+def test_bad_worker_input_is_counted_and_dropped(router, frames):
+    assert router.from_worker([W1, *frames], 0.0) == []
+    assert router.stats.bad_worker_messages == 1
+
+
+def test_in_flight_cap():
+    router = Router(max_in_flight=2)
+    ready(router, W1)
+    edge_send(router, open_(1))
+    edge_send(router, verify(1, 1))
+    err = error_of(only(edge_send(router, verify(1, 2))))
+    assert (err.code, err.seq) == ("UNAVAILABLE", 2)
+
+
+def test_unreachable_worker_is_lost_at_once(router):
+    edge_send(router, open_(1))
+    _, frames = only(edge_send(router, verify(1, 3)))
+    err = error_of(only(router.undeliverable(BACKEND, frames, 0.0, peer_gone=True)))
+    assert (err.code, err.seq) == ("WORKER_LOST", 3)
+    assert W1 not in router.workers and router.stats.unroutable == 1
+
+
+def test_full_worker_queue_answers_unavailable(router):
+    _, frames = only(edge_send(router, open_(1)))
+    err = error_of(only(router.undeliverable(BACKEND, frames, 0.0, peer_gone=False)))
+    assert err.code == "UNAVAILABLE"
+    assert router.sessions == {} and W1 in router.workers
+
+
+def test_gone_edge_closes_its_sessions(router):
+    edge_send(router, open_(1))
+    edge_send(router, open_(2), edge=EDGE2)
+    _, frames = only(worker_send(router, W1, protocol.Verdict(session=1, seq=0, n_accepted=0)))
+    socket, close = only(router.undeliverable(FRONTEND, frames, 0.0, peer_gone=True))
+    assert socket == BACKEND and close[:2] == [W1, EDGE]
+    assert protocol.decode(close[2:]) == protocol.Close(session=1)
+    assert set(router.sessions) == {2}

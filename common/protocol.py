@@ -71,8 +71,9 @@ class Open(Base):
     session: random 63-bit id chosen by the edge. tokens: the whole target-vocab context (prompt, plus the
     committed history when re-sending after RESEND_CONTEXT). mode: greedy | sample | coupled.
     temperature/top_k/top_p: the shared transform. seed: the counter-based RNG seed. resample: what a
-    rejection in `sample` mode sends down: full | hr | srdv. shared_vocab: hash of the draft's shared-vocab
-    mask (b"" = same vocabulary); the worker must hold the same mask.
+    rejection in `sample` mode sends down: full | hr | srdv. shared_vocab: the shared vocabulary V_c as a
+    packed bitmap over the target ids (numpy packbits, little bit order); b"" = same vocabulary (V_c = all).
+    vocab_size: the target vocabulary size the edge's noise and q' rows assume; the worker refuses a mismatch.
     """
 
     session: U63
@@ -83,7 +84,8 @@ class Open(Base):
     top_p: float = 1.0
     seed: U63 = 0
     resample: str = "full"
-    shared_vocab: str = ""
+    shared_vocab: bytes = b""
+    vocab_size: Annotated[int, msgspec.Meta(ge=0)] = 0  # the target vocabulary size the edge assumes (0: unchecked)
 
 
 class Verify(Base):
@@ -118,7 +120,8 @@ class Verdict(Base):
 
 class Resample(Base):
     """Edge -> cloud after a rejection it could not resolve: kind 'server_only' (hr: sample p restricted to
-    target-only tokens) or 'candidates' (srdv: another round). Refers to the last verdict's position."""
+    target-only tokens), 'candidates' (srdv: another round) or 'hr' (srdv gave up: send the hr payload).
+    Refers to the rejection of the verdict with the same seq."""
 
     session: U63
     seq: U63
@@ -127,11 +130,16 @@ class Resample(Base):
 
 
 class Resampled(Base):
+    """Cloud -> edge: token (hr server-only draw), or another SR-DV round (candidates/cand_p), or, after the
+    last SR-DV round, the hr payload (p on the shared vocabulary and theta_o)."""
+
     session: U63
     seq: U63
     token: int = -1
     candidates: list[TokenId] = []
     cand_p: bytes = b""
+    p: bytes = b""
+    theta_o: float = 0.0
 
 
 class Close(Base):

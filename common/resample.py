@@ -1,0 +1,125 @@
+"""Resolving a rejection in `sample` mode: the edge holds q', the cloud holds p, and the recovered token must
+be drawn from norm(max(0, p - q')) over the TARGET vocabulary (REFERENCE.md §2). q' is the draft distribution
+restricted to the shared vocabulary V_c (zero on target-only tokens V_o), so on V_o the residual is p itself.
+
+Strategies (what travels down after a rejection):
+  full  the verdict carries p over the whole target vocabulary; the edge draws the residual.
+  hr    hybrid resampling: p on V_c plus theta_o = sum_{V_o} p. The edge computes theta_c = sum_{V_c}
+        max(0, p - q'), picks V_c with probability theta_c / (theta_c + theta_o) and draws the residual there,
+        else asks the cloud for one draw from p restricted to V_o.
+  srdv  candidate-first (X-CoSD-E): the cloud sends K candidates z ~ p with p(z); the edge accepts z with
+        probability max(0, p(z) - q'(z)) / p(z) (always when z in V_o); rejection sampling under the envelope p,
+        so an accepted z is an exact residual draw. After MAX_ROUNDS rounds it falls back to hr.
+With the same vocabulary V_c is everything: hr sends what full sends, with theta_o = 0.
+Every draw uses counter-based uniforms at the rejected position, so a replay gives the same token.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import protocol as P
+from .rng import Purpose, sample_index, uniform, uniforms
+from .verify import residual
+
+if TYPE_CHECKING:
+    from ..cloud_worker.verifier import CloudSession
+
+STRATEGIES = ("full", "hr", "srdv")
+SRDV_CANDIDATES = 4   # per round; chosen by measurement (docs/exactness.md, bench xvocab)
+SRDV_MAX_ROUNDS = 4
+
+
+# ---------------------------------------------------------------------------------------------- cloud side
+
+def _shared_ids(mask: torch.Tensor | None, v: int) -> torch.Tensor:  # -> [V_c] sorted target ids
+    return torch.arange(v) if mask is None else mask.nonzero().squeeze(1)
+
+
+def _hr_payload(p: torch.Tensor, mask: torch.Tensor | None) -> tuple[bytes, float]:  # p: [V_target]
+    if mask is None:
+        return P.f32(p), 0.0
+    return P.f32(p[mask]), float(p.double()[~mask].sum())
+
+
+def _candidates(seed: int, position: int, p: torch.Tensor, round_: int) -> tuple[list[int], bytes]:
+    u = uniforms(seed, position, Purpose.CANDIDATE, SRDV_CANDIDATES * (round_ + 1))[-SRDV_CANDIDATES:]
+    z = [sample_index(p, float(x)) for x in u]
+    return z, P.f32(p[z])
+
+
+def rejection_verdict(verdict: P.Verdict, s: "CloudSession", p: torch.Tensor, position: int) -> P.Verdict:
+    """Fill the verdict for a rejection at `position` (p: [V_target] target probabilities there)."""
+    s.pending = {"p": p, "position": position}
+    if s.resample == "full":
+        verdict.p = P.f32(p)
+    elif s.resample == "hr":
+        verdict.p, verdict.theta_o = _hr_payload(p, s.shared)
+    else:
+        verdict.candidates, verdict.cand_p = _candidates(s.seed, position, p, 0)
+    return verdict
+
+
+def serve_resample(s: "CloudSession", req: P.Resample) -> P.Resampled:
+    p, position = s.pending["p"], s.pending["position"]
+    out = P.Resampled(s.sid, req.seq)
+    if req.kind == "server_only":
+        if s.shared is None:
+            raise P.InvalidRequest("server_only resampling needs a cross-vocabulary session", field="kind")
+        only = p.double() * (~s.shared)  # p restricted to V_o
+        out.token = sample_index(only, uniform(s.seed, position, Purpose.SERVER_ONLY))
+    elif req.kind == "candidates":
+        if not 1 <= req.round < SRDV_MAX_ROUNDS:
+            raise P.InvalidRequest(f"round must be in [1, {SRDV_MAX_ROUNDS})", field="round")
+        out.candidates, out.cand_p = _candidates(s.seed, position, p, req.round)
+    elif req.kind == "hr":
+        out.p, out.theta_o = _hr_payload(p, s.shared)
+    else:
+        raise P.InvalidRequest(f"kind must be server_only, candidates or hr, got {req.kind!r}", field="kind")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- edge side
+
+class Rejection:
+    """The edge's view of one rejection: q' at that position and how to finish the draw.
+
+    `step(reply)` takes the Verdict (then each Resampled) and returns a token id, or a Resample request to send.
+    """
+
+    def __init__(self, q: torch.Tensor, shared: torch.Tensor | None, seed: int, position: int, seq: int,
+                 session: int, strategy: str) -> None:
+        self.q, self.shared, self.seed, self.position = q, shared, seed, position  # q: [V_target] q'
+        self.seq, self.session, self.strategy, self.round = seq, session, strategy, 0
+
+    def step(self, reply: P.Verdict | P.Resampled) -> int | P.Resample:
+        if isinstance(reply, P.Resampled) and reply.token >= 0:
+            return reply.token                                            # hr: the cloud's V_o draw
+        if reply.candidates:
+            token = self._try_candidates(reply.candidates, P.from_f32(reply.cand_p, len(reply.candidates), "cand_p"))
+            if token is not None:
+                return token
+            self.round += 1
+            kind = "candidates" if self.round < SRDV_MAX_ROUNDS else "hr"
+            return P.Resample(self.session, self.seq, kind, self.round if kind == "candidates" else 0)
+        return self._from_p(reply)
+
+    def _try_candidates(self, z: list[int], pz: torch.Tensor) -> int | None:
+        base = SRDV_CANDIDATES * self.round
+        for k, (token, p_z) in enumerate(zip(z, pz.double().tolist())):
+            u = uniform(self.seed, self.position, Purpose.CANDIDATE_ACCEPT, base + k)
+            if u * p_z < p_z - float(self.q[token]):  # accept w.p. max(0, p(z) - q'(z)) / p(z)
+                return token
+        return None
+
+    def _from_p(self, reply: P.Verdict | P.Resampled) -> int | P.Resample:
+        ids = _shared_ids(None if self.strategy == "full" else self.shared, self.q.shape[0])
+        p_c = P.from_f32(reply.p, len(ids), "p")
+        q_c = self.q[ids]
+        theta_c = float((p_c.double() - q_c.double()).clamp(min=0).sum())
+        theta_o = float(reply.theta_o)
+        if theta_o > 0 and uniform(self.seed, self.position, Purpose.HYBRID) * (theta_c + theta_o) >= theta_c:
+            return P.Resample(self.session, self.seq, "server_only")
+        return int(ids[sample_index(residual(p_c, q_c), uniform(self.seed, self.position, Purpose.RESIDUAL))])

@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "models"
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """(target_dir, draft_dir): tiny random Llama checkpoints sharing a byte-level BPE tokenizer."""
+    from tiny import make_pair
+
+    return make_pair(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_runners(tiny_pair):
+    from specrelay.common.runner import ModelRunner
+
+    target, draft = tiny_pair
+    return ModelRunner.load(str(target)), ModelRunner.load(str(draft))
+
+
+def demo_available() -> bool:
+    return all((MODELS / name / "config.json").exists() for name in ("demo-target", "demo-draft"))
+
+
+@pytest.fixture(scope="session")
+def demo_runners():
+    if not demo_available():
+        pytest.skip("demo models not trained yet (scripts/train_demo_models.py)")
+    from specrelay.common.runner import ModelRunner
+
+    return ModelRunner.load(str(MODELS / "demo-target")), ModelRunner.load(str(MODELS / "demo-draft"))
+
+
+@pytest.fixture(scope="session")
+def heldout_prompts() -> list[str]:
+    path = MODELS / "heldout_prompts.jsonl"
+    return [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]

@@ -66,3 +66,21 @@ class Drafter:
             if x in self.eos_ids:
                 break
         return block
+
+
+def make_drafter(draft_model: str, target_tokenizer: str | None = None, device: str = "cpu", dtype: str = "float32"):
+    """Load the draft model and return (drafter, target tokenizer).
+
+    With no target tokenizer, or one whose vocabulary equals the draft's, the pair shares a vocabulary;
+    otherwise the cross-vocabulary drafter (shared vocabulary V_c, context sync by bytes) is used.
+    """
+    from transformers import AutoTokenizer
+
+    runner = ModelRunner.load(draft_model, device=device, dtype=dtype)
+    if target_tokenizer is None:
+        return Drafter(runner), runner.tokenizer
+    target_tok = AutoTokenizer.from_pretrained(target_tokenizer)
+    if target_tok.get_vocab() == runner.tokenizer.get_vocab():
+        return Drafter(runner), target_tok
+    from .xdrafter import CrossVocabDrafter
+    return CrossVocabDrafter(runner, target_tok), target_tok

@@ -1,0 +1,88 @@
+"""A broker and cloud workers as child processes on 127.0.0.1 (demo, benchmarks, end-to-end tests)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalCluster:
+    """`with LocalCluster(model) as c:` starts `specrelay broker` and `workers` x `specrelay cloud-worker`,
+    waits until every worker answers /healthz, and stops them all (SIGTERM, then SIGKILL) on exit."""
+
+    def __init__(self, target_model: str, workers: int = 1, max_batch: int = 32, threads: int | None = None,
+                 extra_worker_args: tuple[str, ...] = (), startup_timeout: float = 120.0) -> None:
+        self.target_model, self.workers, self.max_batch = target_model, workers, max_batch
+        self.threads, self.extra, self.startup_timeout = threads, extra_worker_args, startup_timeout
+        self.frontend = f"tcp://127.0.0.1:{free_port()}"
+        self.backend = f"tcp://127.0.0.1:{free_port()}"
+        self.procs: list[subprocess.Popen] = []
+        self.health_ports: list[int] = []
+
+    def _spawn(self, *args: str) -> subprocess.Popen:
+        env = dict(os.environ)
+        if self.threads:
+            env["OMP_NUM_THREADS"] = env["SPECRELAY_THREADS"] = str(self.threads)
+        proc = subprocess.Popen([sys.executable, "-m", "specrelay.cli", *args], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE if os.environ.get(
+                                    "SPECRELAY_QUIET_CHILDREN") else None)
+        self.procs.append(proc)
+        return proc
+
+    def start_worker(self) -> subprocess.Popen:
+        port = free_port()
+        self.health_ports.append(port)
+        proc = self._spawn("cloud-worker", "--broker", self.backend, "--model", self.target_model,
+                           "--max-batch", str(self.max_batch), "--health-port", str(port), *self.extra)
+        self._wait_healthy(port, proc)
+        return proc
+
+    def _wait_healthy(self, port: int, proc: subprocess.Popen) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"cloud worker exited with code {proc.returncode} during start-up")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"cloud worker not healthy after {self.startup_timeout:.0f}s")
+
+    def __enter__(self) -> "LocalCluster":
+        try:
+            self._spawn("broker", "--frontend", self.frontend, "--backend", self.backend)
+            for _ in range(self.workers):
+                self.start_worker()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()

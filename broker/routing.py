@@ -16,9 +16,7 @@ its sessions are forgotten so the edge's re-OPEN lands on a live worker.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-from dataclasses import dataclass, field
 
 import msgspec
 import structlog
@@ -26,6 +24,8 @@ import structlog
 from specrelay.common import protocol
 from specrelay.common.errors import InvalidRequest
 from specrelay.common.protocol import MsgType
+
+from .table import Session, Stats, Worker
 
 HEARTBEAT_INTERVAL = 1.0   # seconds between heartbeats to each worker
 HEARTBEAT_LIVENESS = 3     # a worker silent for LIVENESS intervals is dead
@@ -39,8 +39,6 @@ Action = tuple[str, list[bytes]]
 EDGE_TYPES = frozenset({MsgType.OPEN, MsgType.VERIFY, MsgType.RESAMPLE, MsgType.CLOSE})
 REPLY_TYPES = frozenset({MsgType.VERDICT, MsgType.RESAMPLED, MsgType.ERROR})
 _SEQ_TYPES = frozenset({MsgType.VERIFY, MsgType.RESAMPLE}) | REPLY_TYPES
-# which request a reply can answer (ERROR answers any of them)
-_ANSWERS = {MsgType.VERDICT: {MsgType.VERIFY, MsgType.OPEN}, MsgType.RESAMPLED: {MsgType.RESAMPLE}}
 
 log = structlog.get_logger("specrelay.broker")
 
@@ -77,52 +75,6 @@ def _session_or_zero(body: bytes) -> int:
         return protocol.session_of(body)
     except InvalidRequest:
         return 0
-
-
-@dataclass
-class Worker:
-    identity: bytes
-    max_sessions: int        # <= 0: the worker declared no limit
-    expires: float           # dead when `now` reaches this without a message from it
-    serial: int              # registration order: the deterministic tie-break between equal loads
-    model: str = ""
-    reported_load: int = 0   # the worker's own count from HEARTBEAT (logged; routing uses `sessions`)
-    sessions: set[int] = field(default_factory=set)
-
-    @property
-    def full(self) -> bool:
-        return 0 < self.max_sessions <= len(self.sessions)
-
-
-@dataclass
-class Session:
-    edge: bytes
-    worker: bytes
-    in_flight: list[tuple[MsgType, int]] = field(default_factory=list)  # (request type, seq), oldest first
-
-
-@dataclass
-class Stats:
-    """Counters since start, plus two gauges (sessions_open, live_workers)."""
-
-    frontend_in: int = 0
-    frontend_out: int = 0
-    backend_in: int = 0
-    backend_out: int = 0
-    bad_requests: int = 0            # BAD_REQUEST sent to edges
-    bad_worker_messages: int = 0     # malformed or unexpected worker messages, dropped
-    unknown_worker_messages: int = 0 # from a worker not (or no longer) registered, dropped
-    worker_lost_sent: int = 0
-    resend_context_sent: int = 0
-    unavailable_sent: int = 0
-    unroutable: int = 0              # sends that failed: peer gone or its queue full
-    workers_lost: int = 0
-    internal_errors: int = 0         # bugs caught by the shell; the message was dropped
-    sessions_open: int = 0
-    live_workers: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
 
 
 class Router:
@@ -274,7 +226,7 @@ class Router:
             return self._bad_worker(worker.identity, str(exc))
         session = self.sessions.get(session_id)
         if session is not None and session.worker == worker.identity and session.edge == client:
-            _settle(session, msg_type, seq)
+            session.settle(msg_type, seq)
         return [self._to_edge(client, frames[2:])]
 
     def _bad_worker(self, worker_id: bytes, reason: str) -> list[Action]:
@@ -324,9 +276,7 @@ class Router:
         session_id, seq = read_head(msg_type, frames[3])
         session = self.sessions.get(session_id)
         if session is not None:
-            _unsettle(session, msg_type, seq)
-            if msg_type == MsgType.OPEN and not session.in_flight:
-                self._forget(session_id)  # the worker never saw it: let the retry choose again
+            session.unsettle(msg_type, seq)
         self.stats.unavailable_sent += 1
         return [self._error(edge, session_id, seq, "UNAVAILABLE", "the worker's queue is full; retry later")]
 
@@ -345,7 +295,7 @@ class Router:
         n_sessions, lost = len(worker.sessions), []
         for session_id in sorted(worker.sessions):
             session = self._forget(session_id)
-            for seq in _lost_seqs(session):
+            for seq in session.lost_seqs():
                 lost.append(self._error(session.edge, session_id, seq, "WORKER_LOST",
                                         f"the worker holding session {session_id} was lost ({reason}); "
                                         "re-OPEN it with the full context"))
@@ -389,31 +339,3 @@ class Router:
         self.stats.bad_requests += 1
         log.info("bad request", edge=edge.hex(), session=session_id, reason=message)
         return self._error(edge, session_id, seq, "BAD_REQUEST", message)
-
-
-def _settle(session: Session, reply: MsgType, seq: int) -> None:
-    """Drop the request a reply answers (the oldest in flight with its seq and a matching type) and any
-    OPEN sent before it, which the worker handled first. An unmatched reply settles only earlier OPENs."""
-    kinds = _ANSWERS.get(reply)
-    match = next((i for i, (kind, s) in enumerate(session.in_flight)
-                  if s == seq and (kinds is None or kind in kinds)), None)
-    cut = len(session.in_flight) if match is None else match
-    kept = [r for r in session.in_flight[:cut] if r[0] != MsgType.OPEN]
-    session.in_flight[:] = kept + session.in_flight[cut + (match is not None):]
-
-
-def _lost_seqs(session: Session) -> list[int]:
-    """The seqs to answer WORKER_LOST: each VERIFY/RESAMPLE in flight, else 0 for an unanswered OPEN.
-    An OPEN's loss is implied by the loss of the requests sent after it, so it is not repeated."""
-    seqs = [seq for kind, seq in session.in_flight if kind != MsgType.OPEN]
-    if seqs or not session.in_flight:
-        return seqs
-    return [0]
-
-
-def _unsettle(session: Session, msg_type: MsgType, seq: int) -> None:
-    """Forget the newest in-flight record of a request that never reached its worker."""
-    for i in range(len(session.in_flight) - 1, -1, -1):
-        if session.in_flight[i] == (msg_type, seq):
-            del session.in_flight[i]
-            return

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specrelay.broker.routing import BACKEND, FRONTEND, HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, Router
+from specrelay.broker.table import Session
 from specrelay.common import protocol
 from specrelay.common.protocol import MsgType
 
@@ -246,7 +247,7 @@ def test_full_worker_queue_answers_unavailable(router):
     _, frames = only(edge_send(router, open_(1)))
     err = error_of(only(router.undeliverable(BACKEND, frames, 0.0, peer_gone=False)))
     assert err.code == "UNAVAILABLE"
-    assert router.sessions == {} and W1 in router.workers
+    assert router.sessions[1].in_flight == [] and W1 in router.workers
 
 
 def test_gone_edge_closes_its_sessions(router):
@@ -257,3 +258,17 @@ def test_gone_edge_closes_its_sessions(router):
     assert socket == BACKEND and close[:2] == [W1, EDGE]
     assert protocol.decode(close[2:]) == protocol.Close(session=1)
     assert set(router.sessions) == {2}
+
+
+def test_replies_settle_the_request_they_answer():
+    session = Session(edge=EDGE, worker=W1, in_flight=[
+        (MsgType.OPEN, 0), (MsgType.VERIFY, 1), (MsgType.VERIFY, 2), (MsgType.RESAMPLE, 1)])
+    session.settle(MsgType.VERDICT, 2)  # out of order; the OPEN before it was handled too
+    assert session.in_flight == [(MsgType.VERIFY, 1), (MsgType.RESAMPLE, 1)]
+    session.settle(MsgType.RESAMPLED, 1)  # a RESAMPLE shares its verdict's seq: the type decides
+    assert session.in_flight == [(MsgType.VERIFY, 1)]
+    session.settle(MsgType.ERROR, 1)
+    assert session.in_flight == []
+    session.in_flight = [(MsgType.OPEN, 0), (MsgType.VERIFY, 3)]
+    session.settle(MsgType.VERDICT, 99)  # unmatched: only the OPENs before it are settled
+    assert session.in_flight == [(MsgType.VERIFY, 3)]

@@ -1,0 +1,85 @@
+"""The broker's tables: live workers, open sessions with their requests in flight, and counters.
+
+Plain data with the few rules that belong to one record; the routing decisions live in `routing.Router`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from specrelay.common.protocol import MsgType
+
+# which requests a reply can answer (ERROR answers any of them)
+_ANSWERS = {MsgType.VERDICT: {MsgType.VERIFY, MsgType.OPEN}, MsgType.RESAMPLED: {MsgType.RESAMPLE}}
+
+
+@dataclass
+class Worker:
+    identity: bytes
+    max_sessions: int        # <= 0: the worker declared no limit
+    expires: float           # dead when `now` reaches this without a message from it
+    serial: int              # registration order: the deterministic tie-break between equal loads
+    model: str = ""
+    reported_load: int = 0   # the worker's own count from HEARTBEAT (logged; routing uses `sessions`)
+    sessions: set[int] = field(default_factory=set)
+
+    @property
+    def full(self) -> bool:
+        return 0 < self.max_sessions <= len(self.sessions)
+
+
+@dataclass
+class Session:
+    edge: bytes
+    worker: bytes
+    in_flight: list[tuple[MsgType, int]] = field(default_factory=list)  # (request type, seq), oldest first
+
+    def settle(self, reply: MsgType, seq: int) -> None:
+        """A reply settles the oldest request in flight with its seq and a type it can answer, and every
+        OPEN sent before it (a worker handles a session's messages in order). No match: only the OPENs."""
+        kinds = _ANSWERS.get(reply)
+        match = next((i for i, (kind, s) in enumerate(self.in_flight)
+                      if s == seq and (kinds is None or kind in kinds)), None)
+        end = len(self.in_flight) if match is None else match
+        earlier = [r for r in self.in_flight[:end] if r[0] != MsgType.OPEN]
+        self.in_flight = earlier + (self.in_flight[end + 1:] if match is not None else [])
+
+    def unsettle(self, msg_type: MsgType, seq: int) -> None:
+        """Forget the newest record of a request that never reached its worker."""
+        for i in range(len(self.in_flight) - 1, -1, -1):
+            if self.in_flight[i] == (msg_type, seq):
+                del self.in_flight[i]
+                return
+
+    def lost_seqs(self) -> list[int]:
+        """The seqs to answer WORKER_LOST: each VERIFY/RESAMPLE in flight, else 0 for an unanswered OPEN
+        (an OPEN's loss is implied by the loss of the requests sent after it, so it is not repeated)."""
+        seqs = [seq for kind, seq in self.in_flight if kind != MsgType.OPEN]
+        if seqs or not self.in_flight:
+            return seqs
+        return [0]
+
+
+@dataclass
+class Stats:
+    """Counters since start, plus two gauges (sessions_open, live_workers)."""
+
+    frontend_in: int = 0
+    frontend_out: int = 0
+    backend_in: int = 0
+    backend_out: int = 0
+    bad_requests: int = 0             # BAD_REQUEST sent to edges
+    bad_worker_messages: int = 0      # malformed or unexpected worker messages, dropped
+    unknown_worker_messages: int = 0  # from a worker not (or no longer) registered, dropped
+    worker_lost_sent: int = 0
+    resend_context_sent: int = 0
+    unavailable_sent: int = 0
+    unroutable: int = 0               # sends that failed: peer gone or its queue full
+    workers_lost: int = 0
+    internal_errors: int = 0          # bugs caught by the shell; the message was dropped
+    sessions_open: int = 0
+    live_workers: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)

@@ -3,36 +3,76 @@
 The draft samples from q' = q restricted to the shared vocabulary V_c and renormalised (TLI), so standard
 rejection sampling against p stays exact; with the same vocabulary V_c is everything and q' = q.
 Every draw uses counter-based randomness at the token's absolute position (common.rng).
+`draft_batch` drafts for many sessions in lockstep: one batched draft-model forward per draft position.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..common.rng import Purpose, gumbel, sample_index, uniform
-from ..common.runner import Decoder, ModelRunner
+from ..common.runner import KV, BatchRow, ModelRunner, append_kv, truncate_kv
 from ..common.sampling import SamplingParams, probs_from_logits
 
 
 @dataclass
+class DraftState:
+    """One session's draft-model state: ids whose K/V are held, the K/V, logits after the last id."""
+
+    ids: list[int] = field(default_factory=list)
+    kv: KV | None = None
+    last_logits: torch.Tensor | None = None  # [V_draft]
+
+    def sync(self, context: list[int]) -> None:
+        """Keep only the cached prefix that `context` still starts with (rejected drafts are dropped)."""
+        n = len(self.ids)
+        if n <= len(context) and self.ids == context[:n]:
+            return
+        common = next((i for i, (a, b) in enumerate(zip(self.ids, context)) if a != b), min(n, len(context)))
+        self.ids, self.kv, self.last_logits = self.ids[:common], truncate_kv(self.kv, common), None
+
+
+@dataclass
+class DraftJob:
+    """What one session needs drafted: up to d tokens after `context` (draft-model ids)."""
+
+    state: DraftState
+    context: list[int]
+    position: int          # absolute position (target sequence) of the first draft token
+    d: int
+    mode: str
+    params: SamplingParams
+    seed: int
+
+
+@dataclass
 class DraftBlock:
-    ids: list[int]                 # x_1..x_d as target ids
-    q_tok: list[float]             # q'(x_i) (sample mode)
-    q_rows: list[torch.Tensor]     # q' over the target vocabulary at each position, [V_target] each
+    ids: list[int] = field(default_factory=list)               # x_1..x_d as target ids
+    q_tok: list[float] = field(default_factory=list)           # q'(x_i) (sample mode)
+    q_rows: list[torch.Tensor] = field(default_factory=list)   # q' over the target vocabulary, [V_target] each
 
 
 class Drafter:
-    """Holds the draft model; `draft` proposes a block for one session's context (same vocabulary)."""
+    """Holds the draft model (same vocabulary as the target); proposes blocks for many sessions at once."""
 
     def __init__(self, runner: ModelRunner, target_vocab_size: int | None = None) -> None:
         self.runner = runner
         self.target_vocab_size = target_vocab_size or runner.vocab_size
         self.eos_ids = runner.eos_ids  # target ids that end a generation (same tokenizer)
+        self.shared_mask = None        # [V_target] bool of V_c; None = everything
 
-    def new_state(self, prompt_ids: list[int]) -> Decoder:
-        return Decoder(self.runner)
+    # ------------------------------------------------------------------ per-vocabulary hooks
+    def new_state(self, prompt_ids: list[int]) -> DraftState:
+        return DraftState()
+
+    def draft_context(self, state: DraftState, target_tokens: list[int]) -> list[int]:
+        """The draft model's context for the committed target tokens (same vocabulary: the same ids)."""
+        return target_tokens
+
+    def shared_bitmap(self) -> bytes:
+        return b""
 
     def to_target(self, q: torch.Tensor) -> torch.Tensor:  # q: [V_draft] -> q' [V_target]
         """Same tokenizer, possibly a different embedding size: V_c = ids valid in both."""
@@ -44,28 +84,58 @@ class Drafter:
         out[:n] = q[:n]
         return out / out.sum()
 
-    def draft(self, state: Decoder, context: list[int], d: int, mode: str, params: SamplingParams,
-              seed: int) -> DraftBlock:
-        block = DraftBlock([], [], [])
-        ctx = list(context)
-        for _ in range(d):
-            logits = state.next_logits(ctx)  # [V_draft]
-            pos = len(ctx)
-            if mode == "greedy":
-                x = int(self.to_target(torch.softmax(logits.float(), -1)).argmax())
-            else:
-                q = self.to_target(probs_from_logits(logits, params))  # [V_target]
-                if mode == "coupled":  # argmax(log q' + g) with the noise the target will use
-                    x = int((q.double().log() + gumbel(seed, pos, q.shape[0])).argmax())
-                else:
-                    x = sample_index(q, uniform(seed, pos, Purpose.DRAFT))
-                    block.q_tok.append(float(q[x]))
-                    block.q_rows.append(q)
-            block.ids.append(x)
-            ctx.append(x)
-            if x in self.eos_ids:
-                break
-        return block
+    def to_draft(self, target_id: int) -> int:
+        return target_id
+
+    # ------------------------------------------------------------------ drafting
+    def choose(self, logits: torch.Tensor, job: DraftJob, pos: int, block: DraftBlock) -> int:
+        """Pick the next draft token (a target id) from draft logits [V_draft] at absolute position pos."""
+        if job.mode == "greedy":
+            return int(self.to_target(torch.softmax(logits.float(), -1)).argmax())
+        q = self.to_target(probs_from_logits(logits, job.params))  # [V_target] q'
+        if job.mode == "coupled":  # argmax(log q' + g) with the noise the target will use
+            return int((q.double().log() + gumbel(job.seed, pos, q.shape[0])).argmax())
+        x = sample_index(q, uniform(job.seed, pos, Purpose.DRAFT))
+        block.q_tok.append(float(q[x]))
+        block.q_rows.append(q)
+        return x
+
+    def draft_batch(self, jobs: list[DraftJob]) -> list[DraftBlock]:
+        """Draft every job in lockstep: at each step, ONE forward over the sessions still drafting."""
+        blocks = [DraftBlock() for _ in jobs]
+        contexts = [list(j.context) for j in jobs]
+        live = [i for i, j in enumerate(jobs) if j.d > 0]
+        while live:
+            self._advance([jobs[i].state for i in live], [contexts[i] for i in live])
+            still = []
+            for i in live:
+                job, block = jobs[i], blocks[i]
+                x = self.choose(job.state.last_logits, job, job.position + len(block.ids), block)
+                block.ids.append(x)
+                contexts[i].append(self.to_draft(x))
+                if len(block.ids) < job.d and x not in self.eos_ids:
+                    still.append(i)
+            live = still
+        return blocks
+
+    def _advance(self, states: list[DraftState], contexts: list[list[int]]) -> None:
+        """Bring each state's cache up to its context and refresh last_logits (one batched forward)."""
+        rows, owners = [], []
+        for state, ctx in zip(states, contexts):
+            state.sync(ctx)
+            if len(state.ids) == len(ctx) and state.last_logits is not None:
+                continue
+            if len(state.ids) == len(ctx):  # fully cached but logits lost to a rollback: re-run the last id
+                state.sync(ctx[:-1])
+            rows.append(BatchRow(state.kv, len(state.ids), ctx[len(state.ids):]))
+            owners.append((state, ctx))
+        if not rows:
+            return
+        for (state, ctx), (logits, new_kv) in zip(owners, self.runner.forward_batch(rows)):
+            fed = ctx[len(state.ids):]
+            state.kv = append_kv(state.kv, new_kv, keep=len(fed))
+            state.ids = list(ctx)
+            state.last_logits = logits[-1]
 
 
 def make_drafter(draft_model: str, target_tokenizer: str | None = None, device: str = "cpu", dtype: str = "float32"):

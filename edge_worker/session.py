@@ -15,7 +15,7 @@ from ..common import protocol as P
 from ..common.errors import InvalidRequest, from_wire
 from ..common.resample import STRATEGIES, Rejection
 from ..common.sampling import SamplingParams
-from .drafter import Drafter
+from .drafter import DraftBlock, Drafter, DraftJob
 
 AUTO_START, AUTO_MIN, AUTO_MAX = 6, 1, 16  # auto draft length: +2 after a fully accepted block, -1 otherwise
 
@@ -98,12 +98,22 @@ class EdgeSession:
         return fn() if fn else b""
 
     def next_request(self) -> P.Verify | P.Resample:
+        """The next message to send: a pending RESAMPLE, or a VERIFY for a freshly drafted block."""
+        job = self.draft_job()
+        return self._pending if job is None else self.request_for(self.drafter.draft_batch([job])[0])
+
+    def draft_job(self) -> DraftJob | None:
+        """What to draft next (None while a RESAMPLE is pending); an edge batches these across sessions."""
         if self._pending is not None:
-            return self._pending
+            return None
         remaining = self.config.max_new_tokens - len(self.generated)
         d = max(0, min(self.draft_len, remaining - 1))
         c = self.config
-        self._block = self.drafter.draft(self.state, self.tokens, d, self.mode, c.params, c.seed)
+        context = self.drafter.draft_context(self.state, self.tokens)
+        return DraftJob(self.state, context, len(self.tokens), d, self.mode, c.params, c.seed)
+
+    def request_for(self, block: DraftBlock) -> P.Verify:
+        self._block = block
         self.seq += 1
         self.stats.draft_tokens += len(self._block.ids)
         return P.Verify(self.sid, self.seq, len(self.tokens), self.tokens[self.cloud_len:], self._block.ids,

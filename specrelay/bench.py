@@ -1,0 +1,176 @@
+"""Benchmarks: programs that print the numbers the issues ask for and write them as JSON.
+
+    python -m specrelay.bench calls         # cloud calls per token: default draft length vs --draft-len 0
+    python -m specrelay.bench concurrency   # one cloud worker: 16 concurrent sessions vs 1 (verified tokens/s)
+    python -m specrelay.bench hf            # one session over loopback vs HF assisted generation in-process
+    python -m specrelay.bench xvocab        # cross-vocab pair, T=1: bits/token up+down for full|hr|srdv|coupled
+    python -m specrelay.bench all
+
+Results go to bench_results/<name>.json. Everything runs on 127.0.0.1 with the demo models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "models"
+OUT = ROOT / "bench_results"
+
+
+def prompts(n: int) -> list[str]:
+    lines = (MODELS / "heldout_prompts.jsonl").read_text().splitlines()
+    return [json.loads(x)["prompt"] for x in lines if x.strip()][:n]
+
+
+def write(name: str, data: dict) -> None:
+    OUT.mkdir(exist_ok=True)
+    (OUT / f"{name}.json").write_text(json.dumps(data, indent=1))
+    print(json.dumps(data, indent=1))
+    print(f"-> {OUT / (name + '.json')}", file=sys.stderr)
+
+
+async def run_edge(frontend: str, draft: str, texts: list[str], concurrency: int, target_tok: str | None = None,
+                   **cfg) -> tuple[list[tuple[list[int], dict]], float]:
+    """Generate `texts` through the broker with an in-process edge; returns per-prompt (ids, stats), wall."""
+    from .common.sampling import SamplingParams
+    from .edge_worker.drafter import make_drafter
+    from .edge_worker.server import EdgeConfig, EdgeWorker
+    from .edge_worker.session import SessionConfig
+
+    drafter, tok = make_drafter(draft, target_tok)
+    params = SamplingParams(cfg.pop("temperature", 0.0))
+    config = SessionConfig(params=params, **cfg)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(text: str):
+        async with gate:
+            return await edge.generate(tok(text).input_ids, config)
+
+    async with EdgeWorker(frontend, drafter, tok, EdgeConfig()) as edge:
+        await one(texts[0])  # warm-up: first forward passes allocate
+        t0 = time.perf_counter()
+        out = await asyncio.gather(*(one(t) for t in texts))
+        return out, time.perf_counter() - t0
+
+
+def totals(out: list[tuple[list[int], dict]]) -> dict:
+    keys = ("generated_tokens", "draft_tokens", "accepted_tokens", "cloud_calls", "uplink_bytes", "downlink_bytes")
+    return {k: sum(s[k] for _, s in out) for k in keys}
+
+
+def bench_calls(args) -> dict:
+    from .cluster import LocalCluster
+
+    texts = prompts(args.prompts)
+    with LocalCluster(str(MODELS / "demo-target")) as c:
+        spec, _ = asyncio.run(run_edge(c.frontend, str(MODELS / "demo-draft"), texts, 8,
+                                       max_new_tokens=args.max_new_tokens))
+        base, _ = asyncio.run(run_edge(c.frontend, str(MODELS / "demo-draft"), texts, 8,
+                                       max_new_tokens=args.max_new_tokens, draft_len=0))
+    s, b = totals(spec), totals(base)
+    identical = all(a[0] == z[0] for a, z in zip(spec, base))
+    per_tok = s["cloud_calls"] / s["generated_tokens"]
+    return {"prompts": len(texts), "max_new_tokens": args.max_new_tokens, "draft_len": "auto",
+            "generated_tokens": s["generated_tokens"], "cloud_calls": s["cloud_calls"],
+            "cloud_calls_per_token": round(per_tok, 4),
+            "baseline_cloud_calls_per_token": round(b["cloud_calls"] / b["generated_tokens"], 4),
+            "reduction_vs_target_alone": round(1 - s["cloud_calls"] / b["cloud_calls"], 4),
+            "acceptance_rate": round(s["accepted_tokens"] / max(1, s["draft_tokens"]), 4),
+            "outputs_identical_to_draft_len_0": identical, "bar_calls_per_token_le_0.30": per_tok <= 0.30}
+
+
+def bench_concurrency(args) -> dict:
+    from .cluster import LocalCluster
+
+    texts = prompts(16)
+    rows = {}
+    with LocalCluster(str(MODELS / "demo-target"), max_batch=32) as c:
+        for n in (1, 16):
+            batch = texts[:n] if n > 1 else texts[:4]
+            out, wall = asyncio.run(run_edge(c.frontend, str(MODELS / "demo-draft"), batch, n,
+                                             max_new_tokens=args.max_new_tokens))
+            t = totals(out)
+            rows[n] = {"sessions": n, "generated_tokens": t["generated_tokens"], "wall_s": round(wall, 3),
+                       "tokens_per_s": round(t["generated_tokens"] / wall, 2)}
+    ratio = rows[16]["tokens_per_s"] / rows[1]["tokens_per_s"]
+    return {"one_session": rows[1], "sixteen_sessions": rows[16], "speedup": round(ratio, 2), "bar_ge_5x": ratio >= 5}
+
+
+def bench_hf(args) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .cluster import LocalCluster
+
+    texts = prompts(args.prompts)
+    tok = AutoTokenizer.from_pretrained(MODELS / "demo-target")
+    target = AutoModelForCausalLM.from_pretrained(MODELS / "demo-target").eval()
+    draft = AutoModelForCausalLM.from_pretrained(MODELS / "demo-draft").eval()
+    n_hf, t0 = 0, time.perf_counter()
+    hf_out = []
+    for text in texts:
+        ids = torch.tensor([tok(text).input_ids])
+        out = target.generate(ids, assistant_model=draft, do_sample=False, max_new_tokens=args.max_new_tokens,
+                              pad_token_id=tok.eos_token_id)
+        hf_out.append(out[0, ids.shape[1]:].tolist())
+        n_hf += len(hf_out[-1])
+    hf_wall = time.perf_counter() - t0
+    del target
+    with LocalCluster(str(MODELS / "demo-target")) as c:
+        out, wall = asyncio.run(run_edge(c.frontend, str(MODELS / "demo-draft"), texts, 1,
+                                         max_new_tokens=args.max_new_tokens))
+    ours = totals(out)["generated_tokens"] / wall
+    hf = n_hf / hf_wall
+    same = sum(a == b[0] for a, b in zip(hf_out, out))
+    return {"prompts": len(texts), "specrelay_tokens_per_s": round(ours, 2), "hf_assisted_tokens_per_s": round(hf, 2),
+            "ratio": round(ours / hf, 3), "bar_ge_0.9": ours / hf >= 0.9, "outputs_equal_hf": f"{same}/{len(texts)}"}
+
+
+def bench_xvocab(args) -> dict:
+    from .cluster import LocalCluster
+
+    texts = prompts(args.prompts)
+    rows = {}
+    with LocalCluster(str(MODELS / "demo-target")) as c:
+        for strategy in ("full", "hr", "srdv", "coupled"):
+            cfg = {"mode": "coupled", "resample": "hr"} if strategy == "coupled" else {"resample": strategy}
+            out, wall = asyncio.run(run_edge(c.frontend, str(MODELS / "demo-draft-xv"), texts, 8,
+                                             target_tok=str(MODELS / "demo-target"), temperature=1.0, seed=7,
+                                             max_new_tokens=args.max_new_tokens, **cfg))
+            t = totals(out)
+            n = t["generated_tokens"]
+            rows[strategy] = {"uplink_bits_per_token": round(8 * t["uplink_bytes"] / n, 1),
+                              "downlink_bits_per_token": round(8 * t["downlink_bytes"] / n, 1),
+                              "acceptance_rate": round(t["accepted_tokens"] / max(1, t["draft_tokens"]), 4),
+                              "cloud_calls_per_token": round(t["cloud_calls"] / n, 4), "generated_tokens": n}
+    return {"temperature": 1.0, "prompts": len(texts), "modes": rows,
+            "bar_srdv_down_le_200": rows["srdv"]["downlink_bits_per_token"] <= 200,
+            "bar_coupled_down_le_64": rows["coupled"]["downlink_bits_per_token"] <= 64}
+
+
+BENCHES = {"calls": bench_calls, "concurrency": bench_concurrency, "hf": bench_hf, "xvocab": bench_xvocab}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="specrelay bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("name", choices=[*BENCHES, "all"])
+    ap.add_argument("--prompts", type=int, default=20)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    args = ap.parse_args(argv)
+    from . import logs
+    logs.configure("warning")
+    for name in BENCHES if args.name == "all" else [args.name]:
+        print(f"== {name}", file=sys.stderr)
+        write(name, BENCHES[name](args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -168,10 +168,10 @@ class SharedVocab:
             raise ValueError(f"shared vocab {self.key}: draft_to_target and target_to_draft are not inverses")
 
     @classmethod
-    def identity(cls, tokenizer) -> SharedVocab:
+    def identity(cls, tokenizer, fingerprint: str | None = None) -> SharedVocab:
         """Same vocabulary on both sides: V_c is everything and both maps are arange (one code path)."""
         n = len(tokenizer)
-        key = _digest("identity", _fingerprint(tokenizer, token_bytes(tokenizer)))
+        key = _digest("identity", fingerprint or _fingerprint(tokenizer, token_bytes(tokenizer)))
         return cls(torch.arange(n), torch.arange(n), key, is_identity=True)
 
     def padded(self, n_draft: int, n_target: int) -> SharedVocab:
@@ -236,7 +236,13 @@ def build_shared_vocab(draft_tok, target_tok, cache_dir: str | Path | None = Non
     from safetensors.torch import load_file, save_file
 
     draft_table, target_table = token_bytes(draft_tok), token_bytes(target_tok)
-    key = _digest(_fingerprint(draft_tok, draft_table), _fingerprint(target_tok, target_table))
+    draft_fp, target_fp = _fingerprint(draft_tok, draft_table), _fingerprint(target_tok, target_table)
+    if draft_fp == target_fp:  # one vocabulary: specials are shared too
+        vocab = SharedVocab.identity(target_tok, target_fp)
+        log.info("shared_vocab", n_draft=vocab.n_draft, n_target=vocab.n_target, n_shared=vocab.n_shared,
+                 key=vocab.key, identity=True)
+        return vocab
+    key = _digest(draft_fp, target_fp)
     path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     file = path / f"{key}.safetensors"
     cached = file.exists()
@@ -281,6 +287,10 @@ def shared_size(a: Sequence[bytes | None], b: Sequence[bytes | None]) -> int:
     return len({x for x in a if x} & {x for x in b if x})
 
 
+def _n_tokens(table: Sequence[bytes | None]) -> int:
+    return sum(1 for b in table if b)
+
+
 def _demo_tokenizer(name: str):
     from transformers import AutoTokenizer
 
@@ -307,8 +317,7 @@ def vocab_report(gpt2_encoder: str | Path | None = None) -> list[tuple[str, str,
     names = list(tables)
     for i, a in enumerate(names):
         for b in names[i + 1:]:
-            size = lambda t: sum(1 for x in t if x)  # noqa: E731
-            rows.append((a, b, size(tables[a]), size(tables[b]), shared_size(tables[a], tables[b])))
+            rows.append((a, b, _n_tokens(tables[a]), _n_tokens(tables[b]), shared_size(tables[a], tables[b])))
     return rows
 
 

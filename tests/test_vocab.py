@@ -155,6 +155,12 @@ def test_identity(byte_level):
     assert sv.key == V.SharedVocab.identity(byte_level).key
 
 
+def test_same_tokenizer_gives_identity(byte_level, tmp_path):
+    sv = V.build_shared_vocab(byte_level, byte_level, cache_dir=tmp_path)
+    assert sv.is_identity and sv.key == V.SharedVocab.identity(byte_level).key
+    assert sv.draft_to_target[byte_level.eos_token_id] == byte_level.eos_token_id
+
+
 def test_cache_hit(byte_level, metaspace, tmp_path, monkeypatch):
     first = V.build_shared_vocab(metaspace, byte_level, cache_dir=tmp_path)
     assert (tmp_path / f"{first.key}.safetensors").exists()
@@ -169,10 +175,10 @@ def test_cache_hit(byte_level, metaspace, tmp_path, monkeypatch):
     assert torch.equal(again.target_to_draft, first.target_to_draft)
 
 
-def test_cache_dir_from_env(byte_level, tmp_path, monkeypatch):
+def test_cache_dir_from_env(byte_level, metaspace, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECRELAY_CACHE", str(tmp_path))
     assert V.default_cache_dir() == tmp_path / "vocab"
-    sv = V.build_shared_vocab(byte_level, byte_level)
+    sv = V.build_shared_vocab(metaspace, byte_level)
     assert (tmp_path / "vocab" / f"{sv.key}.safetensors").exists()
 
 

@@ -1,0 +1,232 @@
+"""The public async client: talk to an edge worker (`Client(endpoint)`) or embed one (`Client.local(...)`).
+
+    async with Client("ipc:///tmp/specrelay-edge") as c:
+        result = await c.generate("def add(a, b):", max_new_tokens=32)
+        async for piece in c.stream("class Point:", temperature=0.8, seed=7):
+            print(piece, end="")
+
+One DEALER carries every concurrent request; a receiver task routes TOKENS / DONE / ERROR by request id.
+Cancelling a call (or leaving a stream early) sends CANCEL, and the edge closes the session in the cloud.
+Works on any asyncio loop; only the CLI installs uvloop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from .common import protocol as P
+from .common.errors import FatalError, GenerationTimeout, from_wire
+
+log = structlog.get_logger("specrelay.client")
+
+
+@dataclass
+class Result:
+    text: str
+    token_ids: list[int]
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+class _Call:
+    """One request in flight: its reply queue, the wait with a timeout, and CANCEL when left early."""
+
+    def __init__(self, client: "Client", msg: P.Generate) -> None:
+        self.client, self.request = client, msg.request
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+        client._calls[self.request] = self
+        self.local_task = client._submit(msg, self)
+
+    async def next(self) -> P.Tokens | P.Done:
+        """The next TOKENS or DONE; ERROR raises its exception, silence past the timeout GenerationTimeout."""
+        timeout = self.client.timeout
+        try:
+            msg = await asyncio.wait_for(self.queue.get(), timeout)
+        except asyncio.TimeoutError:
+            raise GenerationTimeout(f"no reply from the edge worker at {self.client.endpoint} for request "
+                                    f"{self.request} within {timeout:g} s") from None
+        if isinstance(msg, BaseException):
+            self.finished = True
+            raise msg
+        if isinstance(msg, P.Error):
+            self.finished = True
+            raise from_wire(msg.code, msg.message)
+        self.finished = isinstance(msg, P.Done)
+        return msg
+
+    def finish(self) -> None:
+        """Forget the call; if it did not finish, stop the generation (CANCEL, or cancel the local task)."""
+        self.client._calls.pop(self.request, None)
+        if self.finished:
+            return
+        if self.local_task is not None:
+            self.local_task.cancel()
+        else:
+            self.client._post(P.Cancel(self.request))
+
+
+class Client:
+    """`async with Client(endpoint, timeout=60) as c:`; `timeout` bounds the wait for each reply (seconds)."""
+
+    def __init__(self, endpoint: str, timeout: float = 60.0, *, context: zmq.asyncio.Context | None = None,
+                 linger_ms: int = 0) -> None:
+        if not timeout > 0:
+            raise ValueError("timeout must be > 0 seconds")
+        self.endpoint, self.timeout = endpoint, timeout
+        self._ctx, self._linger_ms = context, linger_ms
+        self._sock: zmq.asyncio.Socket | None = None
+        self._receiver: asyncio.Task | None = None
+        self._calls: dict[int, _Call] = {}
+        self._ids = itertools.count(1)
+        self._edge = None           # an embedded EdgeWorker (Client.local)
+        self._edge_factory = None
+
+    @classmethod
+    def local(cls, broker: str, draft_model: str, target_tokenizer: str | None = None, *, timeout: float = 60.0,
+              device: str = "cpu", dtype: str = "float32", config=None,
+              context: zmq.asyncio.Context | None = None) -> "Client":
+        """A client with an EdgeWorker embedded in this process (no local socket): one-process apps.
+        The draft model loads when the client starts."""
+        from .edge_worker.server import load_edge
+
+        client = cls(f"local edge worker (broker {broker})", timeout, context=context)
+
+        async def factory():
+            return await load_edge(broker, draft_model, target_tokenizer, device=device, dtype=dtype,
+                                   config=config, context=context)
+
+        client._edge_factory = factory
+        return client
+
+    # ------------------------------------------------------------------------------ lifecycle
+    async def __aenter__(self) -> "Client":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        if self._edge_factory is not None:
+            if self._edge is None:
+                self._edge = await self._edge_factory()
+                await self._edge.start()
+            return
+        if self._sock is None:
+            self._sock = (self._ctx or zmq.asyncio.Context.instance()).socket(zmq.DEALER)
+            self._sock.setsockopt(zmq.LINGER, self._linger_ms)
+            self._sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME)
+            self._sock.connect(self.endpoint)
+            self._receiver = asyncio.create_task(self._receive(), name="client-receive")
+
+    async def close(self) -> None:
+        """Stop every call in flight (CANCEL), then close the socket / the embedded edge worker."""
+        for call in list(self._calls.values()):
+            call.queue.put_nowait(FatalError("the client is closed"))
+            call.finish()
+        if self._receiver is not None:
+            self._receiver.cancel()
+            await asyncio.gather(self._receiver, return_exceptions=True)
+            self._receiver = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._edge is not None:
+            await self._edge.close()
+            self._edge = None
+
+    # ------------------------------------------------------------------------------ requests
+    async def generate(self, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                       top_p: float = 1.0, seed: int = 0, draft_len: int | None = None, mode: str = "",
+                       resample: str = "") -> Result:
+        """The whole completion of `prompt`: its text, target token ids and the edge's stats."""
+        call = self._start(prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_len, mode, resample)
+        pieces: list[str] = []
+        ids: list[int] = []
+        try:
+            while True:
+                msg = await call.next()
+                if isinstance(msg, P.Done):
+                    return Result("".join(pieces), ids, dict(msg.stats))
+                pieces.append(msg.text)
+                ids.extend(msg.token_ids)
+        finally:
+            call.finish()
+
+    async def stream(self, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                     top_p: float = 1.0, seed: int = 0, draft_len: int | None = None, mode: str = "",
+                     resample: str = "") -> AsyncIterator[str]:
+        """Text pieces as tokens are committed, in order; their concatenation is the completion's text."""
+        call = self._start(prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_len, mode, resample)
+        try:
+            while True:
+                msg = await call.next()
+                if isinstance(msg, P.Done):
+                    return
+                if msg.text:
+                    yield msg.text
+        finally:
+            call.finish()
+
+    def _start(self, prompt: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,
+               draft_len: int | None, mode: str, resample: str) -> _Call:
+        if self._sock is None and self._edge is None:
+            raise FatalError("the client is not started (use `async with Client(...)` or `await start()`)")
+        msg = P.Generate(next(self._ids), prompt, max_new_tokens, float(temperature), top_k, float(top_p), seed,
+                         -1 if draft_len is None else draft_len, mode, resample)
+        P.decode(P.encode(msg))  # checks every field's range here, naming the field (InvalidRequest)
+        return _Call(self, msg)
+
+    def _submit(self, msg: P.Generate, call: _Call) -> asyncio.Task | None:
+        """Send GENERATE, or run it on the embedded edge worker (returns that task)."""
+        if self._edge is None:
+            self._post(msg)
+            return None
+
+        async def emit(reply: P.Base) -> None:
+            call.queue.put_nowait(reply)
+
+        task = asyncio.create_task(self._edge.handle_generate(msg, emit), name=f"client-local-{msg.request}")
+        task.add_done_callback(lambda t: t.cancelled() or t.exception() is None
+                               or call.queue.put_nowait(t.exception()))
+        return task
+
+    def _post(self, msg: P.Base) -> None:
+        """Queue a message to the edge without awaiting (safe in `finally` during cancellation)."""
+        if self._sock is None:
+            return
+        try:
+            self._sock.send_multipart(P.encode(msg)).add_done_callback(_log_send_failure)
+        except zmq.ZMQError as exc:
+            log.warning("send to the edge worker failed", endpoint=self.endpoint, error=str(exc))
+
+    async def _receive(self) -> None:
+        """Edge -> the call with that request id; replies to finished calls are dropped."""
+        while True:
+            try:
+                frames = await self._sock.recv_multipart()
+            except zmq.ZMQError as exc:
+                for call in self._calls.values():
+                    call.queue.put_nowait(FatalError(f"the connection to {self.endpoint} failed: {exc}"))
+                return
+            try:
+                msg = P.decode(frames)
+            except P.InvalidRequest as exc:
+                log.warning("bad reply from the edge worker", endpoint=self.endpoint, error=str(exc))
+                continue
+            request = msg.session if isinstance(msg, P.Error) else getattr(msg, "request", None)
+            call = self._calls.get(request)
+            if call is not None:
+                call.queue.put_nowait(msg)
+
+
+def _log_send_failure(fut: asyncio.Future) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.warning("send to the edge worker failed", error=str(fut.exception()))

@@ -1,0 +1,94 @@
+"""The cloud worker's request queue: session messages in arrival order, and the rules that form a VERIFY batch.
+
+Pure (no sockets, no asyncio): `CloudWorker` pushes every decoded edge message here and asks for batches.
+
+Rules:
+- A session's messages are handled in arrival order. OPEN / CLOSE / RESAMPLE (and ready-made ERROR replies)
+  are handed to the caller as they come up; VERIFYs join the batch. A second message of a session that is
+  already in the batch waits for the next batch (it depends on the first one's outcome).
+- At most `max_batch` VERIFYs per batch.
+- Waiting for more requests is worth it only while some other recently active session may still send one;
+  with a single active session a batch goes at once. Never longer than `max_wait` after the oldest request.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Container
+from dataclasses import dataclass
+
+from ..common import protocol as P
+
+
+@dataclass
+class Item:
+    """One edge message: who sent it (the broker's client id), the decoded message, when, on which connection."""
+
+    client: bytes
+    msg: P.Base          # Open | Verify | Close | Resample, or an Error to send back as is
+    session: int
+    arrived: float       # monotonic seconds
+    generation: int = 0  # the broker connection it came in on
+
+    @property
+    def is_verify(self) -> bool:
+        return isinstance(self.msg, P.Verify)
+
+
+class Batcher:
+    def __init__(self, max_batch: int, max_wait_s: float, idle_after_s: float) -> None:
+        self.max_batch, self.max_wait_s, self.idle_after_s = max_batch, max_wait_s, idle_after_s
+        self.queue: deque[Item] = deque()
+        self.last_seen: dict[int, float] = {}  # session -> arrival of its latest message
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def push(self, item: Item) -> None:
+        self.queue.append(item)
+        if not isinstance(item.msg, P.Error):  # a malformed message proves nothing about a session
+            self.last_seen[item.session] = item.arrived
+
+    def take(self, batch: list[Item], control: Callable[[Item], None]) -> bool:
+        """Move queued VERIFYs into `batch` and pass every other message to `control`, in arrival order.
+        Returns True when the queue's head must wait for this batch (its session is already in it)."""
+        in_batch = {item.session for item in batch}
+        while self.queue and len(batch) < self.max_batch:
+            item = self.queue[0]
+            if item.session in in_batch:
+                return True
+            self.queue.popleft()
+            if item.is_verify:
+                batch.append(item)
+                in_batch.add(item.session)
+            else:
+                control(item)
+        return False
+
+    def wait_budget(self, batch: list[Item], now: float, is_open: Container[int]) -> float:
+        """Seconds worth waiting for more VERIFYs before running `batch` (0: run it now)."""
+        if not batch or len(batch) >= self.max_batch:
+            return 0.0
+        left = batch[0].arrived + self.max_wait_s - now
+        if left <= 0:
+            return 0.0
+        self._prune(now, is_open)
+        in_batch = {item.session for item in batch}
+        # sessions that could plausibly send a VERIFY soon: open here, recently active, not already batched
+        others = sum(1 for sid in self.last_seen if sid not in in_batch)
+        return left if others else 0.0
+
+    def _prune(self, now: float, is_open: Container[int]) -> None:
+        for sid in [s for s, t in self.last_seen.items() if now - t > self.idle_after_s or s not in is_open]:
+            del self.last_seen[sid]
+
+    def forget(self, session: int) -> None:
+        self.last_seen.pop(session, None)
+
+    def drop_before(self, generation: int) -> list[Item]:
+        """Remove (and return) messages that came in on an older broker connection."""
+        stale = [item for item in self.queue if item.generation < generation]
+        if stale:
+            self.queue = deque(item for item in self.queue if item.generation >= generation)
+        self.last_seen.clear()
+        return stale

@@ -1,0 +1,515 @@
+"""The cloud worker over real sockets on 127.0.0.1 random ports: the test plays the broker with a ROUTER (and
+the edges behind it by client id), so nothing here depends on the broker package. Plus the pure Batcher rules."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+
+from specrelay.cloud_worker.batcher import Batcher, Item
+from specrelay.cloud_worker.server import CloudWorker, WorkerConfig, serve
+from specrelay.cloud_worker.verifier import Verifier
+from specrelay.common import protocol as P
+from specrelay.common.protocol import MsgType
+from specrelay.common.sampling import SamplingParams
+from specrelay.edge_worker.drafter import Drafter
+from specrelay.edge_worker.session import EdgeSession, SessionConfig
+from specrelay.speculative import speculative_generate
+
+pytestmark = pytest.mark.timeout(60)
+
+RECV_TIMEOUT = 10.0
+PROMPTS = ["def add(a, b):\n", "class Point:\n", "for i in", "    def __init__(self, x, y):\n"]
+
+
+# ---------------------------------------------------------------------------------------------- fixtures
+
+@pytest.fixture
+async def zctx():
+    """A context whose sockets must all be closed by the end of the test: term() hangs on a leak."""
+    ctx = zmq.asyncio.Context()
+    yield ctx
+    try:
+        await asyncio.wait_for(asyncio.to_thread(ctx.term), 5)
+    except asyncio.TimeoutError:
+        ctx.destroy(linger=0)
+        pytest.fail("a ZeroMQ socket was left open")
+
+
+class FakeBroker:
+    """The broker's backend ROUTER, played by the test: records the worker's READY / HEARTBEAT / DISCONNECT,
+    sends edge messages as [worker_id, client_id, header, body] and queues the replies per client id."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, heartbeat: float | None = 0.1) -> None:
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.linger = 0
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.endpoint = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.heartbeat = heartbeat  # seconds between broker heartbeats; None: a silent broker
+        self.worker: bytes | None = None
+        self.control: list[tuple[bytes, P.Base, float]] = []  # (worker id, message, time) with client b""
+        self.replies: dict[bytes, asyncio.Queue] = {}
+        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._beat())]
+
+    async def _read(self) -> None:
+        while True:
+            worker, client, *message = await self.sock.recv_multipart()
+            msg = P.decode(message)
+            if client == b"":
+                self.control.append((worker, msg, time.monotonic()))
+                if isinstance(msg, P.Ready):
+                    self.worker = worker
+            else:
+                self.queue(client).put_nowait(msg)
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat or 0.1)
+            if self.heartbeat and self.worker is not None:
+                await self.sock.send_multipart([self.worker, b"", *P.encode(P.Heartbeat())])
+
+    def queue(self, client: bytes) -> asyncio.Queue:
+        return self.replies.setdefault(client, asyncio.Queue())
+
+    def of_type(self, cls: type) -> list[tuple[bytes, P.Base, float]]:
+        return [entry for entry in self.control if isinstance(entry[1], cls)]
+
+    async def ready(self, count: int = 1) -> P.Ready:
+        await wait_until(lambda: len(self.of_type(P.Ready)) >= count)
+        return self.of_type(P.Ready)[count - 1][1]
+
+    async def send(self, client: bytes, msg: P.Base | list[bytes]) -> None:
+        frames = P.encode(msg) if isinstance(msg, P.Base) else msg
+        await self.sock.send_multipart([self.worker, client, *frames])
+
+    async def reply(self, client: bytes) -> P.Base:
+        return await asyncio.wait_for(self.queue(client).get(), RECV_TIMEOUT)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.sock.close(linger=0)
+
+
+@pytest.fixture
+async def fake_broker(zctx):
+    brokers: list[FakeBroker] = []
+
+    def make(**kwargs) -> FakeBroker:
+        brokers.append(FakeBroker(zctx, **kwargs))
+        return brokers[-1]
+
+    yield make
+    for broker in brokers:
+        await broker.close()
+
+
+@pytest.fixture
+async def start_worker(zctx, tiny_runners):
+    """start_worker(broker, **config) -> a running CloudWorker on the tiny target, READY received."""
+    workers: list[CloudWorker] = []
+
+    async def make(broker: FakeBroker, **config) -> CloudWorker:
+        config.setdefault("heartbeat_interval", 0.5)
+        config.setdefault("linger_ms", 0)
+        worker = CloudWorker(broker.endpoint, tiny_runners[0], WorkerConfig(**config), context=zctx)
+        workers.append(await worker.__aenter__())
+        await broker.ready()
+        return worker
+
+    yield make
+    for worker in workers:
+        await worker.stop()
+
+
+async def wait_until(condition, timeout: float = RECV_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.005)
+
+
+def ids_of(runner, text: str) -> list[int]:
+    return runner.tokenizer(text).input_ids
+
+
+async def drive(broker: FakeBroker, client: bytes, session: EdgeSession) -> list[int]:
+    """An edge over the fake broker: OPEN pipelined with the first VERIFY, one request in flight, CLOSE."""
+    await broker.send(client, session.open_message())
+    while not session.done:
+        await broker.send(client, session.next_request())
+        session.apply(await broker.reply(client))
+    await broker.send(client, session.close_message())
+    return session.generated
+
+
+# ------------------------------------------------------------------------------------- end to end, exactness
+
+async def test_ready_announces_the_model(fake_broker, start_worker, tiny_runners):
+    broker = fake_broker()
+    await start_worker(broker, max_batch=8, max_sessions=77)
+    ready = await broker.ready()
+    assert (ready.vocab_size, ready.max_sessions, ready.max_batch) == (tiny_runners[0].vocab_size, 77, 8)
+    assert ready.model == tiny_runners[0].name
+
+
+async def test_greedy_sessions_over_sockets_equal_target_generate(fake_broker, start_worker, tiny_runners):
+    target, draft = tiny_runners
+    broker = fake_broker()
+    worker = await start_worker(broker, max_wait_ms=50)
+    # the random draft model is rarely right; the target drafting for itself always is: mixed acceptance
+    drafters = [Drafter(draft, target.vocab_size), Drafter(target)] * 2
+    sessions = [EdgeSession(ids_of(target, p), SessionConfig(max_new_tokens=24, draft_len=d), drafter)
+                for p, d, drafter in zip(PROMPTS, (None, 4, 2, 6), drafters)]
+    outputs = await asyncio.gather(*(drive(broker, b"edge-%d" % i, s) for i, s in enumerate(sessions)))
+    for session, out in zip(sessions, outputs):
+        ids = session.prompt_ids
+        ref = target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                    max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+        assert out == ref
+    stats = worker.stats
+    assert stats["verify_requests"] == sum(s.stats.cloud_calls for s in sessions)
+    assert stats["forward_passes"] == stats["batches"] < stats["verify_requests"]  # some batches held > 1
+    assert sessions[1].stats.accepted_tokens > 0 and sessions[3].stats.accepted_tokens > 0
+    await wait_until(lambda: worker.stats["sessions_open"] == 0)  # CLOSE applied
+
+
+@pytest.mark.parametrize("mode, resample", [("sample", "full"), ("sample", "hr"), ("sample", "srdv"),
+                                            ("coupled", "hr")])
+async def test_sampled_sessions_over_sockets_equal_in_process(fake_broker, start_worker, tiny_runners, mode,
+                                                              resample):
+    """Same seeds, same tokens as speculative_generate in one process (RESAMPLE rounds travel too)."""
+    target, draft = tiny_runners
+    broker = fake_broker()
+    await start_worker(broker, max_wait_ms=20)
+    drafter = Drafter(draft, target.vocab_size)
+    configs = [SessionConfig(max_new_tokens=20, params=SamplingParams(1.0), mode=mode, seed=seed, draft_len=4,
+                             resample=resample) for seed in (3, 4, 5)]
+    sessions = [EdgeSession(ids_of(target, p), c, drafter) for p, c in zip(PROMPTS, configs)]
+    outputs = await asyncio.gather(*(drive(broker, b"edge-%d" % i, s) for i, s in enumerate(sessions)))
+    for session, out in zip(sessions, outputs):
+        ref, _ = speculative_generate(draft, target, session.prompt_ids, config=session.config)
+        assert out == ref
+    if resample == "srdv":  # these seeds need extra candidate rounds: RESAMPLE / RESAMPLED travel too
+        assert sum(s.stats.resample_calls for s in sessions) > 0
+
+
+async def test_queued_verifies_run_in_one_batch_with_unbatched_verdicts(fake_broker, start_worker, tiny_runners):
+    """Four sessions with ragged contexts and drafts: each round is ONE batch (one forward pass), and every
+    verdict equals the one an unbatched Verifier gives the same request."""
+    target, _ = tiny_runners
+    broker = fake_broker()
+    worker = await start_worker(broker, max_wait_ms=1000)  # only the batch rule may end the wait early
+    reference = Verifier(target)
+    contexts = {sid: ids_of(target, p) for sid, p in zip((11, 12, 13, 14), PROMPTS)}
+    for sid, ids in contexts.items():
+        await broker.send(b"c%d" % sid, P.Open(sid, ids))
+        reference.open(P.Open(sid, ids))
+    await wait_until(lambda: worker.stats["sessions_open"] == 4)
+    gen = torch.Generator().manual_seed(0)
+    for seq, draft_lens in enumerate([(0, 3, 5, 1), (4, 4, 2, 6), (2, 0, 7, 3)], start=1):
+        requests = []
+        for (sid, ids), d in zip(contexts.items(), draft_lens):
+            greedy = target_continuation(target, ids, d)
+            draft = [t if torch.rand(1, generator=gen) < 0.7 else (t + 1) % target.vocab_size for t in greedy]
+            requests.append(P.Verify(sid, seq, len(ids), [], draft))
+        for req in requests:
+            await broker.send(b"c%d" % req.session, req)
+        for req in requests:
+            verdict = await broker.reply(b"c%d" % req.session)
+            assert verdict == reference.verify([req])[0]
+            contexts[req.session] += req.draft[:verdict.n_accepted] + [verdict.next_token]
+        stats = worker.stats
+        assert stats["batches"] == stats["forward_passes"] == seq
+        assert stats["batch_sizes"] == {4: seq}
+
+
+def target_continuation(target, ids: list[int], n: int) -> list[int]:
+    if n == 0:
+        return []
+    out = target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+async def test_open_then_verify_in_one_burst_is_applied_in_order(fake_broker, start_worker, tiny_runners):
+    target, _ = tiny_runners
+    broker = fake_broker()
+    worker = await start_worker(broker)
+    ids = ids_of(target, PROMPTS[0])
+    await broker.send(b"e", P.Open(5, ids))
+    await broker.send(b"e", P.Verify(5, 1, len(ids), [], [1, 2]))
+    await broker.send(b"e", P.Close(5))
+    await broker.send(b"e", P.Verify(5, 2, len(ids) + 3, [], []))  # after CLOSE: unknown again
+    assert isinstance(await broker.reply(b"e"), P.Verdict)
+    error = await broker.reply(b"e")
+    assert (error.code, error.session, error.seq) == ("RESEND_CONTEXT", 5, 2)
+    assert worker.stats["sessions_open"] == 0
+
+
+async def test_single_session_is_not_held_for_max_wait(fake_broker, start_worker, tiny_runners):
+    target, _ = tiny_runners
+    broker = fake_broker()
+    worker = await start_worker(broker, max_wait_ms=1000)
+    ids = ids_of(target, PROMPTS[1])
+    await broker.send(b"e", P.Open(9, ids))
+    t0 = time.monotonic()
+    await broker.send(b"e", P.Verify(9, 1, len(ids), [], [3]))
+    assert isinstance(await broker.reply(b"e"), P.Verdict)
+    assert time.monotonic() - t0 < 0.5  # far below the 1 s max_wait: one open session, nothing to wait for
+    assert worker.stats["batch_sizes"] == {1: 1}
+
+
+# ------------------------------------------------------------------------------------------ bad requests
+
+async def test_malformed_requests_get_bad_request_and_the_worker_keeps_serving(fake_broker, start_worker,
+                                                                              tiny_runners):
+    target, _ = tiny_runners
+    v = target.vocab_size
+    broker = fake_broker()
+    worker = await start_worker(broker)
+    ids = ids_of(target, PROMPTS[0])
+    await broker.send(b"e", P.Open(21, ids))
+    verify = P.header(MsgType.VERIFY)
+    cases = [  # (frames, session, seq, words the message must contain)
+        ([verify, b"\xc1"], 0, 0, "MessagePack"),
+        ([verify, msgspec.msgpack.encode([21, "one", 0])], 21, 0, "seq"),
+        ([b"\x09\x02", msgspec.msgpack.encode([21])], 21, 0, "version"),
+        ([verify], 0, 0, "frames"),
+        ([verify, msgspec.msgpack.encode([21, 1, len(ids)]), b"extra"], 21, 0, "frames"),
+        (P.encode(P.Verdict(21, 1, 0)), 21, 0, "does not accept VERDICT"),
+        (P.encode(P.Open(22, ids, mode="nope")), 22, 0, "mode"),
+        (P.encode(P.Open(23, [v + 5])), 23, 0, "tokens"),
+        (P.encode(P.Verify(21, 1, len(ids), [], [v + 5])), 21, 1, "draft"),
+        (P.encode(P.Verify(21, 1, len(ids), [], [1], q=b"\x00\x00\xc0\x7f")), 21, 1, "q"),
+    ]
+    for frames, sid, seq, words in cases:
+        await broker.send(b"e", frames)
+        error = await broker.reply(b"e")
+        assert isinstance(error, P.Error) and error.code == "BAD_REQUEST", (words, error)
+        assert (error.session, error.seq) == (sid, seq) and words in error.message, (words, error)
+    await broker.send(b"e", P.Verify(21, 1, len(ids), [], [1, 2]))
+    assert isinstance(await broker.reply(b"e"), P.Verdict)
+    assert worker.stats["bad_requests"] == len(cases) == worker.stats["errors"]["BAD_REQUEST"]
+
+
+async def test_unknown_session_gets_resend_context(fake_broker, start_worker):
+    broker = fake_broker()
+    await start_worker(broker)
+    await broker.send(b"e", P.Verify(12345, 7, 3, [], [1]))
+    error = await broker.reply(b"e")
+    assert (error.code, error.session, error.seq) == ("RESEND_CONTEXT", 12345, 7)
+
+
+async def test_model_failure_answers_internal_and_keeps_serving(fake_broker, start_worker, tiny_runners,
+                                                                monkeypatch):
+    target, _ = tiny_runners
+    broker = fake_broker()
+    worker = await start_worker(broker)
+    ids = ids_of(target, PROMPTS[2])
+
+    def broken(requests):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(worker.verifier, "verify", broken)
+    await broker.send(b"e", P.Open(31, ids))
+    await broker.send(b"e", P.Verify(31, 1, len(ids), [], [1]))
+    error = await broker.reply(b"e")
+    assert (error.code, error.session, error.seq) == ("INTERNAL", 31, 1)
+    monkeypatch.undo()
+    await broker.send(b"e", P.Verify(31, 1, len(ids), [], [1]))  # the session was dropped with the batch
+    assert (await broker.reply(b"e")).code == "RESEND_CONTEXT"
+    await broker.send(b"e", P.Open(31, ids))
+    await broker.send(b"e", P.Verify(31, 1, len(ids), [], [1]))
+    assert isinstance(await broker.reply(b"e"), P.Verdict)
+    assert worker.stats["internal_errors"] == 1
+
+
+# ------------------------------------------------------------------------------------ heartbeats, lifecycle
+
+async def test_heartbeats_carry_the_load_and_flow_during_a_long_forward(fake_broker, start_worker, tiny_runners,
+                                                                        monkeypatch):
+    target, _ = tiny_runners
+    broker = fake_broker(heartbeat=0.03)
+    worker = await start_worker(broker, heartbeat_interval=0.05)
+    ids = ids_of(target, PROMPTS[0])
+    await broker.send(b"e", P.Open(41, ids))
+    await wait_until(lambda: any(m.load == 1 for _, m, _ in broker.of_type(P.Heartbeat)))
+    verify = worker.verifier.verify
+
+    def slow(requests):
+        time.sleep(0.6)  # a long forward pass, in the executor thread
+        return verify(requests)
+
+    monkeypatch.setattr(worker.verifier, "verify", slow)
+    t0 = time.monotonic()
+    await broker.send(b"e", P.Verify(41, 1, len(ids), [], [1]))
+    assert isinstance(await broker.reply(b"e"), P.Verdict)
+    during = [t for _, _, t in broker.of_type(P.Heartbeat) if t > t0 + 0.1]
+    assert len(during) >= 4
+    assert worker.stats["reconnects"] == 0 and worker.stats["heartbeats_received"] > 0
+
+
+async def test_silent_broker_means_reconnect_and_ready_again(fake_broker, start_worker, tiny_runners):
+    target, _ = tiny_runners
+    broker = fake_broker(heartbeat=None)
+    worker = await start_worker(broker, heartbeat_interval=0.05, heartbeat_liveness=3)
+    first = broker.worker
+    await broker.send(b"e", P.Open(51, ids_of(target, PROMPTS[0])))
+    await wait_until(lambda: worker.stats["sessions_open"] == 1)
+    await broker.ready(count=2)
+    assert broker.of_type(P.Ready)[1][0] != first  # a new socket, a new identity
+    await wait_until(lambda: worker.stats["sessions_open"] == 0)  # the broker has forgotten them too
+    assert worker.stats["reconnects"] >= 1
+
+
+async def test_broker_disconnect_means_ready_again(fake_broker, start_worker):
+    broker = fake_broker()
+    worker = await start_worker(broker, heartbeat_interval=0.05)
+    await broker.sock.send_multipart([broker.worker, b"", *P.encode(P.Disconnect("unknown worker"))])
+    await broker.ready(count=2)
+    assert worker.stats["reconnects"] == 1
+
+
+async def test_stop_drains_the_running_batch_then_disconnects(fake_broker, start_worker, tiny_runners,
+                                                               monkeypatch):
+    target, _ = tiny_runners
+    broker = fake_broker()
+    worker = await start_worker(broker)
+    ids = ids_of(target, PROMPTS[0])
+    verify = worker.verifier.verify
+    monkeypatch.setattr(worker.verifier, "verify", lambda requests: time.sleep(0.3) or verify(requests))
+    await broker.send(b"e", P.Open(71, ids))
+    await broker.send(b"e", P.Verify(71, 1, len(ids), [], [1]))
+    await wait_until(lambda: worker.stats["queued"] == 0 and worker.stats["sessions_open"] == 1)
+    await asyncio.sleep(0.05)  # the forward is running in the executor thread
+    await worker.stop()
+    assert isinstance(await broker.reply(b"e"), P.Verdict)  # answered before goodbye
+    await wait_until(lambda: broker.of_type(P.Disconnect))
+
+
+async def test_stop_sends_disconnect(fake_broker, start_worker):
+    broker = fake_broker()
+    worker = await start_worker(broker)
+    await worker.stop()
+    await wait_until(lambda: broker.of_type(P.Disconnect))
+    assert broker.of_type(P.Disconnect)[0][0] == broker.worker
+    await worker.stop()  # idempotent
+
+
+async def test_serve_loads_the_model_and_disconnects_when_cancelled(fake_broker, tiny_pair):
+    broker = fake_broker()
+    task = asyncio.create_task(serve(broker.endpoint, str(tiny_pair[0]), linger_ms=0))
+    ready = await broker.ready()
+    assert ready.model == str(tiny_pair[0])
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_until(lambda: broker.of_type(P.Disconnect))
+    # serve uses the global context: term() returns only once every socket of it is closed
+    await asyncio.wait_for(asyncio.to_thread(zmq.asyncio.Context.instance().term), 5)
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="max_batch"):
+        WorkerConfig(max_batch=0)
+    with pytest.raises(ValueError, match="identity"):
+        WorkerConfig(identity=b"\x00abc")
+
+
+# ---------------------------------------------------------------------------------- health, metrics, systemd
+
+async def http_get(port: int, path: str) -> tuple[int, str]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"GET {path} HTTP/1.0\r\nHost: x\r\n\r\n".encode())
+    data = await asyncio.wait_for(reader.read(), RECV_TIMEOUT)
+    writer.close()
+    head, _, body = data.decode().partition("\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+async def test_health_and_metrics(fake_broker, start_worker, tiny_runners):
+    target, _ = tiny_runners
+    broker = fake_broker(heartbeat=0.03)
+    worker = await start_worker(broker, health_port=0, heartbeat_interval=0.05)
+    ids = ids_of(target, PROMPTS[0])
+    await broker.send(b"e", P.Open(61, ids))
+    await broker.send(b"e", P.Verify(61, 1, len(ids), [], [1]))
+    await broker.reply(b"e")
+    assert (await http_get(worker.health_port, "/healthz"))[0] == 200
+    await wait_until(lambda: worker.stats["heartbeats_received"] > 0)
+    assert (await http_get(worker.health_port, "/readyz"))[0] == 200
+    status, metrics = await http_get(worker.health_port, "/metrics")
+    assert status == 200
+    assert "specrelay_cloud_batches_total 1" in metrics and 'specrelay_cloud_batch_size_bucket{le="1"} 1' in metrics
+    assert "specrelay_cloud_sessions_open 1" in metrics
+    assert (await http_get(worker.health_port, "/nope"))[0] == 404
+
+
+async def test_systemd_notify(fake_broker, start_worker, monkeypatch):
+    path = Path(tempfile.mkdtemp(prefix="sr-")) / "notify"  # unix socket paths must stay short
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(path))
+    sock.setblocking(False)
+    monkeypatch.setenv("NOTIFY_SOCKET", str(path))
+    try:
+        broker = fake_broker()
+        await start_worker(broker, heartbeat_interval=0.05)
+        seen: set[bytes] = set()
+        deadline = time.monotonic() + RECV_TIMEOUT
+        while not {b"READY=1", b"WATCHDOG=1"} <= seen and time.monotonic() < deadline:
+            try:
+                seen.add(sock.recv(64))
+            except BlockingIOError:
+                await asyncio.sleep(0.01)
+        assert {b"READY=1", b"WATCHDOG=1"} <= seen
+    finally:
+        sock.close()
+        os.unlink(path)
+
+
+# ------------------------------------------------------------------------------------ the Batcher, pure
+
+def item(sid: int, msg: P.Base, t: float = 0.0) -> Item:
+    return Item(b"c", msg, sid, t)
+
+
+def test_batcher_waits_only_for_other_active_sessions():
+    b = Batcher(max_batch=8, max_wait_s=0.002, idle_after_s=5.0)
+    b.push(item(1, P.Verify(1, 1, 3), t=10.0))
+    batch: list[Item] = []
+    assert b.take(batch, control=lambda it: None) is False and len(batch) == 1
+    assert b.wait_budget(batch, 10.0, is_open={1}) == 0.0             # one active session: go at once
+    b.last_seen[2] = 9.0                                              # another session spoke a second ago
+    assert b.wait_budget(batch, 10.0005, is_open={1, 2}) == pytest.approx(0.0015)
+    assert b.wait_budget(batch, 10.003, is_open={1, 2}) == 0.0        # max_wait since the oldest request
+    assert b.wait_budget(batch, 10.0005, is_open={1}) == 0.0          # session 2 closed (or evicted)
+    b.last_seen[3] = 0.0
+    assert b.wait_budget(batch, 10.0005, is_open={1, 3}) == 0.0       # session 3 idle for 10 s
+
+
+def test_batcher_keeps_each_sessions_order_and_the_batch_cap():
+    b = Batcher(max_batch=2, max_wait_s=0.002, idle_after_s=5.0)
+    for it in [item(1, P.Open(1, [1])), item(1, P.Verify(1, 1, 1)), item(2, P.Verify(2, 1, 1)),
+               item(1, P.Close(1)), item(3, P.Verify(3, 1, 1))]:
+        b.push(it)
+    control: list[P.Base] = []
+    batch: list[Item] = []
+    assert b.take(batch, lambda it: control.append(it.msg)) is False
+    assert [type(m) for m in control] == [P.Open] and [it.session for it in batch] == [1, 2]  # cap reached
+    batch = []
+    assert b.take(batch, lambda it: control.append(it.msg)) is False
+    assert isinstance(control[-1], P.Close) and [it.session for it in batch] == [3]
+    b.push(item(3, P.Verify(3, 2, 1)))
+    assert b.take(batch, lambda it: None) is True  # session 3 is already in the batch: wait for it

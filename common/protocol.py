@@ -288,9 +288,9 @@ def from_f32(data: bytes, expected: int | None = None, field: str = "p"):
 
     if len(data) % 4:
         raise InvalidRequest(f"{field} must be float32 bytes (length divisible by 4), got {len(data)}", field=field)
-    arr = torch.from_numpy(np.frombuffer(data, dtype="<f4").copy())
+    arr = np.frombuffer(data, dtype="<f4")
     if expected is not None and arr.shape[0] != expected:
         raise InvalidRequest(f"{field} has {arr.shape[0]} values, expected {expected}", field=field)
-    if not torch.isfinite(arr).all() or (arr < 0).any():
+    if not (np.isfinite(arr).all() and (arr >= 0).all()):
         raise InvalidRequest(f"{field} must hold finite probabilities >= 0", field=field)
-    return arr
+    return torch.from_numpy(arr.copy())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 
+import numpy as np
 import torch
 
 _MASK64 = (1 << 64) - 1
@@ -63,10 +64,11 @@ def gumbel(seed: int, position: int, vocab_size: int) -> torch.Tensor:  # -> [vo
 
 
 def sample_index(probs: torch.Tensor, u: float) -> int:  # probs: [V] (any scale, non-negative)
-    """Inverse-CDF sample: the first index whose cumulative mass exceeds u * total."""
-    cdf = probs.to(torch.float64).cumsum(0)
-    idx = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
-    idx = min(idx, probs.shape[0] - 1)
-    while probs[idx] <= 0:  # u * total landed exactly on a boundary after a zero run
+    """Inverse-CDF sample: the first index whose cumulative mass exceeds u * total (float64, numpy: this runs
+    once per drawn token, where torch's per-op overhead would dominate)."""
+    p = probs.detach().cpu().numpy() if isinstance(probs, torch.Tensor) else np.asarray(probs)
+    cdf = np.cumsum(p, dtype=np.float64)
+    idx = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), len(p) - 1)
+    while p[idx] <= 0:  # u * total landed exactly on a boundary after a zero run
         idx -= 1
     return idx

@@ -59,8 +59,8 @@ class ModelRunner:
         """One forward pass over many sequences with different cached lengths and new-token counts.
 
         Past K/V are left-padded to the longest past, new tokens right-padded; the attention mask hides
-        padding and position ids are per row. Returns, per row, (logits [n_i, V] float32, new K/V for its
-        n_i tokens) — the caller keeps only the K/V of tokens that end up committed.
+        padding and position ids are per row. Returns, per row, (logits [n_i, V] float32, new K/V whose first
+        n_i positions are its tokens) — the caller keeps only the K/V of tokens that end up committed.
         """
         b = len(rows)
         past = max(r.past_len for r in rows)
@@ -76,12 +76,9 @@ class ModelRunner:
         cache = DynamicCache(ddp_cache_data=_stack_left_padded([r.kv for r in rows], past)) if past else DynamicCache()
         out = self.model(input_ids=ids.to(self.device), position_ids=positions.to(self.device),
                          attention_mask=mask.to(self.device), use_cache=True, **{self._cache_kw: cache})
-        results = []
-        for i, r in enumerate(rows):
-            n = len(r.ids)
-            new_kv = [(layer.keys[i, :, past:past + n], layer.values[i, :, past:past + n]) for layer in cache.layers]
-            results.append((out.logits[i, :n].float(), new_kv))
-        return results
+        layers = [(layer.keys[:, :, past:], layer.values[:, :, past:]) for layer in cache.layers]
+        logits = out.logits.float()
+        return [(logits[i, :len(r.ids)], [(k[i], v[i]) for k, v in layers]) for i, r in enumerate(rows)]
 
 
 @dataclass
@@ -95,6 +92,9 @@ class BatchRow:
 
 def _stack_left_padded(kvs: list[KV | None], past: int) -> KV:
     """Per layer, stack rows into [batch, kv_heads, past, head_dim], zero-padding each row on the left."""
+    if all(kv and kv[0][0].shape[1] == past for kv in kvs):  # no padding needed: one stack per layer
+        return [(torch.stack([kv[li][0] for kv in kvs]), torch.stack([kv[li][1] for kv in kvs]))
+                for li in range(len(kvs[0]))]
     template = next(kv for kv in kvs if kv)
     layers = []
     for li, (k0, v0) in enumerate(template):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..common.errors import FatalError
 from ..common.rng import Purpose, gumbel, sample_index, uniform
 from ..common.runner import KV, BatchRow, ModelRunner, append_kv, truncate_kv
 from ..common.sampling import SamplingParams, probs_from_logits
@@ -138,19 +139,36 @@ class Drafter:
             state.last_logits = logits[-1]
 
 
-def make_drafter(draft_model: str, target_tokenizer: str | None = None, device: str = "cpu", dtype: str = "float32"):
+def make_drafter(draft_model: str, target_tokenizer: str | None = None, device: str = "cpu", dtype: str = "float32",
+                 target_vocab_size: int | None = None):
     """Load the draft model and return (drafter, target tokenizer).
 
     With no target tokenizer, or one whose vocabulary equals the draft's, the pair shares a vocabulary;
-    otherwise the cross-vocabulary drafter (shared vocabulary V_c, context sync by bytes) is used.
+    otherwise the cross-vocabulary drafter (shared vocabulary V_c, context sync by bytes) is used. The target
+    vocabulary size defaults to the target config's (when `target_tokenizer` is a model directory/id).
     """
-    from transformers import AutoTokenizer
-
     runner = ModelRunner.load(draft_model, device=device, dtype=dtype)
     if target_tokenizer is None:
-        return Drafter(runner), runner.tokenizer
-    target_tok = AutoTokenizer.from_pretrained(target_tokenizer)
+        return Drafter(runner, target_vocab_size), runner.tokenizer
+    target_tok, config_vocab = load_target_tokenizer(target_tokenizer)
+    target_vocab_size = target_vocab_size or config_vocab
     if target_tok.get_vocab() == runner.tokenizer.get_vocab():
-        return Drafter(runner), target_tok
+        return Drafter(runner, target_vocab_size), target_tok
     from .xdrafter import CrossVocabDrafter
-    return CrossVocabDrafter(runner, target_tok), target_tok
+    return CrossVocabDrafter(runner, target_tok, target_vocab_size), target_tok
+
+
+def load_target_tokenizer(name: str):
+    """(tokenizer, vocab size from the model config when `name` is a model, else None). The edge needs only
+    the target's tokenizer files (its decode table), never its weights."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as exc:
+        raise FatalError(f"cannot load the target tokenizer {name!r}: {exc}") from exc
+    try:
+        vocab_size = getattr(AutoConfig.from_pretrained(name), "vocab_size", None)
+    except (OSError, ValueError):
+        vocab_size = None
+    return tokenizer, vocab_size

@@ -27,7 +27,8 @@ import zmq.asyncio
 from ..common import protocol as P
 from ..common.errors import FatalError, GenerationTimeout, InvalidRequest, RequestError, UnknownSession
 from ..common.sampling import SamplingParams
-from .drafter import Drafter
+from .batcher import DraftBatcher
+from .drafter import Drafter, make_drafter
 from .session import EdgeSession, SessionConfig
 from .textstream import TextStream
 
@@ -113,6 +114,7 @@ class EdgeWorker:
         self._requests: dict[tuple[bytes, int], asyncio.Task] = {}
         self._tasks: list[asyncio.Task] = []
         self._pool: ThreadPoolExecutor | None = None
+        self._batcher: DraftBatcher | None = None
         self._closed = asyncio.Event()
         self._log = log.bind(broker=broker)
 
@@ -129,6 +131,7 @@ class EdgeWorker:
         if self._sock is not None:
             return
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specrelay-draft")
+        self._batcher = DraftBatcher(self.drafter, self._pool)
         self._sock = self._socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, self.identity)
         self._sock.connect(self.broker)
@@ -165,6 +168,8 @@ class EdgeWorker:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._batcher is not None:
+            await self._batcher.close()
         self._tasks.clear()
         for sock in (self._router, self._sock):
             if sock is not None:
@@ -218,8 +223,8 @@ class EdgeWorker:
 
     async def _step(self, session: EdgeSession, route: _Route) -> list[int]:
         """Draft (in the draft thread) or take the pending RESAMPLE, send it, apply the reply."""
-        loop = asyncio.get_running_loop()
-        request = await loop.run_in_executor(self._pool, session.next_request)
+        job = session.draft_job()  # None while a RESAMPLE is pending
+        request = session.next_request() if job is None else session.request_for(await self._batcher.draft(job))
         if route.stash is not None:  # the OPEN already failed: do not send on top of it
             reply, route.stash = route.stash, None
             return session.apply(reply)
@@ -376,34 +381,10 @@ async def load_edge(broker: str, draft_model: str, target_tokenizer: str | None 
                     dtype: str = "float32", target_vocab_size: int | None = None,
                     config: EdgeConfig | None = None, context: zmq.asyncio.Context | None = None) -> EdgeWorker:
     """Load the draft model (in a thread) and build an EdgeWorker (not started). The target tokenizer
-    defaults to the draft model's; `target_vocab_size` defaults to the target config's, else the draft's."""
-    from ..common.runner import ModelRunner
-
-    runner = await asyncio.to_thread(ModelRunner.load, draft_model, device, dtype)
-    tokenizer = runner.tokenizer
-    if target_tokenizer is not None:
-        tokenizer, config_vocab = await asyncio.to_thread(_load_target_tokenizer, target_tokenizer)
-        if tokenizer.get_vocab() != runner.tokenizer.get_vocab():
-            raise FatalError(f"{target_tokenizer!r} has a different vocabulary from the draft model; "
-                             "cross-vocabulary drafting is not available in this edge worker yet")
-        target_vocab_size = target_vocab_size or config_vocab
-    drafter = Drafter(runner, target_vocab_size)
+    defaults to the draft model's; a different vocabulary gets the cross-vocabulary drafter."""
+    drafter, tokenizer = await asyncio.to_thread(make_drafter, draft_model, target_tokenizer, device, dtype,
+                                                 target_vocab_size)
     return EdgeWorker(broker, drafter, tokenizer, config, context=context)
-
-
-def _load_target_tokenizer(name: str):
-    """(tokenizer, vocab size from the model config when `name` is a model, else None)."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
-    except (OSError, ValueError) as exc:
-        raise FatalError(f"cannot load the target tokenizer {name!r}: {exc}") from exc
-    try:
-        vocab_size = getattr(AutoConfig.from_pretrained(name), "vocab_size", None)
-    except (OSError, ValueError):
-        vocab_size = None
-    return tokenizer, vocab_size
 
 
 async def serve(broker: str, draft_model: str, listen: str, target_tokenizer: str | None = None,

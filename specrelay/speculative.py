@@ -13,7 +13,7 @@ from dataclasses import asdict
 
 import torch
 
-from .cloud_worker.verifier import Verifier
+from .cloud_worker.verifier import Verifier, VerifierConfig
 from .common import protocol as P
 from .common.rng import Purpose, gumbel, sample_index, uniform
 from .common.runner import Decoder, ModelRunner
@@ -29,20 +29,39 @@ def speculative_generate(draft: ModelRunner | Drafter, target: ModelRunner | Ver
     `kwargs` build a SessionConfig when none is given (max_new_tokens, params, mode, seed, draft_len, resample).
     """
     config = config or SessionConfig(**kwargs)
-    verifier = target if isinstance(target, Verifier) else Verifier(target)
+    return speculative_generate_batch(draft, target, [list(prompt_ids)], [config])[0]
+
+
+def speculative_generate_batch(draft: ModelRunner | Drafter, target: ModelRunner | Verifier,
+                               prompts: list[list[int]], configs: list[SessionConfig]) -> list[tuple[list[int], dict]]:
+    """Many sessions in lockstep: one batched draft forward per draft position, one batched target forward per
+    verification round, exactly as an edge and a cloud worker batch them."""
+    verifier = target if isinstance(target, Verifier) else Verifier(
+        target, VerifierConfig(max_sessions=max(1024, len(prompts))))
     drafter = draft if isinstance(draft, Drafter) else Drafter(draft, verifier.runner.vocab_size)
-    session = EdgeSession(list(prompt_ids), config, drafter)
+    sessions = [EdgeSession(list(p), c, drafter, sid=i + 1) for i, (p, c) in enumerate(zip(prompts, configs))]
     t0 = time.perf_counter()
-    verifier.open(session.open_message())
-    while not session.done:
-        request = session.next_request()
-        session.stats.uplink_bytes += sum(map(len, P.encode(request)))
-        reply = verifier.verify([request])[0] if isinstance(request, P.Verify) else verifier.resample_request(request)
-        session.stats.downlink_bytes += sum(map(len, P.encode(reply)))
-        session.apply(reply)
-    verifier.close(session.sid)
-    stats = asdict(session.stats) | {"wall_s": time.perf_counter() - t0}
-    return session.generated, stats
+    for s in sessions:
+        verifier.open(s.open_message())
+    live = list(sessions)
+    while live:
+        jobs = [(s, s.draft_job()) for s in live]
+        drafting = [(s, j) for s, j in jobs if j is not None]
+        blocks = drafter.draft_batch([j for _, j in drafting])
+        verifies = [s.request_for(b) for (s, _), b in zip(drafting, blocks)]
+        replies = verifier.verify(verifies) if verifies else []
+        pairs = list(zip(verifies, replies))
+        pairs += [(req, verifier.resample_request(req)) for s, j in jobs if j is None for req in [s.next_request()]]
+        for request, reply in pairs:
+            session = sessions[request.session - 1]
+            session.stats.uplink_bytes += sum(map(len, P.encode(request)))
+            session.stats.downlink_bytes += sum(map(len, P.encode(reply)))
+            session.apply(reply)
+        live = [s for s in live if not s.done]
+    wall = time.perf_counter() - t0
+    for s in sessions:
+        verifier.close(s.sid)
+    return [(s.generated, asdict(s.stats) | {"wall_s": wall}) for s in sessions]
 
 
 @torch.no_grad()

@@ -215,7 +215,7 @@ def train_loop(model, name: str, minutes: float, loss_fn, lr: float, batch: int,
         step += 1
         if step % 50 == 0:
             log(f"{out.name} step {step} loss {loss.item():.3f} lr {lr * scale:.2e} {time.time() - t0:.0f}s")
-        if step % 500 == 0:
+        if step % 100 == 0:
             save(model, tok, out)
     save(model, tok, out)
     stats = {"steps": step, "tokens_seen": step * batch * SEQ_LEN, "wall_minutes": round((time.time() - t0) / 60, 1),

@@ -78,9 +78,10 @@ class Verifier:
             raise InvalidRequest(f"vocab_size {msg.vocab_size} does not match the target model's "
                                  f"{self.runner.vocab_size}", field="vocab_size")
         self._check_ids(msg.tokens, "tokens")
+        shared = self._shared_mask(msg.shared_vocab)  # validated before the old state is replaced
         self.sessions.pop(msg.session, None)
         self.sessions[msg.session] = CloudSession(msg.session, list(msg.tokens), msg.mode, params, msg.seed,
-                                                  msg.resample, self._shared_mask(msg.shared_vocab))
+                                                  msg.resample, shared)
         while len(self.sessions) > self.config.max_sessions:
             self._evict_oldest()
 
@@ -134,6 +135,7 @@ class Verifier:
             else:
                 work.append((i, session, req))
         if work:
+            assert len({s.sid for _, s, _ in work}) == len(work), "a session may appear once per batch (one KV)"
             rows = [BatchRow(s.kv, s.cached, s.tokens[s.cached:] + list(r.draft)) for _, s, r in work]
             outputs = self.runner.forward_batch(rows)
             self.stats["forward_passes"] += 1
@@ -156,9 +158,8 @@ class Verifier:
                                  f"tokens plus a tail of {len(req.tail)}; resend the context", field="pos")
         self._check_ids(req.tail, "tail")
         self._check_ids(req.draft, "draft")
-        if session.mode == "sample" and len(req.q) != 4 * len(req.draft):
-            raise InvalidRequest(f"q must hold one float32 per draft token ({4 * len(req.draft)} bytes), "
-                                 f"got {len(req.q)} bytes", field="q")
+        if session.mode == "sample":
+            P.from_f32(req.q, len(req.draft), "q")  # length, finiteness, sign: fail before anything commits
         session.tokens.extend(req.tail)
         session.pending = {}
         return session

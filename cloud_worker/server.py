@@ -48,7 +48,7 @@ class WorkerConfig:
     """How a cloud worker batches, heartbeats and reports; validated here, once."""
 
     max_batch: int = 32
-    max_wait_ms: float = 2.0             # longest wait to fill a batch, and only while others may still send
+    max_wait_ms: float = 5.0             # longest wait to fill a batch, and only while others may still send
     max_sessions: int = 1024
     max_cache_bytes: int = 2 << 30       # KV memory cap; least-recently-used sessions are evicted past it
     heartbeat_interval: float = 1.0
@@ -514,7 +514,7 @@ async def _recv_capped(sock: zmq.asyncio.Socket, cap: int) -> tuple[list[bytes],
 
 
 async def serve(broker: str, model: str, device: str = "cpu", dtype: str = "float32", max_batch: int = 32,
-                max_wait_ms: float = 2.0, health_port: int | None = None, **options: object) -> None:
+                max_wait_ms: float = 5.0, health_port: int | None = None, **options: object) -> None:
     """Load the target model and serve it until cancelled: the body of `specrelay cloud-worker`.
     options: the other WorkerConfig fields (max_sessions, max_cache_bytes, heartbeat_interval, identity, ...)."""
     config = WorkerConfig(max_batch=max_batch, max_wait_ms=max_wait_ms, health_port=health_port, **options)

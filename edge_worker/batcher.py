@@ -34,7 +34,8 @@ class DraftBatcher:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            await asyncio.sleep(0)  # sessions woken by the same reply burst enqueue too
+            for _ in range(3):  # sessions woken by the same reply burst enqueue too
+                await asyncio.sleep(0)
             batch, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
             if self._queue:
                 self._wake.set()

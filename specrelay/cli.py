@@ -176,7 +176,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--max-batch", type=int, default=32)
-    p.add_argument("--max-wait-ms", type=float, default=2.0, help="longest wait to fill a batch")
+    p.add_argument("--max-wait-ms", type=float, default=5.0, help="longest wait to fill a batch")
     p.add_argument("--max-cache-mb", type=float, default=2048, help="KV cache cap; LRU sessions evicted past it")
     p.add_argument("--health-port", type=int, default=None, help="HTTP /healthz and /metrics port")
     p.set_defaults(fn=cmd_cloud_worker)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import weakref
 from typing import Sequence
 
 import structlog
@@ -51,6 +52,20 @@ def _text_encoder(draft_tokenizer) -> Tokenizer:
     return enc
 
 
+_ENCODERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> (encoder, backoff)
+
+
+def _encoder_and_backoff(draft_tokenizer) -> tuple[Tokenizer, int | None]:
+    """Built once per tokenizer (a session only reads them), and the full-retokenise warning logged once."""
+    key = draft_tokenizer
+    if key not in _ENCODERS:
+        backoff = incremental_backoff(draft_tokenizer)
+        if backoff is None:
+            log.warning("textsync_full_retokenize", reason="no proven tail rule for this pre-tokenizer")
+        _ENCODERS[key] = (_text_encoder(draft_tokenizer), backoff)
+    return _ENCODERS[key]
+
+
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -71,10 +86,7 @@ class DraftContext:
                  prefix_ids: Sequence[int] = ()) -> None:
         self._table = target_table
         self._prefix = list(prefix_ids)
-        self._enc = _text_encoder(draft_tokenizer)
-        self._backoff = incremental_backoff(draft_tokenizer)
-        if self._backoff is None:
-            log.warning("textsync_full_retokenize", reason="no proven tail rule for this pre-tokenizer")
+        self._enc, self._backoff = _encoder_and_backoff(draft_tokenizer)
         self._raw = bytearray()  # exact committed bytes, incomplete UTF-8 tail included
         self._text = bytearray()  # UTF-8 of the text the draft sees: complete chars, invalid bytes -> U+FFFD
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # holds back half a char

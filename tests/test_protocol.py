@@ -1,0 +1,62 @@
+"""The wire protocol: every message round-trips; defects raise InvalidRequest naming the field."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from specrelay.common import protocol as P
+from specrelay.common.errors import InvalidRequest
+
+
+@pytest.mark.parametrize("msg", [
+    P.Open(7, [1, 2, 3], "sample", 0.7, 40, 0.9, 11, "srdv", b"\xff\x01", 8192),
+    P.Verify(7, 3, 10, [5], [1, 2, 3, 4], P.f32([0.1, 0.2, 0.3, 0.4])),
+    P.Verdict(7, 3, 2, 99), P.Verdict(7, 3, 1, -1, candidates=[4, 5], cand_p=P.f32([0.5, 0.25])),
+    P.Resample(7, 3, "candidates", 1), P.Resampled(7, 3, 12), P.Close(7), P.Error(7, 3, "BAD_REQUEST", "x"),
+    P.Ready("m", 8192, 10, 32), P.Heartbeat(3), P.Disconnect("bye"),
+    P.Generate(1, "def f():\n", 16, 0.5, 0, 1.0, 3, -1, "", ""), P.Cancel(1), P.Tokens(1, [1], "a"),
+    P.Done(1, {"wall_s": 0.1}),
+])
+def test_round_trip(msg):
+    frames = P.encode(msg)
+    assert frames[0] == bytes((P.PROTOCOL_VERSION, P.TYPE_OF[type(msg)]))
+    assert P.decode(frames) == msg
+
+
+def bad(msg_type: P.MsgType, body) -> InvalidRequest:
+    with pytest.raises(InvalidRequest) as info:
+        P.decode([P.header(msg_type), body if isinstance(body, bytes) else msgspec.msgpack.encode(body)])
+    return info.value
+
+
+def test_wrong_type_names_the_field():
+    err = bad(P.MsgType.VERIFY, [5, "x", 1])
+    assert err.field == "seq" and "Verify.seq" in str(err)
+
+
+def test_huge_arrays_rejected_cheaply():
+    assert bad(P.MsgType.VERIFY, [5, 1, 1, [], list(range(P.MAX_DRAFT + 1))]).field == "draft"
+    assert bad(P.MsgType.OPEN, [5, list(range(P.MAX_CONTEXT + 1))]).field == "tokens"
+
+
+def test_out_of_range_and_garbage():
+    assert bad(P.MsgType.VERIFY, [-1, 1, 1]).field == "session"
+    assert bad(P.MsgType.VERIFY, b"\xc1\xc1").field == "body"
+    with pytest.raises(InvalidRequest, match="version"):
+        P.decode([bytes((99, 2)), b""])
+    with pytest.raises(InvalidRequest, match="unknown message type"):
+        P.decode([bytes((P.PROTOCOL_VERSION, 200)), b""])
+    with pytest.raises(InvalidRequest, match="2 frames"):
+        P.decode([b"x"])
+
+
+def test_probabilities_are_checked():
+    with pytest.raises(InvalidRequest, match="finite"):
+        P.from_f32(P.f32([float("nan")]))
+    with pytest.raises(InvalidRequest, match="expected 2"):
+        P.from_f32(P.f32([0.5]), 2)
+
+
+def test_session_of_reads_only_the_first_field():
+    assert P.session_of(P.encode(P.Verify(123, 4, 5, draft=[1]))[1]) == 123

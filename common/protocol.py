@@ -223,9 +223,23 @@ def header(msg_type: MsgType) -> bytes:
     return bytes((PROTOCOL_VERSION, msg_type))
 
 
+def _defaults(cls: type[Base]) -> tuple:
+    info = msgspec.structs.fields(cls)
+    return tuple(f.default if f.default is not msgspec.NODEFAULT else f.default_factory() if
+                 f.default_factory is not msgspec.NODEFAULT else msgspec.NODEFAULT for f in info)
+
+
+_DEFAULTS = {cls: _defaults(cls) for cls in MESSAGES.values()}
+
+
 def encode(msg: Base) -> list[bytes]:
-    """Message -> [header, body] frames."""
-    return [header(TYPE_OF[type(msg)]), _encoder.encode(msg)]
+    """Message -> [header, body] frames. Trailing fields equal to their defaults are left off the array
+    (msgspec's omit_defaults does not apply to array_like structs); the decoder fills them back in."""
+    values = list(msgspec.structs.astuple(msg))
+    defaults = _DEFAULTS[type(msg)]
+    while values and values[-1] == defaults[len(values) - 1]:
+        values.pop()
+    return [header(TYPE_OF[type(msg)]), _encoder.encode(values)]
 
 
 def parse_header(frame: bytes) -> MsgType:

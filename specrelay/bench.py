@@ -4,6 +4,7 @@
     python -m specrelay.bench concurrency   # one cloud worker: 16 concurrent sessions vs 1 (verified tokens/s)
     python -m specrelay.bench hf            # one session over loopback vs HF assisted generation in-process
     python -m specrelay.bench xvocab        # cross-vocab pair, T=1: bits/token up+down for full|hr|srdv|coupled
+    python -m specrelay.bench wire          # bytes of each message for d = 4 and d = 8
     python -m specrelay.bench all
 
 Results go to bench_results/<name>.json. Everything runs on 127.0.0.1 with the demo models.
@@ -154,7 +155,38 @@ def bench_xvocab(args) -> dict:
             "bar_coupled_down_le_64": rows["coupled"]["downlink_bits_per_token"] <= 64}
 
 
-BENCHES = {"calls": bench_calls, "concurrency": bench_concurrency, "hf": bench_hf, "xvocab": bench_xvocab}
+def bench_wire(args) -> dict:
+    """Bytes on the wire (header + body frames) of each message, for d = 4 and d = 8 draft tokens.
+    Realistic field values: a random 31-bit session id, token ids near 8000, position 300."""
+    from .common import protocol as P
+
+    sid, ids = 1_234_567_890, lambda n: [8000 + i for i in range(n)]
+    size = lambda m: sum(map(len, P.encode(m)))
+    rows = {}
+    for d in (4, 8):
+        rows[f"d={d}"] = {
+            "VERIFY greedy/coupled": size(P.Verify(sid, 57, 300, [], ids(d))),
+            "VERIFY sample (q per token)": size(P.Verify(sid, 57, 300, [], ids(d), P.f32([0.5] * d))),
+            "VERIFY sample + 1 tail token": size(P.Verify(sid, 57, 300, [8001], ids(d), P.f32([0.5] * d))),
+        }
+    rows["any d"] = {
+        "OPEN (100-token prompt)": size(P.Open(sid, ids(100), "greedy")),
+        "OPEN (sample, cross-vocab bitmap 8192)": size(P.Open(sid, ids(100), "sample", 1.0, 0, 1.0, 7, "hr",
+                                                              b"\xff" * 1024, 8192)),
+        "VERDICT (accepted + next token)": size(P.Verdict(sid, 57, 3, 8001)),
+        "VERDICT srdv (4 candidates)": size(P.Verdict(sid, 57, 1, -1, candidates=ids(4), cand_p=P.f32([0.1] * 4))),
+        "VERDICT hr (|V_c| = 2950 floats)": size(P.Verdict(sid, 57, 1, -1, P.f32([0.0] * 2950), 0.1)),
+        "VERDICT full (8192 floats)": size(P.Verdict(sid, 57, 1, -1, P.f32([0.0] * 8192))),
+        "RESAMPLE": size(P.Resample(sid, 57, "server_only")), "RESAMPLED": size(P.Resampled(sid, 57, 8001)),
+        "CLOSE": size(P.Close(sid)), "ERROR": size(P.Error(sid, 57, "RESEND_CONTEXT", "session 1234567890 is not "
+                                                           "held by this worker; resend the context")),
+        "READY": size(P.Ready("models/demo-target", 8192, 1024, 32)), "HEARTBEAT": size(P.Heartbeat(12)),
+        "DISCONNECT": size(P.Disconnect("shutdown")),
+    }
+    return rows
+
+
+BENCHES = {"wire": bench_wire, "calls": bench_calls, "concurrency": bench_concurrency, "hf": bench_hf, "xvocab": bench_xvocab}
 
 
 def main(argv: list[str] | None = None) -> int:

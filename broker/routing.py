@@ -9,6 +9,9 @@ Frames (the first frame is always the ROUTER's routing id of the peer):
   backend out     : [worker_id, edge_id, header, body]    edge_id b"" for HEARTBEAT / DISCONNECT
   backend in      : [worker_id, client_id, header, body]  client_id b"" for READY / HEARTBEAT / DISCONNECT
 
+Sessions are scoped by the edge: the edge numbers its own sessions, so the broker keys every table by
+(edge_id, session id) and two edges may both hold a session 1.
+
 Failure rule: the Majordomo reference broker silently loses the work held by a dead worker; we do not.
 When a worker dies, every request in flight on it is answered with ERROR WORKER_LOST (with its seq), and
 its sessions are forgotten so the edge's re-OPEN lands on a live worker.
@@ -25,7 +28,7 @@ from specrelay.common import protocol
 from specrelay.common.errors import InvalidRequest
 from specrelay.common.protocol import MsgType
 
-from .table import Session, Stats, Worker
+from .table import Session, SessionKey, Stats, Worker
 
 HEARTBEAT_INTERVAL = 1.0   # seconds between heartbeats to each worker
 HEARTBEAT_LIVENESS = 3     # a worker silent for LIVENESS intervals is dead
@@ -88,7 +91,7 @@ class Router:
         self.ttl = heartbeat_interval * liveness
         self.max_in_flight = max_in_flight
         self.workers: dict[bytes, Worker] = {}
-        self.sessions: dict[int, Session] = {}
+        self.sessions: dict[SessionKey, Session] = {}  # (edge_id, the edge's session id) -> session
         self.stats = Stats()
         self._serials = itertools.count()
         self._next_heartbeat: float | None = None
@@ -112,25 +115,23 @@ class Router:
             return [self._bad_request(edge, _session_or_zero(frames[2]) if n == 3 else 0, 0, str(exc))]
         if msg_type == MsgType.OPEN:
             return self._open(edge, session_id, frames)
-        session = self.sessions.get(session_id)
+        key = (edge, session_id)
+        session = self.sessions.get(key)
         if session is None:
             if msg_type == MsgType.CLOSE:
                 return []  # closing a session nobody holds: already done
             self.stats.resend_context_sent += 1
             return [self._error(edge, session_id, seq, "RESEND_CONTEXT",
                                 f"session {session_id} is not open on any worker; re-OPEN it with the full context")]
-        if session.edge != edge:
-            return [self._bad_request(edge, session_id, seq, f"session {session_id} belongs to another edge")]
         if msg_type == MsgType.CLOSE:
-            self._forget(session_id)
+            self._forget(key)
             return [self._to_worker(session.worker, edge, frames[1:])]
         return self._forward(session_id, session, msg_type, seq, frames)
 
     def _open(self, edge: bytes, session_id: int, frames: list[bytes]) -> list[Action]:
         """New session -> least-loaded live worker; re-OPEN of a known one -> the worker that holds it."""
-        session = self.sessions.get(session_id)
-        if session is not None and session.edge != edge:
-            return [self._bad_request(edge, session_id, 0, f"session {session_id} belongs to another edge")]
+        key = (edge, session_id)
+        session = self.sessions.get(key)
         if session is None:
             worker = self._least_loaded()
             if worker is None:
@@ -138,8 +139,8 @@ class Router:
                 return [self._error(edge, session_id, 0, "UNAVAILABLE",
                                     "no live worker has room for a new session; retry later")]
             session = Session(edge=edge, worker=worker.identity)
-            self.sessions[session_id] = session
-            worker.sessions.add(session_id)
+            self.sessions[key] = session
+            worker.sessions.add(key)
             self._gauges()
         return self._forward(session_id, session, MsgType.OPEN, 0, frames)
 
@@ -224,8 +225,8 @@ class Router:
             session_id, seq = read_head(msg_type, frames[3])
         except InvalidRequest as exc:
             return self._bad_worker(worker.identity, str(exc))
-        session = self.sessions.get(session_id)
-        if session is not None and session.worker == worker.identity and session.edge == client:
+        session = self.sessions.get((client, session_id))
+        if session is not None and session.worker == worker.identity:
             session.settle(msg_type, seq)
         return [self._to_edge(client, frames[2:])]
 
@@ -274,7 +275,7 @@ class Router:
         if not edge or msg_type == MsgType.CLOSE:
             return []  # a heartbeat or a CLOSE: nobody waits for an answer
         session_id, seq = read_head(msg_type, frames[3])
-        session = self.sessions.get(session_id)
+        session = self.sessions.get((edge, session_id))
         if session is not None:
             session.unsettle(msg_type, seq)
         self.stats.unavailable_sent += 1
@@ -282,10 +283,10 @@ class Router:
 
     def _edge_gone(self, edge: bytes) -> list[Action]:
         """The edge disconnected: close its sessions on their workers so they free the memory."""
-        gone = [sid for sid, s in self.sessions.items() if s.edge == edge]
+        gone = [key for key in self.sessions if key[0] == edge]
         actions = []
-        for session_id in gone:
-            session = self._forget(session_id)
+        for key in gone:
+            session, session_id = self._forget(key), key[1]
             actions.append(self._to_worker(session.worker, edge, protocol.encode(protocol.Close(session=session_id))))
         return actions
 
@@ -293,8 +294,8 @@ class Router:
         """Remove a worker; every request in flight on it gets WORKER_LOST, never silence."""
         worker = self.workers.pop(worker_id)
         n_sessions, lost = len(worker.sessions), []
-        for session_id in sorted(worker.sessions):
-            session = self._forget(session_id)
+        for key in sorted(worker.sessions):
+            session, session_id = self._forget(key), key[1]
             for seq in session.lost_seqs():
                 lost.append(self._error(session.edge, session_id, seq, "WORKER_LOST",
                                         f"the worker holding session {session_id} was lost ({reason}); "
@@ -308,11 +309,11 @@ class Router:
 
     # ---- helpers ---------------------------------------------------------------------------------
 
-    def _forget(self, session_id: int) -> Session:
-        session = self.sessions.pop(session_id)
+    def _forget(self, key: SessionKey) -> Session:
+        session = self.sessions.pop(key)
         worker = self.workers.get(session.worker)
         if worker is not None:
-            worker.sessions.discard(session_id)
+            worker.sessions.discard(key)
         self._gauges()
         return session
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 from specrelay.common.protocol import MsgType
 
+SessionKey = tuple[bytes, int]  # (edge_id, the edge's own session id): a session id is unique per edge only
+
 # which requests a reply can answer (ERROR answers any of them)
 _ANSWERS = {MsgType.VERDICT: {MsgType.VERIFY, MsgType.OPEN}, MsgType.RESAMPLED: {MsgType.RESAMPLE}}
 
@@ -22,7 +24,7 @@ class Worker:
     serial: int              # registration order: the deterministic tie-break between equal loads
     model: str = ""
     reported_load: int = 0   # the worker's own count from HEARTBEAT (logged; routing uses `sessions`)
-    sessions: set[int] = field(default_factory=set)
+    sessions: set[SessionKey] = field(default_factory=set)
 
     @property
     def full(self) -> bool:
@@ -31,6 +33,8 @@ class Worker:
 
 @dataclass
 class Session:
+    """One open session, keyed in `Router.sessions` by (edge, the edge's session id)."""
+
     edge: bytes
     worker: bytes
     in_flight: list[tuple[MsgType, int]] = field(default_factory=list)  # (request type, seq), oldest first

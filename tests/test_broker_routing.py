@@ -116,12 +116,44 @@ def test_no_workers_is_unavailable():
     assert router.sessions == {}
 
 
-def test_session_of_another_edge_is_rejected(router):
+def test_session_ids_are_scoped_by_edge(router):
+    # both edges number their sessions from 1: two independent sessions, here on different workers
+    assert worker_of(only(edge_send(router, open_(1), edge=EDGE))) == W1
+    assert worker_of(only(edge_send(router, open_(1), edge=EDGE2))) == W2
+    assert set(router.sessions) == {(EDGE, 1), (EDGE2, 1)} and router.stats.sessions_open == 2
+    for edge, worker in ((EDGE, W1), (EDGE2, W2)):
+        socket, frames = only(edge_send(router, verify(1, 7), edge=edge))
+        assert (socket, frames[:2]) == (BACKEND, [worker, edge])
+    # each worker's reply goes to the edge named in it and settles that edge's request only
+    verdict = protocol.Verdict(session=1, seq=7, n_accepted=2)
+    assert only(worker_send(router, W2, verdict, client=EDGE2)) == (FRONTEND, [EDGE2, *protocol.encode(verdict)])
+    assert router.sessions[(EDGE2, 1)].in_flight == []
+    assert router.sessions[(EDGE, 1)].in_flight == [(MsgType.OPEN, 0), (MsgType.VERIFY, 7)]
+    # a reply from the wrong worker for this edge's session settles nothing (but is still passed on)
+    worker_send(router, W2, verdict, client=EDGE)
+    assert router.sessions[(EDGE, 1)].in_flight == [(MsgType.OPEN, 0), (MsgType.VERIFY, 7)]
+    worker_send(router, W1, verdict, client=EDGE)
+    assert router.sessions[(EDGE, 1)].in_flight == []
+    # CLOSE from one edge leaves the other's session 1 alone
+    assert worker_of(only(edge_send(router, protocol.Close(session=1), edge=EDGE))) == W1
+    assert set(router.sessions) == {(EDGE2, 1)} and router.workers[W1].sessions == set()
+    err = error_of(only(edge_send(router, verify(1, 8), edge=EDGE)))
+    assert (err.code, err.session) == ("RESEND_CONTEXT", 1)
+    assert worker_of(only(edge_send(router, verify(1, 8), edge=EDGE2))) == W2
+
+
+def test_worker_lost_reaches_each_edge_of_a_shared_session_id():
+    router = Router()
+    ready(router, W1)
     edge_send(router, open_(1), edge=EDGE)
-    for msg in (open_(1), verify(1, 0), protocol.Close(session=1)):
-        err = error_of(only(edge_send(router, msg, edge=EDGE2)), edge=EDGE2)
-        assert err.code == "BAD_REQUEST" and "another edge" in err.message
-    assert router.sessions[1].edge == EDGE
+    edge_send(router, open_(1), edge=EDGE2)
+    edge_send(router, verify(1, 3), edge=EDGE)
+    edge_send(router, verify(1, 4), edge=EDGE2)
+    actions = router.tick(TTL)
+    lost = {(a[1][0], e.session, e.seq) for a in actions if a[0] == FRONTEND
+            for e in [protocol.decode(a[1][1:])]}
+    assert lost == {(EDGE, 1, 3), (EDGE2, 1, 4)}
+    assert router.sessions == {}
 
 
 @pytest.mark.parametrize("frames, field", [
@@ -188,7 +220,7 @@ def test_expired_worker_answers_in_flight_requests_with_worker_lost(router):
     assert [(e.code, e.session, e.seq) for e in lost] == [("WORKER_LOST", 1, 11)]
     to_workers = {(worker_of(a), protocol.parse_header(a[1][2])) for a in actions if a[0] == BACKEND}
     assert to_workers == {(W1, MsgType.DISCONNECT), (W2, MsgType.HEARTBEAT)}
-    assert set(router.sessions) == {2} and set(router.workers) == {W2}
+    assert set(router.sessions) == {(EDGE2, 2)} and set(router.workers) == {W2}
     assert router.stats.worker_lost_sent == 1 and router.stats.live_workers == 1
     assert worker_of(only(edge_send(router, open_(1), now=TTL))) == W2  # re-OPEN lands on a live worker
 
@@ -247,7 +279,7 @@ def test_full_worker_queue_answers_unavailable(router):
     _, frames = only(edge_send(router, open_(1)))
     err = error_of(only(router.undeliverable(BACKEND, frames, 0.0, peer_gone=False)))
     assert err.code == "UNAVAILABLE"
-    assert router.sessions[1].in_flight == [] and W1 in router.workers
+    assert router.sessions[(EDGE, 1)].in_flight == [] and W1 in router.workers
 
 
 def test_gone_edge_closes_its_sessions(router):
@@ -257,7 +289,16 @@ def test_gone_edge_closes_its_sessions(router):
     socket, close = only(router.undeliverable(FRONTEND, frames, 0.0, peer_gone=True))
     assert socket == BACKEND and close[:2] == [W1, EDGE]
     assert protocol.decode(close[2:]) == protocol.Close(session=1)
-    assert set(router.sessions) == {2}
+    assert set(router.sessions) == {(EDGE2, 2)}
+
+
+def test_gone_edge_closes_only_its_own_sessions(router):
+    edge_send(router, open_(1), edge=EDGE)   # W1
+    edge_send(router, open_(1), edge=EDGE2)  # W2, same session id
+    _, frames = only(worker_send(router, W2, protocol.Verdict(session=1, seq=0, n_accepted=0), client=EDGE2))
+    socket, close = only(router.undeliverable(FRONTEND, frames, 0.0, peer_gone=True))
+    assert socket == BACKEND and close[:2] == [W2, EDGE2]
+    assert set(router.sessions) == {(EDGE, 1)}
 
 
 def test_replies_settle_the_request_they_answer():

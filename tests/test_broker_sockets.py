@@ -141,7 +141,9 @@ async def test_round_trip(broker, dealer, workers):
     assert verdict == protocol.Verdict(session=1, seq=5, n_accepted=3)
     assert worker.seen == [(MsgType.OPEN, 1), (MsgType.VERIFY, 1)]
     await wait_until(lambda: broker.stats["frontend_out"] == 1)
-    assert broker.stats["sessions_open"] == 1 and broker.router.sessions[1].in_flight == []
+    [(_, session_id)] = broker.router.sessions
+    assert broker.stats["sessions_open"] == 1 and session_id == 1
+    assert next(iter(broker.router.sessions.values())).in_flight == []
 
 
 async def test_two_workers_share_sessions_with_affinity(broker, dealer, workers):
@@ -157,6 +159,25 @@ async def test_two_workers_share_sessions_with_affinity(broker, dealer, workers)
     by_worker = [{s for _, s in w.seen} for w in (w1, w2)]
     assert by_worker == [{0, 2}, {1, 3}]  # least-loaded alternation, then every request stays put
     assert len(w1.seen) == len(w2.seen) == 2 * (1 + 3)
+
+
+async def test_two_edges_with_the_same_session_id_are_independent(broker, dealer, workers):
+    w1, w2 = await workers(broker, 2)
+    edges = [dealer(broker.frontend), dealer(broker.frontend)]
+    for edge in edges:
+        await edge.send_multipart(open_(1))
+        await wait_until(lambda: broker.stats["sessions_open"] == edges.index(edge) + 1)
+    for seq, edge in enumerate(edges):
+        await edge.send_multipart(verify(1, seq=seq))
+    # each edge gets the verdict for its own request, from the worker its session went to
+    assert [await edge_recv(edge) for edge in edges] == [protocol.Verdict(session=1, seq=s, n_accepted=3)
+                                                         for s in range(2)]
+    assert w1.seen == w2.seen == [(MsgType.OPEN, 1), (MsgType.VERIFY, 1)]
+    await edges[0].send_multipart(protocol.encode(protocol.Close(session=1)))
+    await wait_until(lambda: (MsgType.CLOSE, 1) in w1.seen)
+    await edges[1].send_multipart(verify(1, seq=5))
+    assert await edge_recv(edges[1]) == protocol.Verdict(session=1, seq=5, n_accepted=3)
+    assert broker.stats["sessions_open"] == 1 and w2.seen[-1] == (MsgType.VERIFY, 1)
 
 
 @pytest.mark.parametrize("frames, field", [
@@ -210,7 +231,7 @@ async def test_vanished_edge_is_counted_and_its_session_closed(broker, dealer, w
     await edge.send_multipart(open_(5))
     await edge.send_multipart(verify(5, seq=1))
     await wait_until(lambda: len(worker.seen) == 2)
-    edge_id = broker.router.sessions[5].edge
+    [(edge_id, _)] = broker.router.sessions
     edge.close(linger=0)
     await _wait_peer_gone(broker, edge_id)
     verdict = protocol.encode(protocol.Verdict(session=5, seq=1, n_accepted=0))

@@ -22,10 +22,12 @@ from ..common import protocol as P
 
 @dataclass
 class Item:
-    """One edge message: who sent it (the broker's client id), the decoded message, when, on which connection."""
+    """One edge message: who sent it (the broker's client id), the decoded message, when, on which connection.
+    session: the worker's key for the session, scoped by the edge (an edge's session id is unique per edge
+    only; `CloudWorker._scope`), so every rule here that says "session" means (edge, session)."""
 
     client: bytes
-    msg: P.Base          # Open | Verify | Close | Resample, or an Error to send back as is
+    msg: P.Base          # Open | Verify | Close | Resample (session rewritten to the scoped key), or an Error
     session: int
     arrived: float       # monotonic seconds
     generation: int = 0  # the broker connection it came in on
@@ -39,7 +41,7 @@ class Batcher:
     def __init__(self, max_batch: int, max_wait_s: float, idle_after_s: float) -> None:
         self.max_batch, self.max_wait_s, self.idle_after_s = max_batch, max_wait_s, idle_after_s
         self.queue: deque[Item] = deque()
-        self.last_seen: dict[int, float] = {}  # session -> arrival of its latest message
+        self.last_seen: dict[int, float] = {}  # scoped session key -> arrival of its latest message
 
     def __len__(self) -> int:
         return len(self.queue)

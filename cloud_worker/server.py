@@ -12,17 +12,24 @@ applies OPEN/CLOSE/RESAMPLE in arrival order and runs ONE `Verifier.verify` per 
 executor, so heartbeats flow and the next batch fills while the model runs. The ticker sends heartbeats and
 the systemd watchdog. Only the processor touches the Verifier (through the executor thread while it awaits
 it), so there is no lock.
+
+Session ids are unique per edge only (two edges may both send session 1), while the Verifier and the Batcher
+key sessions by one int. So every edge message's session is rewritten on arrival to a scoped key,
+`edge index << 64 | session` (an edge's index: a number given to its client id on first sight, never reused),
+and every reply carries the edge's own session id again on its way out.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import msgspec
 import structlog
 import zmq
 import zmq.asyncio
@@ -41,6 +48,8 @@ EDGE_TYPES = frozenset({MsgType.OPEN, MsgType.VERIFY, MsgType.CLOSE, MsgType.RES
 FRAME_CAP = P.MAX_FRAMES + 1  # client id + a message; frames past this are counted, not kept
 HEALTHY_TICKS = 3             # /healthz fails when the loop has not ticked for this many heartbeat intervals
 RECV_BURST = 64               # messages received before yielding to the other tasks
+SESSION_BITS = 64             # an edge's session id is a U63, so it fits below the edge index in a scoped key
+SESSION_MASK = (1 << SESSION_BITS) - 1
 
 
 @dataclass
@@ -125,6 +134,8 @@ class CloudWorker:
         self._shutdown_lock = asyncio.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: tuple[asyncio.Future, list[Item]] | None = None
+        self._edges: dict[bytes, int] = {}  # client id -> its index in scoped session keys
+        self._edge_serials = itertools.count(1)  # index 0 is never given out: keys of unknown clients
         self._health: asyncio.Server | None = None
         self._run_task: asyncio.Task | None = None
         self._started = self._running = self._closed = False
@@ -310,8 +321,42 @@ class CloudWorker:
                 if msg.q:  # checked here: a bad q must fail its request, not the batch it would join
                     P.from_f32(msg.q, field="q")
         except InvalidRequest as exc:
-            return Item(client, P.Error(sid, seq, exc.code, str(exc)), sid, now, self._generation)
-        return Item(client, msg, msg.session, now, self._generation)
+            return Item(client, P.Error(sid, seq, exc.code, str(exc)), self._scope(client, sid, create=False), now,
+                        self._generation)
+        msg.session = key = self._scope(client, msg.session)
+        return Item(client, msg, key, now, self._generation)
+
+    # ---- session keys scoped by the edge -----------------------------------------------------------
+
+    def _scope(self, client: bytes, session: int, *, create: bool = True) -> int:
+        """(edge's client id, its session id) -> the int key the Verifier and Batcher use. Indices are never
+        reused, so a key cannot collide with one still held by a forgotten edge's queued message.
+        create=False: an unknown client gets index 0 (its malformed message opens nothing)."""
+        index = self._edges.get(client)
+        if index is None:
+            if not create:
+                return session
+            index = self._edges[client] = next(self._edge_serials)
+        return index << SESSION_BITS | session
+
+    def _for_edge(self, item: Item, msg: P.Base) -> P.Base:
+        """A reply as its edge must see it: with the edge's own session id instead of the scoped key."""
+        sid = item.session & SESSION_MASK
+        if not hasattr(msg, "session") or msg.session == sid:
+            return msg
+        changes: dict = {"session": sid}
+        if isinstance(msg, P.Error) and msg.message:
+            changes["message"] = msg.message.replace(str(msg.session), str(sid))
+        return msgspec.structs.replace(msg, **changes)  # a copy: the Verifier may keep the original
+
+    def _prune_edges(self) -> None:
+        """Forget the index of every edge that holds no session here and has no message queued (a later
+        message gets a fresh index). Called from the processor only, after CLOSE and after a reconnect."""
+        live = {key >> SESSION_BITS for key in self.verifier.sessions}
+        live.update(item.session >> SESSION_BITS for item in self.batcher.queue)
+        live.discard(0)  # the index of clients never given one
+        if len(live) < len(self._edges):
+            self._edges = {client: index for client, index in self._edges.items() if index in live}
 
     # ---- processing --------------------------------------------------------------------------------
 
@@ -346,6 +391,7 @@ class CloudWorker:
             for sid in sessions:
                 self.verifier.close(sid)
             stale = self.batcher.drop_before(self._reset_to)
+            self._prune_edges()
             self._log.info("state of the previous broker connection dropped", sessions=len(sessions),
                            queued=len(stale))
         return [item for item in batch if item.generation >= self._reset_to]
@@ -361,12 +407,14 @@ class CloudWorker:
             elif isinstance(msg, P.Close):
                 self.verifier.close(msg.session)
                 self.batcher.forget(msg.session)
+                self._prune_edges()
             else:
                 self._reply(item, self.verifier.resample_request(msg))
         except RequestError as exc:
             self._reply(item, P.Error(item.session, getattr(msg, "seq", 0), exc.code, str(exc)))
         except Exception as exc:  # a bug in the core fails this request, never the worker
-            self._log.exception("request failed", session=item.session, type=type(msg).__name__)
+            self._log.exception("request failed", edge=item.client.hex(), session=item.session & SESSION_MASK,
+                                type=type(msg).__name__)
             self._reply(item, P.Error(item.session, getattr(msg, "seq", 0), "INTERNAL",
                                       f"{type(msg).__name__} failed on the worker: {type(exc).__name__}"))
 
@@ -388,12 +436,12 @@ class CloudWorker:
     def _batch_failed(self, batch: list[Item], exc: Exception) -> list[P.Base]:
         """INTERNAL for every request; their sessions are dropped, as their state is unknown (a retry gets
         RESEND_CONTEXT and re-prefills)."""
-        sessions = [item.session for item in batch]
         self._stats.internal_errors += 1
         self._log.error("verification failed; the batch's sessions are dropped", batch=len(batch),
-                        sessions=sessions, error=repr(exc), exc_info=exc)
-        for sid in sessions:
-            self.verifier.close(sid)
+                        sessions=[(item.client.hex(), item.session & SESSION_MASK) for item in batch],
+                        error=repr(exc), exc_info=exc)
+        for item in batch:
+            self.verifier.close(item.session)
         return [P.Error(item.session, item.msg.seq, "INTERNAL",
                         f"the target model failed on this batch ({type(exc).__name__}); re-open the session")
                 for item in batch]
@@ -408,6 +456,7 @@ class CloudWorker:
     # ---- sending -----------------------------------------------------------------------------------
 
     def _reply(self, item: Item, msg: P.Base) -> None:
+        msg = self._for_edge(item, msg)
         if isinstance(msg, P.Error):
             self._stats.errors[msg.code] += 1
             self._stats.bad_requests += msg.code == "BAD_REQUEST"

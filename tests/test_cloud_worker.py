@@ -185,6 +185,33 @@ async def test_greedy_sessions_over_sockets_equal_target_generate(fake_broker, s
     await wait_until(lambda: worker.stats["sessions_open"] == 0)  # CLOSE applied
 
 
+async def test_two_edges_with_the_same_session_id_are_independent(fake_broker, start_worker, tiny_runners):
+    """Session ids are unique per edge only: two edges both using session 1 on one worker get separate
+    sessions (batched together), each its own exact greedy output, and replies carrying session 1."""
+    target, draft = tiny_runners
+    broker = fake_broker()
+    worker = await start_worker(broker, max_wait_ms=50)
+    drafters = [Drafter(draft, target.vocab_size), Drafter(target)]
+    sessions = [EdgeSession(ids_of(target, p), SessionConfig(max_new_tokens=24, draft_len=3), drafter, sid=1)
+                for p, drafter in zip(PROMPTS[:2], drafters)]
+    outputs = await asyncio.gather(*(drive(broker, b"edge-%d" % i, s) for i, s in enumerate(sessions)))
+    for session, out in zip(sessions, outputs):
+        ids = session.prompt_ids
+        ref = target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                    max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+        assert out == ref
+    stats = worker.stats
+    assert stats["verify_requests"] == sum(s.stats.cloud_calls for s in sessions)
+    assert 2 in stats["batch_sizes"]  # session 1 of edge-0 and session 1 of edge-1 share a forward pass
+    await wait_until(lambda: worker.stats["sessions_open"] == 0)  # each CLOSE closed its own session
+    assert worker._edges == {}  # and the edges' key indices were forgotten with them
+    # a RESEND_CONTEXT names the edge's own session id, not the worker's scoped key
+    await broker.send(b"edge-0", P.Verify(1, 9, 3, [], [1]))
+    error = await broker.reply(b"edge-0")
+    assert (error.code, error.session, error.seq) == ("RESEND_CONTEXT", 1, 9)
+    assert "session 1 " in error.message, error.message
+
+
 @pytest.mark.parametrize("mode, resample", [("sample", "full"), ("sample", "hr"), ("sample", "srdv"),
                                             ("coupled", "hr")])
 async def test_sampled_sessions_over_sockets_equal_in_process(fake_broker, start_worker, tiny_runners, mode,
@@ -371,7 +398,7 @@ async def test_silent_broker_means_reconnect_and_ready_again(fake_broker, start_
     await broker.ready(count=2)
     assert broker.of_type(P.Ready)[1][0] != first  # a new socket, a new identity
     await wait_until(lambda: worker.stats["sessions_open"] == 0)  # the broker has forgotten them too
-    assert worker.stats["reconnects"] >= 1
+    assert worker.stats["reconnects"] >= 1 and worker._edges == {}
 
 
 async def test_broker_disconnect_means_ready_again(fake_broker, start_worker):

@@ -12,7 +12,9 @@ Socket topology (edge DEALER -> broker frontend ROUTER; broker backend ROUTER <-
   broker -> edge   : [header, body]                      VERDICT, ERROR, RESAMPLED
   client <-> edge  : [header, body]                      GENERATE, CANCEL / TOKENS, DONE, ERROR
 Every session-scoped body has `session` as its first field so the broker can route without decoding the
-rest (`SessionHeader`). The broker never decodes tensors.
+rest (`SessionHeader`). A session id is chosen by the edge and unique per edge only: the broker and the
+workers scope it by the edge's identity (client_id), so edges number their sessions 1, 2, ... and the id
+costs one byte in most messages. The broker never decodes tensors.
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ class SessionHeader(Base):
 class Open(Base):
     """Start (or re-prefill) a session on a worker.
 
-    session: random 63-bit id chosen by the edge. tokens: the whole target-vocab context (prompt, plus the
+    session: id chosen by the edge, unique per edge; the broker and workers scope it by the edge's identity.
+    tokens: the whole target-vocab context (prompt, plus the
     committed history when re-sending after RESEND_CONTEXT). mode: greedy | sample | coupled.
     temperature/top_k/top_p: the shared transform. seed: the counter-based RNG seed. resample: what a
     rejection in `sample` mode sends down: full | hr | srdv. shared_vocab: the shared vocabulary V_c as a

@@ -157,10 +157,10 @@ def bench_xvocab(args) -> dict:
 
 def bench_wire(args) -> dict:
     """Bytes on the wire (header + body frames) of each message, for d = 4 and d = 8 draft tokens.
-    Realistic field values: a random 31-bit session id, token ids near 8000, position 300."""
+    Realistic field values: a small per-edge session id (37), token ids near 8000, position 300."""
     from .common import protocol as P
 
-    sid, ids = 1_234_567_890, lambda n: [8000 + i for i in range(n)]
+    sid, ids = 37, lambda n: [8000 + i for i in range(n)]
     size = lambda m: sum(map(len, P.encode(m)))
     rows = {}
     for d in (4, 8):
@@ -178,8 +178,8 @@ def bench_wire(args) -> dict:
         "VERDICT hr (|V_c| = 2950 floats)": size(P.Verdict(sid, 57, 1, -1, P.f32([0.0] * 2950), 0.1)),
         "VERDICT full (8192 floats)": size(P.Verdict(sid, 57, 1, -1, P.f32([0.0] * 8192))),
         "RESAMPLE": size(P.Resample(sid, 57, "server_only")), "RESAMPLED": size(P.Resampled(sid, 57, 8001)),
-        "CLOSE": size(P.Close(sid)), "ERROR": size(P.Error(sid, 57, "RESEND_CONTEXT", "session 1234567890 is not "
-                                                           "held by this worker; resend the context")),
+        "CLOSE": size(P.Close(sid)), "ERROR": size(P.Error(sid, 57, "RESEND_CONTEXT", "session 37 is not held by "
+                                                           "this worker; resend the context")),
         "READY": size(P.Ready("models/demo-target", 8192, 1024, 32)), "HEARTBEAT": size(P.Heartbeat(12)),
         "DISCONNECT": size(P.Disconnect("shutdown")),
     }

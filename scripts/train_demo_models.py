@@ -242,10 +242,20 @@ def load_tok(name: str):
 
 
 def cmd_target(args) -> None:
+    """Train the target; --resume continues from models/demo-target with a fresh, lower cosine schedule."""
+    from transformers import AutoModelForCausalLM
+
     tok = load_tok("demo-target")
-    model = new_model(tok, TARGET_CFG)
-    log(f"target params {n_params(model)}")
-    train_loop(model, "demo-target", args.minutes, lm_loss, 2e-3, args.batch, MODELS / "demo-target", tok)
+    out = MODELS / "demo-target"
+    previous = json.loads((out / "training.json").read_text()) if args.resume else None
+    model = AutoModelForCausalLM.from_pretrained(out) if args.resume else new_model(tok, TARGET_CFG)
+    log(f"target params {n_params(model)}" + (f", resuming after {previous['steps']} steps" if previous else ""))
+    stats = train_loop(model, "demo-target", args.minutes, lm_loss, 8e-4 if args.resume else 2e-3, args.batch, out, tok)
+    if previous:
+        stats["phases"] = previous.get("phases", [previous]) + [dict(stats)]
+        for key in ("steps", "tokens_seen", "wall_minutes"):
+            stats[key] = round(sum(phase[key] for phase in stats["phases"]), 1)
+        (out / "training.json").write_text(json.dumps(stats, indent=1))
 
 
 def cmd_draft(args) -> None:
@@ -327,6 +337,7 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=45)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--resume", action="store_true", help="target: continue from models/demo-target")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(SEED)

@@ -5,6 +5,10 @@
   client side  optional ROUTER on `EdgeConfig.listen`: GENERATE starts a generation task that streams TOKENS
                and ends with DONE (or ERROR); CANCEL cancels it, which CLOSEs the session in the cloud.
 
+Sessions are numbered from a per-edge counter (1, 2, ...): a session id is unique per edge only, and the
+broker and the workers scope it by this edge's identity, so ids stay small (1 byte in MessagePack below 128,
+at most 3 below SID_WRAP) in every message.
+
 Drafting runs in ONE worker thread (the draft model is shared by every session), so the event loop keeps
 moving bytes while a block is drafted. Recovery never loses or repeats a committed token: a retry re-OPENs
 with the whole committed context and redrafts; counter-based randomness makes the redraft identical.
@@ -25,7 +29,7 @@ import zmq
 import zmq.asyncio
 
 from ..common import protocol as P
-from ..common.errors import FatalError, GenerationTimeout, InvalidRequest, RequestError, UnknownSession
+from ..common.errors import FatalError, GenerationTimeout, InvalidRequest, Overloaded, RequestError, UnknownSession
 from ..common.sampling import SamplingParams
 from .batcher import DraftBatcher
 from .drafter import Drafter, make_drafter
@@ -33,6 +37,8 @@ from .session import EdgeSession, SessionConfig
 from .textstream import TextStream
 
 log = structlog.get_logger("specrelay.edge")
+
+SID_WRAP = 1 << 16  # session ids run 1 .. SID_WRAP - 1, then wrap (skipping ids in use): <= 3 bytes each
 
 Emit = Callable[[P.Base], Awaitable[None]]
 OnTokens = Callable[[list[int]], object]  # may return an awaitable
@@ -110,7 +116,8 @@ class EdgeWorker:
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
         self._router: zmq.asyncio.Socket | None = None
-        self._routes: dict[int, _Route] = {}
+        self._routes: dict[int, _Route] = {}  # session id -> its route, while the session is in use
+        self._next_sid = 1
         self._requests: dict[tuple[bytes, int], asyncio.Task] = {}
         self._tasks: list[asyncio.Task] = []
         self._pool: ThreadPoolExecutor | None = None
@@ -192,7 +199,7 @@ class EdgeWorker:
         if len(prompt_ids) + config.max_new_tokens > P.MAX_CONTEXT:
             raise InvalidRequest(f"prompt ({len(prompt_ids)} tokens) plus max_new_tokens exceeds the "
                                  f"{P.MAX_CONTEXT}-token context limit", field="prompt")
-        session = EdgeSession(list(prompt_ids), config, self.drafter)
+        session = EdgeSession(list(prompt_ids), config, self.drafter, sid=self._new_sid())
         route = self._routes[session.sid] = _Route(session)
         slog = self._log.bind(session=session.sid)
         t0, retries = time.perf_counter(), 0
@@ -220,6 +227,14 @@ class EdgeWorker:
         stats = asdict(session.stats) | {"retries": retries, "wall_s": time.perf_counter() - t0}
         slog.debug("generation done", **stats)
         return list(session.generated), stats
+
+    def _new_sid(self) -> int:
+        """The next id of this edge's session counter, skipping ids still in use (wraps before SID_WRAP)."""
+        for _ in range(SID_WRAP - 1):
+            sid, self._next_sid = self._next_sid, self._next_sid % (SID_WRAP - 1) + 1
+            if sid not in self._routes:
+                return sid
+        raise Overloaded(f"this edge already runs {len(self._routes)} sessions; retry later")
 
     async def _step(self, session: EdgeSession, route: _Route) -> list[int]:
         """Draft (in the draft thread) or take the pending RESAMPLE, send it, apply the reply."""

@@ -194,10 +194,11 @@ def heldout_loss(model, name: str) -> float:
     return sum(losses) / len(losses)
 
 
-def train_loop(model, name: str, minutes: float, loss_fn, lr: float, batch: int, out: Path, tok) -> dict:
+def train_loop(model, name: str, minutes: float, loss_fn, lr: float, batch: int, out: Path, tok,
+               seed: int = SEED) -> dict:
     """AdamW with warmup and a cosine decay over the wall-time budget; saves to `out` on the way."""
     data = torch.load(WORK / f"{name}.train.pt")
-    gen = torch.Generator().manual_seed(SEED)
+    gen = torch.Generator().manual_seed(seed)  # a resumed run draws different windows
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     t0, step, budget = time.time(), 0, minutes * 60
     model.train()
@@ -250,7 +251,8 @@ def cmd_target(args) -> None:
     previous = json.loads((out / "training.json").read_text()) if args.resume else None
     model = AutoModelForCausalLM.from_pretrained(out) if args.resume else new_model(tok, TARGET_CFG)
     log(f"target params {n_params(model)}" + (f", resuming after {previous['steps']} steps" if previous else ""))
-    stats = train_loop(model, "demo-target", args.minutes, lm_loss, 8e-4 if args.resume else 2e-3, args.batch, out, tok)
+    stats = train_loop(model, "demo-target", args.minutes, lm_loss, 8e-4 if args.resume else 2e-3, args.batch, out, tok,
+                       seed=SEED + 1 if args.resume else SEED)
     if previous:
         stats["phases"] = previous.get("phases", [previous]) + [dict(stats)]
         for key in ("steps", "tokens_seen", "wall_minutes"):

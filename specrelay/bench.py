@@ -5,6 +5,7 @@
     python -m specrelay.bench hf            # one session over loopback vs HF assisted generation in-process
     python -m specrelay.bench xvocab        # cross-vocab pair, T=1: bits/token up+down for full|hr|srdv|coupled
     python -m specrelay.bench wire          # bytes of each message for d = 4 and d = 8
+    python -m specrelay.bench srdv_k        # SR-DV candidates per round: downlink bits vs extra round trips
     python -m specrelay.bench all
 
 Results go to bench_results/<name>.json. Everything runs on 127.0.0.1 with the demo models.
@@ -155,6 +156,34 @@ def bench_xvocab(args) -> dict:
             "bar_coupled_down_le_64": rows["coupled"]["downlink_bits_per_token"] <= 64}
 
 
+def bench_srdv_k(args) -> dict:
+    """SR-DV candidates per round K, in-process on the cross-vocab demo pair at T = 1: downlink bits per token
+    (VERDICT + RESAMPLED) and extra round trips. Picks the K the protocol uses (common.resample)."""
+    from .common import resample
+    from .common.runner import ModelRunner
+    from .common.sampling import SamplingParams
+    from .edge_worker.drafter import make_drafter
+    from .edge_worker.session import SessionConfig
+    from .speculative import speculative_generate_batch
+
+    target = ModelRunner.load(str(MODELS / "demo-target"))
+    drafter, tok = make_drafter(str(MODELS / "demo-draft-xv"), str(MODELS / "demo-target"))
+    ids = [tok(t).input_ids for t in prompts(args.prompts)]
+    rows, default = {}, resample.SRDV_CANDIDATES
+    try:
+        for k in (1, 2, 4, 8):
+            resample.SRDV_CANDIDATES = k
+            configs = [SessionConfig(max_new_tokens=args.max_new_tokens, params=SamplingParams(1.0), seed=i,
+                                     resample="srdv") for i in range(len(ids))]
+            res = speculative_generate_batch(drafter, target, ids, configs)
+            n = sum(s["generated_tokens"] for _, s in res)
+            rows[f"K={k}"] = {"downlink_bits_per_token": round(8 * sum(s["downlink_bytes"] for _, s in res) / n, 1),
+                              "resample_round_trips_per_token": round(sum(s["resample_calls"] for _, s in res) / n, 4)}
+    finally:
+        resample.SRDV_CANDIDATES = default
+    return {"temperature": 1.0, "prompts": len(ids), "protocol_default_K": default, "by_K": rows}
+
+
 def bench_wire(args) -> dict:
     """Bytes on the wire (header + body frames) of each message, for d = 4 and d = 8 draft tokens.
     Realistic field values: a small per-edge session id (37), token ids near 8000, position 300."""
@@ -186,7 +215,7 @@ def bench_wire(args) -> dict:
     return rows
 
 
-BENCHES = {"wire": bench_wire, "calls": bench_calls, "concurrency": bench_concurrency, "hf": bench_hf, "xvocab": bench_xvocab}
+BENCHES = {"wire": bench_wire, "srdv_k": bench_srdv_k, "calls": bench_calls, "concurrency": bench_concurrency, "hf": bench_hf, "xvocab": bench_xvocab}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -109,7 +109,8 @@ class Verdict(Base):
     """The cloud's answer to VERIFY. n_accepted: accepted draft prefix. next_token: recovered or bonus
     token (-1: the edge resolves the rejection itself from the fields below). p: float32 target
     probabilities at the rejected position over the shared vocabulary (resample full | hr). theta_o: mass of
-    p outside the shared vocabulary (hr). candidates/cand_p: SR-DV candidates z ~ p and p(z)."""
+    p outside the shared vocabulary (hr). candidates: SR-DV draws z ~ p in draw order (repeats kept);
+    cand_p: float32 p(z) once per distinct candidate, in order of first appearance."""
 
     session: U63
     seq: U63

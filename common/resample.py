@@ -45,9 +45,11 @@ def _hr_payload(p: torch.Tensor, mask: torch.Tensor | None) -> tuple[bytes, floa
 
 
 def _candidates(seed: int, position: int, p: torch.Tensor, round_: int) -> tuple[list[int], bytes]:
+    """K draws z ~ p, and p(z) once per DISTINCT candidate, in order of first appearance (a peaked p repeats
+    tokens; their probabilities need not travel twice)."""
     u = uniforms(seed, position, Purpose.CANDIDATE, SRDV_CANDIDATES * (round_ + 1))[-SRDV_CANDIDATES:]
     z = [sample_index(p, float(x)) for x in u]
-    return z, P.f32(p[z])
+    return z, P.f32(p[list(dict.fromkeys(z))])
 
 
 def rejection_verdict(verdict: P.Verdict, s: "CloudSession", p: torch.Tensor, position: int) -> P.Verdict:
@@ -98,7 +100,9 @@ class Rejection:
         if isinstance(reply, P.Resampled) and reply.token >= 0:
             return reply.token                                            # hr: the cloud's V_o draw
         if reply.candidates:
-            token = self._try_candidates(reply.candidates, P.from_f32(reply.cand_p, len(reply.candidates), "cand_p"))
+            distinct = list(dict.fromkeys(reply.candidates))
+            p_of = dict(zip(distinct, P.from_f32(reply.cand_p, len(distinct), "cand_p").double().tolist()))
+            token = self._try_candidates(reply.candidates, p_of)
             if token is not None:
                 return token
             self.round += 1
@@ -106,9 +110,10 @@ class Rejection:
             return P.Resample(self.session, self.seq, kind, self.round if kind == "candidates" else 0)
         return self._from_p(reply)
 
-    def _try_candidates(self, z: list[int], pz: torch.Tensor) -> int | None:
+    def _try_candidates(self, z: list[int], p_of: dict[int, float]) -> int | None:
         base = SRDV_CANDIDATES * self.round
-        for k, (token, p_z) in enumerate(zip(z, pz.double().tolist())):
+        for k, token in enumerate(z):
+            p_z = p_of[token]
             u = uniform(self.seed, self.position, Purpose.CANDIDATE_ACCEPT, base + k)
             if u * p_z < p_z - float(self.q[token]):  # accept w.p. max(0, p(z) - q'(z)) / p(z)
                 return token

@@ -47,14 +47,14 @@ def set_threads() -> None:
 
 def cmd_broker(args) -> int:
     from .broker.server import serve
-    return run_async(serve(args.frontend, args.backend, health_port=args.health_port))
+    return run_async(serve(args.frontend, args.backend, health_port=args.health_port, health_host=args.health_host))
 
 
 def cmd_cloud_worker(args) -> int:
     set_threads()
     from .cloud_worker.server import serve
     return run_async(serve(args.broker, args.model, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
-                           max_wait_ms=args.max_wait_ms, health_port=args.health_port,
+                           max_wait_ms=args.max_wait_ms, health_port=args.health_port, health_host=args.health_host,
                            max_cache_bytes=int(args.max_cache_mb * 2**20)))
 
 
@@ -167,7 +167,8 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("broker", help="route edges to cloud workers")
     p.add_argument("--frontend", default="tcp://127.0.0.1:5555", help="endpoint edges connect to")
     p.add_argument("--backend", default="tcp://127.0.0.1:5556", help="endpoint cloud workers connect to")
-    p.add_argument("--health-port", type=int, default=None, help="HTTP /healthz and /metrics port")
+    p.add_argument("--health-port", type=int, default=None, help="HTTP /healthz, /readyz and /metrics port")
+    p.add_argument("--health-host", default="127.0.0.1", help="address the health port binds (0.0.0.0 in a pod)")
     p.set_defaults(fn=cmd_broker)
 
     p = sub.add_parser("cloud-worker", help="hold the target model and verify drafts in batches")
@@ -178,7 +179,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--max-wait-ms", type=float, default=5.0, help="longest wait to fill a batch")
     p.add_argument("--max-cache-mb", type=float, default=2048, help="KV cache cap; LRU sessions evicted past it")
-    p.add_argument("--health-port", type=int, default=None, help="HTTP /healthz and /metrics port")
+    p.add_argument("--health-port", type=int, default=None, help="HTTP /healthz, /readyz and /metrics port")
+    p.add_argument("--health-host", default="127.0.0.1", help="address the health port binds (0.0.0.0 in a pod)")
     p.set_defaults(fn=cmd_cloud_worker)
 
     p = sub.add_parser("edge-worker", help="hold the draft model and serve local clients")

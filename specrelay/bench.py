@@ -90,9 +90,12 @@ def bench_calls(args) -> dict:
 def bench_concurrency(args) -> dict:
     from .cluster import LocalCluster
 
+    import torch
+
     texts = prompts(16)
     rows = {}
-    with LocalCluster(str(MODELS / "demo-target"), max_batch=32) as c:
+    torch.set_num_threads(args.threads)  # the edge (this process) and the worker share the machine's cores
+    with LocalCluster(str(MODELS / "demo-target"), max_batch=32, threads=args.threads) as c:
         for n in (1, 16):
             batch = texts[:n] if n > 1 else texts[:4]
             out, wall = asyncio.run(run_edge(c.frontend, str(MODELS / "demo-draft"), batch, n,
@@ -224,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("name", choices=[*BENCHES, "all"])
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process (edge and each worker)")
     args = ap.parse_args(argv)
     from . import logs
     logs.configure("warning")

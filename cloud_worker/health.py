@@ -14,7 +14,6 @@ import json
 from collections.abc import Callable, Mapping
 
 from ..common import health
-from ..common.health import sd_notify  # noqa: F401  (re-exported for the server)
 
 PREFIX = "specrelay_cloud_"
 GAUGES = frozenset({"sessions_open", "queued", "connected", "batch_size_mean"})

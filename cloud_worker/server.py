@@ -39,7 +39,8 @@ from ..common.errors import FatalError, InvalidRequest, RequestError
 from ..common.protocol import MsgType
 from ..common.runner import ModelRunner
 from .batcher import Batcher, Item
-from .health import sd_notify, start_health_server
+from ..common.health import sd_notify
+from .health import start_health_server
 from .verifier import Verifier, VerifierConfig
 
 log = structlog.get_logger("specrelay.cloud")

@@ -7,7 +7,6 @@ forward pass of the target over every request in the batch (ragged lengths, see
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 

@@ -15,7 +15,6 @@ Everything lands in models/ as save_pretrained directories that AutoModelForCaus
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import random

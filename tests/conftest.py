@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
 import pytest
 import torch
+import zmq.asyncio
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
@@ -45,3 +47,15 @@ def demo_runners():
 def heldout_prompts() -> list[str]:
     path = MODELS / "heldout_prompts.jsonl"
     return [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture
+async def zctx():
+    """A context whose sockets must all be closed by the end of the test: term() hangs on a leak."""
+    ctx = zmq.asyncio.Context()
+    yield ctx
+    try:
+        await asyncio.wait_for(asyncio.to_thread(ctx.term), 5)
+    except asyncio.TimeoutError:
+        ctx.destroy(linger=0)
+        pytest.fail("a ZeroMQ socket was left open")

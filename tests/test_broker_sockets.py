@@ -20,18 +20,6 @@ RECV_TIMEOUT = 5.0
 
 
 @pytest.fixture
-async def zctx():
-    """A context whose sockets must all be closed by the end of the test: term() hangs on a leak."""
-    ctx = zmq.asyncio.Context()
-    yield ctx
-    try:
-        await asyncio.wait_for(asyncio.to_thread(ctx.term), 5)
-    except asyncio.TimeoutError:
-        ctx.destroy(linger=0)
-        pytest.fail("a ZeroMQ socket was left open")
-
-
-@pytest.fixture
 def dealer(zctx):
     """dealer(endpoint) -> a connected DEALER, closed with linger=0 after the test."""
     sockets = []

@@ -34,18 +34,6 @@ PROMPTS = ["def add(a, b):\n", "class Point:\n", "for i in", "    def __init__(s
 
 # ---------------------------------------------------------------------------------------------- fixtures
 
-@pytest.fixture
-async def zctx():
-    """A context whose sockets must all be closed by the end of the test: term() hangs on a leak."""
-    ctx = zmq.asyncio.Context()
-    yield ctx
-    try:
-        await asyncio.wait_for(asyncio.to_thread(ctx.term), 5)
-    except asyncio.TimeoutError:
-        ctx.destroy(linger=0)
-        pytest.fail("a ZeroMQ socket was left open")
-
-
 class FakeBroker:
     """The broker's backend ROUTER, played by the test: records the worker's READY / HEARTBEAT / DISCONNECT,
     sends edge messages as [worker_id, client_id, header, body] and queues the replies per client id."""

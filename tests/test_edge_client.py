@@ -97,18 +97,6 @@ class FakeCloud:
 
 
 @pytest.fixture
-async def zctx():
-    """A context whose sockets must all be closed by the end of the test: term() hangs on a leak."""
-    ctx = zmq.asyncio.Context()
-    yield ctx
-    try:
-        await asyncio.wait_for(asyncio.to_thread(ctx.term), 5)
-    except asyncio.TimeoutError:
-        ctx.destroy(linger=0)
-        pytest.fail("a ZeroMQ socket was left open")
-
-
-@pytest.fixture
 async def cloud(zctx, tiny_runners):
     fake = FakeCloud(zctx, tiny_runners[0])
     task = asyncio.create_task(fake.run())

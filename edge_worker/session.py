@@ -90,12 +90,8 @@ class EdgeSession:
         self.cloud_len = len(self.tokens)
         self._rejection = self._pending = None
         return P.Open(self.sid, list(self.tokens), self.mode, c.params.temperature, c.params.top_k,
-                      c.params.top_p, c.seed, c.resample, self.drafter_shared_bitmap(),
+                      c.params.top_p, c.seed, c.resample, self.drafter.shared_bitmap(),
                       self.drafter.target_vocab_size)
-
-    def drafter_shared_bitmap(self) -> bytes:
-        fn = getattr(self.drafter, "shared_bitmap", None)
-        return fn() if fn else b""
 
     def next_request(self) -> P.Verify | P.Resample:
         """The next message to send: a pending RESAMPLE, or a VERIFY for a freshly drafted block."""
@@ -148,13 +144,10 @@ class EdgeSession:
             self.cloud_len = len(self.tokens) if not self.done else self.cloud_len
         elif not self.done:  # sample-mode rejection: the edge, holding q', finishes the draw
             self.cloud_len = len(self.tokens)
-            self._rejection = Rejection(block.q_rows[n], self.drafter_shared_mask(), self.config.seed,
+            self._rejection = Rejection(block.q_rows[n], self.drafter.shared_mask, self.config.seed,
                                         len(self.tokens), v.seq, self.sid, self.config.resample)
             self._resolve(self._rejection.step(v))
         return self.generated[start:]
-
-    def drafter_shared_mask(self):
-        return getattr(self.drafter, "shared_mask", None)
 
     def _resolve(self, outcome) -> list[int]:
         if isinstance(outcome, P.Resample):

@@ -13,6 +13,7 @@ import torch
 from specrelay.common.textsync import DraftContext, incremental_backoff
 from specrelay.common.vocab import token_bytes
 from test_vocab import TRICKY, demo_tokenizer, tiny_byte_level, tiny_metaspace  # sibling test module
+from test_vocab import byte_level, metaspace  # noqa: F401  (its module-scoped fixtures, shared)
 
 torch.set_num_threads(1)
 
@@ -50,16 +51,6 @@ def check_sync(draft, target, text: str, seed: int) -> None:
     mirror = replay(ctx, random_chunks(ids, random.Random(seed)), ctx.append_target_tokens)
     assert ctx.text_bytes == text.encode("utf-8")
     assert mirror == full_ids(draft, text)
-
-
-@pytest.fixture(scope="module")
-def byte_level():
-    return tiny_byte_level()
-
-
-@pytest.fixture(scope="module")
-def metaspace():
-    return tiny_metaspace()
 
 
 def test_backoff_rules(byte_level, metaspace):

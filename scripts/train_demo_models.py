@@ -7,6 +7,8 @@ Reproducible (seeded) and budgeted by wall time, so it fits a laptop:
     python scripts/train_demo_models.py target  --minutes 45
     python scripts/train_demo_models.py draft   --minutes 20 --threads 1   # distilled from the target (KL)
     python scripts/train_demo_models.py draft-xv --minutes 20 --threads 1  # its own tokenizer, LM loss
+    python scripts/train_demo_models.py teacher-data --threads 1      # target continuations (sequence-level KD)
+    python scripts/train_demo_models.py distill-xv --minutes 60 --threads 1  # cross-tokenizer distillation
     python scripts/train_demo_models.py eval          # held-out loss, greedy agreement, alpha -> models/metrics.json
 
 Everything lands in models/ as save_pretrained directories that AutoModelForCausalLM/AutoTokenizer load offline.
@@ -25,6 +27,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # xv_distill
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
@@ -237,8 +241,65 @@ def lm_loss(model, x):
 
 
 def load_tok(name: str):
+    """The tokenizer trained by `tokenizers`, else the one shipped in models/ (a fresh clone has no .train/)."""
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(WORK / f"tok-{name}")
+    path = WORK / f"tok-{name}"
+    return AutoTokenizer.from_pretrained(path if path.exists() else MODELS / name)
+
+
+def cmd_encode(args) -> None:
+    """Token caches for a fresh clone: encode the corpus with the tokenizers in models/ (no retraining)."""
+    for name in ("demo-target", "demo-draft-xv"):
+        if not (WORK / f"{name}.train.pt").exists():
+            encode_corpus(load_tok(name), name)
+
+
+def cmd_teacher_data(args) -> None:
+    """Target continuations of random training windows, for sequence-level distillation of the xv draft."""
+    from transformers import AutoModelForCausalLM
+    import xv_distill
+
+    target = AutoModelForCausalLM.from_pretrained(MODELS / "demo-target").eval()
+    corpus = torch.load(WORK / "demo-target.train.pt")
+    texts = xv_distill.teacher_texts(target, load_tok("demo-target"), corpus, args.teacher_texts, SEED + 7)
+    xv_distill.save_texts(WORK / "teacher.jsonl", texts)
+    log(f"{len(texts)} teacher texts -> {WORK / 'teacher.jsonl'}")
+
+
+def corpus_texts(n: int, n_tokens: int = 170) -> list[str]:
+    """`n` random windows of the training corpus as text (the target's tokenization, decoded)."""
+    tok = load_tok("demo-target")
+    data = torch.load(WORK / "demo-target.train.pt")
+    gen = torch.Generator().manual_seed(SEED + 11)
+    starts = torch.randint(0, len(data) - n_tokens, (n,), generator=gen)
+    return [tok.decode(data[s:s + n_tokens].tolist()) for s in starts]
+
+
+def cmd_distill_xv(args) -> None:
+    """Continue `demo-draft-xv` on teacher text + corpus windows with LM loss and boundary KL on V_c."""
+    from transformers import AutoModelForCausalLM
+    import xv_distill
+    from specrelay.edge_worker.vocab import build_shared_vocab
+
+    target = AutoModelForCausalLM.from_pretrained(MODELS / "demo-target").eval()
+    out = Path(args.out) if args.out else MODELS / "demo-draft-xv"
+    draft = AutoModelForCausalLM.from_pretrained(MODELS / "demo-draft-xv")
+    t_tok, d_tok = load_tok("demo-target"), load_tok("demo-draft-xv")
+    vocab = build_shared_vocab(d_tok, t_tok)
+    texts = xv_distill.load_texts(WORK / "teacher.jsonl") + corpus_texts(args.corpus_texts)
+    windows = xv_distill.build_windows(texts, t_tok, d_tok)
+    previous = json.loads((MODELS / "demo-draft-xv" / "training.json").read_text())
+    stats = xv_distill.train(draft, target, windows, vocab.shared_target_ids, vocab.shared_draft_ids,
+                             minutes=args.minutes, lr=args.lr, batch=args.batch, kl_weight=args.kl_weight,
+                             seed=SEED + 3, save=lambda: save(draft, d_tok, out))
+    stats |= {"method": "cross-tokenizer distillation: LM loss on target-generated text (half greedy, half T=1) "
+                        "and corpus windows + KL(p_c || q'_c) on V_c at shared token boundaries",
+              "kl_weight": args.kl_weight, "lr": args.lr, "batch": args.batch, "teacher_texts": args.teacher_texts,
+              "corpus_texts": args.corpus_texts, "params": n_params(draft),
+              "heldout_loss": round(heldout_loss(draft, "demo-draft-xv"), 4)}
+    phases = previous.get("phases", [previous]) + [stats]
+    (out / "training.json").write_text(json.dumps({**stats, "phases": phases}, indent=1))
+    log("distill-xv", stats)
 
 
 def cmd_target(args) -> None:
@@ -247,7 +308,7 @@ def cmd_target(args) -> None:
 
     tok = load_tok("demo-target")
     out = MODELS / "demo-target"
-    previous = json.loads((out / "training.json").read_text()) if args.resume else None
+    previous = json.loads((MODELS / "demo-draft-xv" / "training.json").read_text()) if args.resume else None
     model = AutoModelForCausalLM.from_pretrained(out) if args.resume else new_model(tok, TARGET_CFG)
     log(f"target params {n_params(model)}" + (f", resuming after {previous['steps']} steps" if previous else ""))
     stats = train_loop(model, "demo-target", args.minutes, lm_loss, 8e-4 if args.resume else 2e-3, args.batch, out, tok,
@@ -313,12 +374,12 @@ def generation_acceptance(draft: str, n_prompts: int = 20, max_new: int = 64) ->
     sys.path.insert(0, str(ROOT))
     from specrelay.common.runner import ModelRunner
     from specrelay.common.sampling import SamplingParams
-    from specrelay.edge_worker.drafter import make_drafter
+    from specrelay.edge_worker.loading import load_drafter
     from specrelay.edge_worker.session import SessionConfig
     from specrelay.speculative import speculative_generate_batch
 
     target = ModelRunner.load(str(MODELS / "demo-target"))
-    drafter, tok = make_drafter(str(MODELS / draft), str(MODELS / "demo-target"))
+    drafter, tok = load_drafter(str(MODELS / draft), str(MODELS / "demo-target"))
     prompts = [tok(json.loads(x)["prompt"]).input_ids
                for x in (MODELS / "heldout_prompts.jsonl").read_text().splitlines()[:n_prompts]]
     out = {}
@@ -334,17 +395,24 @@ def generation_acceptance(draft: str, n_prompts: int = 20, max_new: int = 64) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("phase", choices=["data", "tokenizers", "target", "draft", "draft-xv", "eval"])
+    parser.add_argument("phase", choices=["data", "tokenizers", "encode", "target", "draft", "draft-xv",
+                                          "teacher-data", "distill-xv", "eval"])
     parser.add_argument("--minutes", type=float, default=45)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--resume", action="store_true", help="target: continue from models/demo-target")
+    parser.add_argument("--teacher-texts", type=int, default=6000, help="teacher-data: target continuations")
+    parser.add_argument("--corpus-texts", type=int, default=3000, help="distill-xv: corpus windows mixed in")
+    parser.add_argument("--kl-weight", type=float, default=1.0, help="distill-xv: weight of the boundary KL")
+    parser.add_argument("--lr", type=float, default=1e-3, help="distill-xv: peak learning rate")
+    parser.add_argument("--out", default=None, help="distill-xv: output directory (default models/demo-draft-xv)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(SEED)
     WORK.mkdir(exist_ok=True)
     {"data": cmd_data, "tokenizers": cmd_tokenizers, "target": cmd_target, "draft": cmd_draft,
-     "draft-xv": cmd_draft_xv, "eval": cmd_eval}[args.phase](args)
+     "draft-xv": cmd_draft_xv, "encode": cmd_encode, "teacher-data": cmd_teacher_data,
+     "distill-xv": cmd_distill_xv, "eval": cmd_eval}[args.phase](args)
 
 
 if __name__ == "__main__":

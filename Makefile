@@ -11,7 +11,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c constraints.txt -e '.[test,fast,metrics]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[test,fast]'
 	touch $(STAMP)
 
 demo: venv

@@ -25,8 +25,8 @@ import msgspec
 import structlog
 
 from specrelay.common import protocol
-from specrelay.common.errors import InvalidRequest
-from specrelay.common.protocol import MsgType
+from specrelay.common.errors import ErrorCode, InvalidRequest
+from specrelay.common.protocol import CLOUD_REPLIES, EDGE_REQUESTS, MsgType
 
 from .table import Session, SessionKey, Stats, Worker
 
@@ -39,9 +39,7 @@ BACKEND = "backend"
 
 Action = tuple[str, list[bytes]]
 
-EDGE_TYPES = frozenset({MsgType.OPEN, MsgType.VERIFY, MsgType.RESAMPLE, MsgType.CLOSE})
-REPLY_TYPES = frozenset({MsgType.VERDICT, MsgType.RESAMPLED, MsgType.ERROR})
-_SEQ_TYPES = frozenset({MsgType.VERIFY, MsgType.RESAMPLE}) | REPLY_TYPES
+_SEQ_TYPES = frozenset({MsgType.VERIFY, MsgType.RESAMPLE}) | CLOUD_REPLIES
 
 log = structlog.get_logger("specrelay.broker")
 
@@ -107,7 +105,7 @@ class Router:
             if n != 3:
                 raise InvalidRequest(f"a request is 2 frames (header, body), got {n - 1}", field="frames")
             msg_type = protocol.parse_header(frames[1])
-            if msg_type not in EDGE_TYPES:
+            if msg_type not in EDGE_REQUESTS:
                 raise InvalidRequest(f"an edge may not send {msg_type.name}; it sends OPEN, VERIFY, RESAMPLE "
                                      "or CLOSE", field="header.type")
             session_id, seq = read_head(msg_type, frames[2])
@@ -120,8 +118,8 @@ class Router:
         if session is None:
             if msg_type == MsgType.CLOSE:
                 return []  # closing a session nobody holds: already done
-            self.stats.resend_context_sent += 1
-            return [self._error(edge, session_id, seq, "RESEND_CONTEXT",
+            self.stats.unknown_session_sent += 1
+            return [self._error(edge, session_id, seq, ErrorCode.UNKNOWN_SESSION,
                                 f"session {session_id} is not open on any worker; re-OPEN it with the full context")]
         if msg_type == MsgType.CLOSE:
             self._forget(key)
@@ -136,7 +134,7 @@ class Router:
             worker = self._least_loaded()
             if worker is None:
                 self.stats.unavailable_sent += 1
-                return [self._error(edge, session_id, 0, "UNAVAILABLE",
+                return [self._error(edge, session_id, 0, ErrorCode.UNAVAILABLE,
                                     "no live worker has room for a new session; retry later")]
             session = Session(edge=edge, worker=worker.identity)
             self.sessions[key] = session
@@ -153,7 +151,7 @@ class Router:
                  frames: list[bytes]) -> list[Action]:
         if len(session.in_flight) >= self.max_in_flight:
             self.stats.unavailable_sent += 1
-            return [self._error(session.edge, session_id, seq, "UNAVAILABLE",
+            return [self._error(session.edge, session_id, seq, ErrorCode.UNAVAILABLE,
                                 f"session {session_id} already has {self.max_in_flight} requests in flight")]
         session.in_flight.append((msg_type, seq))
         return [self._to_worker(session.worker, session.edge, frames[1:])]
@@ -181,7 +179,7 @@ class Router:
             return self._heartbeat(worker, frames)
         if msg_type == MsgType.DISCONNECT:
             return self._lose_worker(worker_id, "the worker disconnected", tell_worker=False)
-        if msg_type in REPLY_TYPES:
+        if msg_type in CLOUD_REPLIES:
             return self._reply(worker, msg_type, frames)
         return self._bad_worker(worker_id, f"a worker may not send {msg_type.name}")
 
@@ -202,7 +200,7 @@ class Router:
 
     def _heartbeat(self, worker: Worker, frames: list[bytes]) -> list[Action]:
         try:
-            worker.reported_load = protocol.decode(frames[2:]).load
+            protocol.decode(frames[2:])
         except InvalidRequest as exc:
             return self._bad_worker(worker.identity, str(exc))
         return []
@@ -279,7 +277,7 @@ class Router:
         if session is not None:
             session.unsettle(msg_type, seq)
         self.stats.unavailable_sent += 1
-        return [self._error(edge, session_id, seq, "UNAVAILABLE", "the worker's queue is full; retry later")]
+        return [self._error(edge, session_id, seq, ErrorCode.UNAVAILABLE, "the worker's queue is full; retry later")]
 
     def _edge_gone(self, edge: bytes) -> list[Action]:
         """The edge disconnected: close its sessions on their workers so they free the memory."""
@@ -297,7 +295,7 @@ class Router:
         for key in sorted(worker.sessions):
             session, session_id = self._forget(key), key[1]
             for seq in session.lost_seqs():
-                lost.append(self._error(session.edge, session_id, seq, "WORKER_LOST",
+                lost.append(self._error(session.edge, session_id, seq, ErrorCode.WORKER_LOST,
                                         f"the worker holding session {session_id} was lost ({reason}); "
                                         "re-OPEN it with the full context"))
         self.stats.worker_lost_sent += len(lost)
@@ -332,11 +330,11 @@ class Router:
     def _disconnect(self, worker_id: bytes, reason: str) -> Action:
         return self._to_worker(worker_id, b"", protocol.encode(protocol.Disconnect(reason=reason)))
 
-    def _error(self, edge: bytes, session_id: int, seq: int, code: str, message: str) -> Action:
+    def _error(self, edge: bytes, session_id: int, seq: int, code: ErrorCode, message: str) -> Action:
         return self._to_edge(edge, protocol.encode(protocol.Error(session=session_id, seq=seq, code=code,
                                                                   message=message)))
 
     def _bad_request(self, edge: bytes, session_id: int, seq: int, message: str) -> Action:
         self.stats.bad_requests += 1
         log.info("bad request", edge=edge.hex(), session=session_id, reason=message)
-        return self._error(edge, session_id, seq, "BAD_REQUEST", message)
+        return self._error(edge, session_id, seq, ErrorCode.BAD_REQUEST, message)

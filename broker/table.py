@@ -8,9 +8,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from specrelay.common.protocol import MsgType
+from specrelay.common.protocol import MsgType, SessionKey
 
-SessionKey = tuple[bytes, int]  # (edge_id, the edge's own session id): a session id is unique per edge only
 
 # which requests a reply can answer (ERROR answers any of them)
 _ANSWERS = {MsgType.VERDICT: {MsgType.VERIFY, MsgType.OPEN}, MsgType.RESAMPLED: {MsgType.RESAMPLE}}
@@ -23,7 +22,6 @@ class Worker:
     expires: float           # dead when `now` reaches this without a message from it
     serial: int              # registration order: the deterministic tie-break between equal loads
     model: str = ""
-    reported_load: int = 0   # the worker's own count from HEARTBEAT (logged; routing uses `sessions`)
     sessions: set[SessionKey] = field(default_factory=set)
 
     @property
@@ -77,7 +75,7 @@ class Stats:
     bad_worker_messages: int = 0      # malformed or unexpected worker messages, dropped
     unknown_worker_messages: int = 0  # from a worker not (or no longer) registered, dropped
     worker_lost_sent: int = 0
-    resend_context_sent: int = 0
+    unknown_session_sent: int = 0
     unavailable_sent: int = 0
     unroutable: int = 0               # sends that failed: peer gone or its queue full
     workers_lost: int = 0

@@ -18,19 +18,22 @@ from collections.abc import Callable, Container
 from dataclasses import dataclass
 
 from ..common import protocol as P
+from ..common.protocol import SessionKey
 
 
 @dataclass
 class Item:
-    """One edge message: who sent it (the broker's client id), the decoded message, when, on which connection.
-    session: the worker's key for the session, scoped by the edge (an edge's session id is unique per edge
-    only; `CloudWorker._scope`), so every rule here that says "session" means (edge, session)."""
+    """One edge message: its session key (peer, session), the decoded message, when, on which connection.
+    Every rule here that says "session" means the key: an edge's session id is unique per edge only."""
 
-    client: bytes
-    msg: P.Base          # Open | Verify | Close | Resample (session rewritten to the scoped key), or an Error
-    session: int
+    key: SessionKey
+    msg: P.Base          # Open | Verify | Close | Resample, or a ready-made Error reply
     arrived: float       # monotonic seconds
     generation: int = 0  # the broker connection it came in on
+
+    @property
+    def peer(self) -> bytes:
+        return self.key[0]
 
     @property
     def is_verify(self) -> bool:
@@ -41,7 +44,7 @@ class Batcher:
     def __init__(self, max_batch: int, max_wait_s: float, idle_after_s: float) -> None:
         self.max_batch, self.max_wait_s, self.idle_after_s = max_batch, max_wait_s, idle_after_s
         self.queue: deque[Item] = deque()
-        self.last_seen: dict[int, float] = {}  # scoped session key -> arrival of its latest message
+        self.last_seen: dict[SessionKey, float] = {}  # session -> arrival of its latest message
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -49,25 +52,25 @@ class Batcher:
     def push(self, item: Item) -> None:
         self.queue.append(item)
         if not isinstance(item.msg, P.Error):  # a malformed message proves nothing about a session
-            self.last_seen[item.session] = item.arrived
+            self.last_seen[item.key] = item.arrived
 
     def take(self, batch: list[Item], control: Callable[[Item], None]) -> bool:
         """Move queued VERIFYs into `batch` and pass every other message to `control`, in arrival order.
         Returns True when the queue's head must wait for this batch (its session is already in it)."""
-        in_batch = {item.session for item in batch}
+        in_batch = {item.key for item in batch}
         while self.queue and len(batch) < self.max_batch:
             item = self.queue[0]
-            if item.session in in_batch:
+            if item.key in in_batch:
                 return True
             self.queue.popleft()
             if item.is_verify:
                 batch.append(item)
-                in_batch.add(item.session)
+                in_batch.add(item.key)
             else:
                 control(item)
         return False
 
-    def wait_budget(self, batch: list[Item], now: float, is_open: Container[int]) -> float:
+    def wait_budget(self, batch: list[Item], now: float, is_open: Container[SessionKey]) -> float:
         """Seconds worth waiting for more VERIFYs before running `batch` (0: run it now)."""
         if not batch or len(batch) >= self.max_batch:
             return 0.0
@@ -75,17 +78,17 @@ class Batcher:
         if left <= 0:
             return 0.0
         self._prune(now, is_open)
-        in_batch = {item.session for item in batch}
+        in_batch = {item.key for item in batch}
         # sessions that could plausibly send a VERIFY soon: open here, recently active, not already batched
         others = sum(1 for sid in self.last_seen if sid not in in_batch)
         return left if others else 0.0
 
-    def _prune(self, now: float, is_open: Container[int]) -> None:
+    def _prune(self, now: float, is_open: Container[SessionKey]) -> None:
         for sid in [s for s, t in self.last_seen.items() if now - t > self.idle_after_s or s not in is_open]:
             del self.last_seen[sid]
 
-    def forget(self, session: int) -> None:
-        self.last_seen.pop(session, None)
+    def forget(self, key: SessionKey) -> None:
+        self.last_seen.pop(key, None)
 
     def drop_before(self, generation: int) -> list[Item]:
         """Remove (and return) messages that came in on an older broker connection."""

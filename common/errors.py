@@ -3,16 +3,32 @@
     SpecRelayError
     ├── RequestError            a request failed; the process keeps serving (wire code in `.code`)
     │   ├── InvalidRequest      malformed frame, wrong type, out-of-range field       -> BAD_REQUEST
-    │   ├── UnknownSession      the worker has no state for this session             -> RESEND_CONTEXT
+    │   ├── UnknownSession      no live state for this (peer, session): re-OPEN       -> UNKNOWN_SESSION
     │   ├── WorkerLost          the worker holding the session vanished (retryable)   -> WORKER_LOST
-    │   ├── Overloaded          no live worker / queue full (retryable)               -> UNAVAILABLE
-    │   └── GenerationTimeout   the client gave up waiting
+    │   ├── Overloaded          no live worker / a limit reached (retryable)          -> UNAVAILABLE
+    │   ├── GenerationTimeout   the client gave up waiting                            -> TIMEOUT
+    │   └── Unauthorized        the peer's key may not do this                        -> UNAUTHORIZED
     └── FatalError              the component cannot go on (model failed to load, socket gone)
+        └── AuthenticationFailed  the broker refused this process's CURVE key
 
 A bad request fails that request, never the process. asyncio.CancelledError is never caught here.
 """
 
 from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(enum.IntEnum):
+    """ERROR.code on the wire (one byte)."""
+
+    BAD_REQUEST = 1      # the message is malformed or a field is out of range: do not retry it as is
+    UNKNOWN_SESSION = 2  # nobody holds this session (for this peer): re-OPEN with the whole context
+    WORKER_LOST = 3      # the worker holding the session died: re-OPEN
+    UNAVAILABLE = 4      # no worker has room, or a per-client limit was reached: retry later
+    TIMEOUT = 5
+    INTERNAL = 6         # a bug or a failed forward pass: re-OPEN
+    UNAUTHORIZED = 7     # this key may not send that message
 
 
 class SpecRelayError(Exception):
@@ -20,7 +36,7 @@ class SpecRelayError(Exception):
 
 
 class RequestError(SpecRelayError):
-    code = "INTERNAL"
+    code = ErrorCode.INTERNAL
     retryable = False
 
     def __init__(self, message: str, *, field: str | None = None) -> None:
@@ -29,39 +45,52 @@ class RequestError(SpecRelayError):
 
 
 class InvalidRequest(RequestError, ValueError):
-    code = "BAD_REQUEST"
+    code = ErrorCode.BAD_REQUEST
 
 
 class UnknownSession(RequestError):
-    code = "RESEND_CONTEXT"
+    code = ErrorCode.UNKNOWN_SESSION
     retryable = True
 
 
 class WorkerLost(RequestError):
-    code = "WORKER_LOST"
+    code = ErrorCode.WORKER_LOST
     retryable = True
 
 
 class Overloaded(RequestError):
-    code = "UNAVAILABLE"
+    code = ErrorCode.UNAVAILABLE
     retryable = True
 
 
 class GenerationTimeout(RequestError, TimeoutError):
-    code = "TIMEOUT"
+    code = ErrorCode.TIMEOUT
+    retryable = True
+
+
+class Unauthorized(RequestError):
+    code = ErrorCode.UNAUTHORIZED
+
+
+class InternalError(RequestError):
+    """The cloud failed on this request (a bug, or the model's forward pass raised); its state is gone."""
+
+    code = ErrorCode.INTERNAL
+    retryable = True
 
 
 class FatalError(SpecRelayError):
     """The component is dead (like vLLM's EngineDeadError); callers should not retry on it."""
 
 
-_BY_CODE = {cls.code: cls for cls in (InvalidRequest, UnknownSession, WorkerLost, Overloaded, GenerationTimeout)}
+class AuthenticationFailed(FatalError):
+    """The broker refused this process's CURVE key (not in its allowlist, or the wrong role)."""
 
 
-def from_wire(code: str, message: str) -> RequestError:
+_BY_CODE = {cls.code: cls for cls in (InvalidRequest, UnknownSession, WorkerLost, Overloaded, GenerationTimeout,
+                                      Unauthorized, InternalError)}
+
+
+def from_wire(code: ErrorCode, message: str) -> RequestError:
     """The exception an ERROR message stands for."""
-    cls = _BY_CODE.get(code, RequestError)
-    err = cls(message)
-    if cls is RequestError:
-        err.code = code
-    return err
+    return _BY_CODE.get(code, InternalError)(message)

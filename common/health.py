@@ -1,79 +1,135 @@
-"""Operations hooks shared by the broker and cloud workers: a minimal HTTP/1.0 responder for Kubernetes probes
-and Prometheus, the Prometheus text format, and systemd's sd_notify. No dependency.
+"""Operations hooks of every process: an HTTP health port (Kubernetes probes, Prometheus) and systemd's sd_notify.
 
 Kubernetes must probe an HTTP port, never the ZeroMQ one: libzmq accepts TCP while the application hangs.
+  GET /healthz  200 while the process is alive and its event loop keeps time (liveness), else 503
+  GET /readyz   200 while it can serve (readiness), else 503
+  GET /metrics  Prometheus exposition (prometheus_client) of the process's counters and gauges
+The HTTP responder is deliberately tiny (GET/HEAD, one request per connection, bounded reads and connections):
+it must answer while the process is under attack.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 import structlog
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 log = structlog.get_logger("specrelay.health")
 
 READ_TIMEOUT = 5.0
-MAX_HEADER_LINES = 100
+MAX_REQUEST_BYTES = 8192      # request line + headers; a longer request is refused with 431
+MAX_CONNECTIONS = 32          # concurrent health connections; more are closed at once
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
-Respond = Callable[[str], tuple[str, str, str]]  # path -> (status line, content type, body)
+Probe = Callable[[], tuple[bool, dict]]  # -> (ok, details)
 
 
-async def start_http(host: str, port: int, respond: Respond) -> asyncio.Server:
+@dataclass
+class Endpoints:
+    """What the health port serves: two probes and a registry of metrics."""
+
+    healthz: Probe
+    readyz: Probe
+    registry: CollectorRegistry
+
+    def respond(self, path: str) -> tuple[str, str, bytes]:
+        """(status line, content type, body) for one GET path."""
+        if path == "/metrics":
+            return "200 OK", "text/plain; version=0.0.4; charset=utf-8", generate_latest(self.registry)
+        probe = {"/healthz": self.healthz, "/readyz": self.readyz}.get(path)
+        if probe is None:
+            return "404 Not Found", "text/plain", b"not found\n"
+        ok, details = probe()
+        body = json.dumps({"status": "ok" if ok else "unavailable", **details}) + "\n"
+        return ("200 OK" if ok else "503 Service Unavailable"), "application/json", body.encode()
+
+
+async def start_http(host: str, port: int, endpoints: Endpoints) -> asyncio.Server:
     """Serve GET/HEAD on host:port (0 = any free port: read it from `server.sockets[0].getsockname()`)."""
+    gate = asyncio.Semaphore(MAX_CONNECTIONS)
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            request = await asyncio.wait_for(reader.readline(), READ_TIMEOUT)
-            for _ in range(MAX_HEADER_LINES):  # headers are read and ignored
-                if (await asyncio.wait_for(reader.readline(), READ_TIMEOUT)).strip() == b"":
-                    break
-            parts = request.decode("latin-1").split()
-            if len(parts) < 2 or parts[0] not in ("GET", "HEAD"):
-                status, ctype, body = "405 Method Not Allowed", "text/plain", "GET only\n"
-            else:
-                status, ctype, body = respond(parts[1].split("?")[0])
-            data = body.encode()
-            writer.write(f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(data)}\r\n"
-                         "Connection: close\r\n\r\n".encode() + (b"" if parts[:1] == ["HEAD"] else data))
-            await writer.drain()
-        except (asyncio.TimeoutError, ConnectionError, UnicodeDecodeError) as exc:
-            log.debug("health request dropped", error=repr(exc))
-        finally:
+        if gate.locked():  # connection cap: slow or idle clients cannot exhaust descriptors
             writer.close()
+            return
+        async with gate:
+            try:
+                status, ctype, body, head = await asyncio.wait_for(_answer(reader, endpoints), READ_TIMEOUT)
+                writer.write(f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                             "Connection: close\r\n\r\n".encode() + (b"" if head else body))
+                await writer.drain()
+            except (asyncio.TimeoutError, ConnectionError) as exc:
+                log.debug("health request dropped", error=repr(exc))
+            finally:
+                writer.close()
 
-    return await asyncio.start_server(handle, host, port)
-
-
-def prometheus_text(prefix: str, stats: Mapping[str, object], gauges: frozenset[str]) -> str:
-    """Flat ints/floats as counters (`_total`) or gauges; `errors` ({code: n}) as a labelled counter;
-    `batch_sizes` ({size: batches}) as a histogram (Prometheus exposition format 0.0.4)."""
-    lines: list[str] = []
-    for name, value in stats.items():
-        if name == "errors":
-            metric = prefix + "errors_total"
-            lines.append(f"# TYPE {metric} counter")
-            lines += [f'{metric}{{code="{code}"}} {n}' for code, n in sorted(value.items())]
-        elif name == "batch_sizes":
-            lines += _histogram(prefix + "batch_size", value)
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            kind = "gauge" if name in gauges else "counter"
-            metric = prefix + name + ("" if kind == "gauge" else "_total")
-            lines += [f"# TYPE {metric} {kind}", f"{metric} {value}"]
-    return "\n".join(lines) + "\n"
+    return await asyncio.start_server(handle, host, port, limit=MAX_REQUEST_BYTES)
 
 
-def _histogram(metric: str, sizes: Mapping[int, int]) -> list[str]:
-    lines = [f"# TYPE {metric} histogram"]
-    for bound in BATCH_BUCKETS:
-        lines.append(f'{metric}_bucket{{le="{bound}"}} {sum(n for s, n in sizes.items() if s <= bound)}')
-    lines.append(f'{metric}_bucket{{le="+Inf"}} {sum(sizes.values())}')
-    lines.append(f"{metric}_sum {sum(s * n for s, n in sizes.items())}")
-    lines.append(f"{metric}_count {sum(sizes.values())}")
-    return lines
+async def _answer(reader: asyncio.StreamReader, endpoints: Endpoints) -> tuple[str, str, bytes, bool]:
+    """Read one request (bounded) and build its response: (status, content type, body, is HEAD)."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except (asyncio.LimitOverrunError, ValueError):
+        return "431 Request Header Fields Too Large", "text/plain", b"request too large\n", False
+    except asyncio.IncompleteReadError as exc:
+        head = exc.partial  # HTTP/0.9-style or a truncated request: answer what the first line asks
+    parts = head.split(b"\r\n", 1)[0].decode("latin-1").split()
+    if len(parts) < 2 or parts[0] not in ("GET", "HEAD"):
+        return "405 Method Not Allowed", "text/plain", b"GET only\n", False
+    return (*endpoints.respond(parts[1].split("?")[0]), parts[0] == "HEAD")
+
+
+class StatsCollector:
+    """prometheus_client collector over a process's stats dict, read at scrape time (no double bookkeeping).
+
+    Flat ints/floats become counters (`<prefix><name>_total`) or, if named in `gauges`, gauges;
+    `errors` ({code: n}) a counter labelled by code; `batch_sizes` ({size: batches}) a histogram;
+    `accepted_per_position` ([n_0, n_1, ...]) a counter labelled by draft position.
+    """
+
+    def __init__(self, prefix: str, stats: Callable[[], Mapping[str, object]], gauges: Iterable[str]) -> None:
+        self.prefix, self.stats, self.gauges = prefix, stats, frozenset(gauges)
+
+    def collect(self):
+        for name, value in self.stats().items():
+            metric = self.prefix + name
+            if name == "errors":
+                family = CounterMetricFamily(metric, "ERROR replies by code", labels=["code"])
+                for code, n in sorted(value.items()):
+                    family.add_metric([str(code)], n)
+                yield family
+            elif name == "batch_sizes":
+                yield _histogram(self.prefix + "batch_size", value)
+            elif name.endswith("_per_pos"):
+                family = CounterMetricFamily(metric, name.replace("_", " "), labels=["position"])
+                for position, n in enumerate(value):
+                    family.add_metric([str(position)], n)
+                yield family
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                kind = GaugeMetricFamily if name in self.gauges else CounterMetricFamily
+                yield kind(metric, name.replace("_", " "), value=value)
+
+
+def _histogram(metric: str, sizes: Mapping[int, int]) -> HistogramMetricFamily:
+    buckets = [(str(bound), sum(n for s, n in sizes.items() if s <= bound)) for bound in BATCH_BUCKETS]
+    buckets.append(("+Inf", sum(sizes.values())))
+    return HistogramMetricFamily(metric, "verification batch sizes", buckets=buckets,
+                                 sum_value=sum(s * n for s, n in sizes.items()))
+
+
+def registry_for(prefix: str, stats: Callable[[], Mapping[str, object]], gauges: Iterable[str]) -> CollectorRegistry:
+    """A registry of its own per process object (tests run several in one interpreter)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatsCollector(prefix, stats, gauges))
+    return registry
 
 
 def sd_notify(state: str) -> bool:

@@ -12,23 +12,24 @@ Socket topology (edge DEALER -> broker frontend ROUTER; broker backend ROUTER <-
   broker -> edge   : [header, body]                      VERDICT, ERROR, RESAMPLED
   client <-> edge  : [header, body]                      GENERATE, CANCEL / TOKENS, DONE, ERROR
 Every session-scoped body has `session` as its first field so the broker can route without decoding the
-rest (`SessionHeader`). A session id is chosen by the edge and unique per edge only: the broker and the
-workers scope it by the edge's identity (client_id), so edges number their sessions 1, 2, ... and the id
-costs one byte in most messages. The broker never decodes tensors.
+rest (`SessionHeader`). A session id is chosen by the edge and unique per edge only: broker and workers key a
+session by `SessionKey` = (peer, session), so edges number their sessions 1, 2, ... and the id costs one byte
+in most messages. The broker never decodes tensors. Enumerations (mode, strategy, kind, code) travel as one
+small int each and decode only to a known member.
 """
 
 from __future__ import annotations
 
 import enum
 import re
-from typing import Annotated, Union
+from typing import Annotated
 
 import msgspec
 
-from .errors import InvalidRequest
+from .errors import ErrorCode, InvalidRequest  # noqa: F401  (ErrorCode is part of the wire)
 
-PROTOCOL_VERSION = 1
-MAX_CONTEXT = 32_768        # tokens in OPEN.tokens (prompt + history on re-prefill)
+PROTOCOL_VERSION = 2        # 2: enums on the wire (mode, resample, kind, code)
+MAX_CONTEXT = 32_768        # tokens in OPEN.tokens (prompt + history on re-prefill); a worker enforces its model's
 MAX_DRAFT = 64              # draft tokens in one VERIFY
 MAX_TAIL = 64               # committed tokens the cloud has not seen, carried by a VERIFY
 MAX_FRAME = 8 * 1024 * 1024  # MAXMSGSIZE on every socket (per frame)
@@ -38,6 +39,10 @@ MAX_PROMPT_CHARS = 1_000_000
 U63 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_CONTEXT * 4)]
+
+SessionKey = tuple[bytes, int]
+"""(peer, session): the peer is the edge's authenticated identity (its CURVE key, or its connection's routing id
+without keys), the session the edge's own number. Broker, Verifier and batcher key every session by it."""
 
 
 class MsgType(enum.IntEnum):
@@ -57,6 +62,49 @@ class MsgType(enum.IntEnum):
     DONE = 23
 
 
+EDGE_REQUESTS = frozenset({MsgType.OPEN, MsgType.VERIFY, MsgType.CLOSE, MsgType.RESAMPLE})  # edge -> cloud
+CLOUD_REPLIES = frozenset({MsgType.VERDICT, MsgType.RESAMPLED, MsgType.ERROR})             # cloud -> edge
+
+
+class Mode(enum.IntEnum):
+    """GREEDY: accept while draft == target argmax (temperature 0, and only then). SAMPLE: accept w.p.
+    min(1, p/q'), a rejection resolved by the `Resample` strategy. COUPLED: shared Gumbel noise, no q travels."""
+
+    GREEDY = 0
+    SAMPLE = 1
+    COUPLED = 2
+
+
+class Strategy(enum.IntEnum):
+    """The resampling strategy: what a rejection in SAMPLE mode sends down (common/resample.py): FULL p;
+    HR p on V_c + theta_o; SRDV candidates z ~ p with p(z)."""
+
+    FULL = 0
+    HR = 1
+    SRDV = 2
+
+
+class ResampleKind(enum.IntEnum):
+    SERVER_ONLY = 0  # hr: draw from p restricted to target-only tokens
+    CANDIDATES = 1   # srdv: another round of candidates
+    HR = 2           # srdv gave up: send the hr payload
+
+
+DEFAULT_STRATEGY = Strategy.SRDV  # the one default: fewest bytes at equal exactness (docs/benchmarks.md)
+
+
+def enum_value(kind: type[enum.IntEnum], value, field: str):
+    """A member of `kind` from a member, its int or its name in any case ('srdv' -> Strategy.SRDV); None stays
+    None. Anything else raises InvalidRequest naming the field and the choices (the Python API's boundary)."""
+    if value is None or isinstance(value, kind):
+        return value
+    try:
+        return kind[value.upper()] if isinstance(value, str) else kind(value)
+    except (KeyError, ValueError):
+        choices = ", ".join(m.name.lower() for m in kind)
+        raise InvalidRequest(f"{field} must be one of {choices}, got {value!r}", field=field) from None
+
+
 class Base(msgspec.Struct, array_like=True, omit_defaults=True, forbid_unknown_fields=False):
     pass
 
@@ -70,25 +118,24 @@ class SessionHeader(Base):
 class Open(Base):
     """Start (or re-prefill) a session on a worker.
 
-    session: id chosen by the edge, unique per edge; the broker and workers scope it by the edge's identity.
-    tokens: the whole target-vocab context (prompt, plus the
-    committed history when re-sending after RESEND_CONTEXT). mode: greedy | sample | coupled.
-    temperature/top_k/top_p: the shared transform. seed: the counter-based RNG seed. resample: what a
-    rejection in `sample` mode sends down: full | hr | srdv. shared_vocab: the shared vocabulary V_c as a
-    packed bitmap over the target ids (numpy packbits, little bit order); b"" = same vocabulary (V_c = all).
-    vocab_size: the target vocabulary size the edge's noise and q' rows assume; the worker refuses a mismatch.
+    session: id chosen by the edge, unique per edge; broker and workers key it by (peer, session).
+    tokens: the whole target-vocab context (prompt, plus the committed history when re-sending after
+    UNKNOWN_SESSION). temperature/top_k/top_p: the shared transform. seed: the counter-based RNG seed.
+    shared_vocab: the shared vocabulary V_c as a packed bitmap over the target ids (numpy packbits, little bit
+    order); b"" = same vocabulary (V_c = all). vocab_size: the target vocabulary size the edge's noise and q'
+    rows assume; the worker refuses a mismatch (0: unchecked).
     """
 
     session: U63
     tokens: Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_CONTEXT)]
-    mode: str = "greedy"
+    mode: Mode = Mode.GREEDY
     temperature: float = 0.0
     top_k: Annotated[int, msgspec.Meta(ge=0)] = 0
     top_p: float = 1.0
     seed: U63 = 0
-    resample: str = "full"
+    resample: Strategy = DEFAULT_STRATEGY
     shared_vocab: bytes = b""
-    vocab_size: Annotated[int, msgspec.Meta(ge=0)] = 0  # the target vocabulary size the edge assumes (0: unchecked)
+    vocab_size: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class Verify(Base):
@@ -102,7 +149,7 @@ class Verify(Base):
     pos: Count
     tail: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_TAIL)] = []
     draft: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_DRAFT)] = []
-    q: bytes = b""
+    q: Annotated[bytes, msgspec.Meta(max_length=4 * MAX_DRAFT)] = b""
 
 
 class Verdict(Base):
@@ -123,13 +170,12 @@ class Verdict(Base):
 
 
 class Resample(Base):
-    """Edge -> cloud after a rejection it could not resolve: kind 'server_only' (hr: sample p restricted to
-    target-only tokens), 'candidates' (srdv: another round) or 'hr' (srdv gave up: send the hr payload).
-    Refers to the rejection of the verdict with the same seq."""
+    """RESAMPLE, edge -> cloud after a rejection it could not resolve (see ResampleKind). Refers to the
+    rejection of the verdict with the same seq."""
 
     session: U63
     seq: U63
-    kind: str = "server_only"
+    kind: ResampleKind = ResampleKind.SERVER_ONLY
     round: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 0
 
 
@@ -151,12 +197,12 @@ class Close(Base):
 
 
 class Error(Base):
-    """code: BAD_REQUEST | RESEND_CONTEXT | WORKER_LOST | UNAVAILABLE | TIMEOUT | INTERNAL.
-    message: one sentence naming the field at fault. seq: of the failed request (0 when unknown)."""
+    """code: an ErrorCode (common/errors.py). message: one sentence naming the field at fault.
+    seq: of the failed request (0 when unknown). `session` is the request id on the client <-> edge link."""
 
     session: U63
     seq: U63 = 0
-    code: str = "INTERNAL"
+    code: ErrorCode = ErrorCode.INTERNAL
     message: str = ""
 
 
@@ -180,7 +226,8 @@ class Disconnect(Base):
 
 
 class Generate(Base):
-    """Client -> edge worker. request: client-chosen id echoed in every reply."""
+    """Client -> edge worker. request: client-chosen id echoed in every reply. mode None: greedy at
+    temperature 0, else sample. resample None: the edge's default. draft_len -1: auto."""
 
     request: U63
     prompt: Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)]
@@ -189,9 +236,9 @@ class Generate(Base):
     top_k: Annotated[int, msgspec.Meta(ge=0)] = 0
     top_p: float = 1.0
     seed: U63 = 0
-    draft_len: Annotated[int, msgspec.Meta(ge=-1, le=MAX_DRAFT)] = -1  # -1 = auto
-    mode: str = ""       # "" = greedy at temperature 0, else sample
-    resample: str = ""   # "" = the edge's default
+    draft_len: Annotated[int, msgspec.Meta(ge=-1, le=MAX_DRAFT)] = -1
+    mode: Mode | None = None
+    resample: Strategy | None = None
 
 
 class Cancel(Base):
@@ -216,7 +263,6 @@ MESSAGES: dict[MsgType, type[Base]] = {
     MsgType.CANCEL: Cancel, MsgType.TOKENS: Tokens, MsgType.DONE: Done,
 }
 TYPE_OF: dict[type[Base], MsgType] = {cls: t for t, cls in MESSAGES.items()}
-Message = Union[tuple(MESSAGES.values())]  # noqa: UP007
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders = {t: msgspec.msgpack.Decoder(cls) for t, cls in MESSAGES.items()}
@@ -258,10 +304,12 @@ def parse_header(frame: bytes) -> MsgType:
         raise InvalidRequest(f"unknown message type {frame[1]}", field="header.type") from None
 
 
-def decode(frames: list[bytes]) -> Base:
-    """[header, body] -> typed message; any defect raises InvalidRequest naming the field."""
-    if len(frames) != 2:
-        raise InvalidRequest(f"a message is 2 frames (header, body), got {len(frames)}", field="frames")
+def decode(frames: list[bytes], n_frames: int | None = None) -> Base:
+    """[header, body] -> typed message; any defect raises InvalidRequest naming the field. n_frames: the real
+    frame count when the reader kept only the first few (transport.recv_capped)."""
+    n = len(frames) if n_frames is None else n_frames
+    if n != 2:
+        raise InvalidRequest(f"a message is 2 frames (header, body), got {n}", field="frames")
     msg_type = parse_header(frames[0])
     try:
         return _decoders[msg_type].decode(frames[1])

@@ -16,23 +16,31 @@ Every draw uses counter-based uniforms at the rejected position, so a replay giv
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
 from . import protocol as P
+from .errors import InvalidRequest
+from .protocol import ResampleKind, Strategy
 from .rng import Purpose, sample_index, uniform, uniforms
 from .verify import residual
 
-if TYPE_CHECKING:
-    from ..cloud_worker.verifier import CloudSession
-
-STRATEGIES = ("full", "hr", "srdv")
 SRDV_CANDIDATES = 4   # per round; chosen by measurement (docs/exactness.md, bench xvocab)
 SRDV_MAX_ROUNDS = 4
 
 
 # ---------------------------------------------------------------------------------------------- cloud side
+
+@dataclass(frozen=True)
+class Pending:
+    """A sampled rejection the edge has not resolved yet: the verdict's seq, the absolute position of the
+    rejected token, and the target distribution there."""
+
+    seq: int
+    position: int
+    p: torch.Tensor  # [V_target] float32
+
 
 def _shared_ids(mask: torch.Tensor | None, v: int) -> torch.Tensor:  # -> [V_c] sorted target ids
     return torch.arange(v) if mask is None else mask.nonzero().squeeze(1)
@@ -52,34 +60,34 @@ def _candidates(seed: int, position: int, p: torch.Tensor, round_: int) -> tuple
     return z, P.f32(p[list(dict.fromkeys(z))])
 
 
-def rejection_verdict(verdict: P.Verdict, s: "CloudSession", p: torch.Tensor, position: int) -> P.Verdict:
-    """Fill the verdict for a rejection at `position` (p: [V_target] target probabilities there)."""
-    s.pending = {"p": p, "position": position}
-    if s.resample == "full":
-        verdict.p = P.f32(p)
-    elif s.resample == "hr":
-        verdict.p, verdict.theta_o = _hr_payload(p, s.shared)
+def rejection_verdict(session: int, n_accepted: int, pending: Pending, strategy: Strategy,
+                      shared: torch.Tensor | None, seed: int) -> P.Verdict:
+    """The VERDICT for a rejection (next_token -1): what `strategy` sends down so the edge can finish the draw.
+    shared: [V_target] bool mask of V_c, None for the same vocabulary."""
+    v = P.Verdict(session, pending.seq, n_accepted)
+    if strategy == Strategy.FULL:
+        v.p = P.f32(pending.p)
+    elif strategy == Strategy.HR:
+        v.p, v.theta_o = _hr_payload(pending.p, shared)
     else:
-        verdict.candidates, verdict.cand_p = _candidates(s.seed, position, p, 0)
-    return verdict
+        v.candidates, v.cand_p = _candidates(seed, pending.position, pending.p, 0)
+    return v
 
 
-def serve_resample(s: "CloudSession", req: P.Resample) -> P.Resampled:
-    p, position = s.pending["p"], s.pending["position"]
-    out = P.Resampled(s.sid, req.seq)
-    if req.kind == "server_only":
-        if s.shared is None:
-            raise P.InvalidRequest("server_only resampling needs a cross-vocabulary session", field="kind")
-        only = p.double() * (~s.shared)  # p restricted to V_o
-        out.token = sample_index(only, uniform(s.seed, position, Purpose.SERVER_ONLY))
-    elif req.kind == "candidates":
+def serve_resample(req: P.Resample, pending: Pending, shared: torch.Tensor | None, seed: int) -> P.Resampled:
+    """RESAMPLE for `pending`: hr's server-only draw, another SR-DV round, or SR-DV's fallback to the hr payload."""
+    out = P.Resampled(req.session, req.seq)
+    if req.kind == ResampleKind.SERVER_ONLY:
+        if shared is None:
+            raise InvalidRequest("server_only resampling needs a cross-vocabulary session", field="kind")
+        only = pending.p.double() * (~shared)  # p restricted to V_o
+        out.token = sample_index(only, uniform(seed, pending.position, Purpose.SERVER_ONLY))
+    elif req.kind == ResampleKind.CANDIDATES:
         if not 1 <= req.round < SRDV_MAX_ROUNDS:
-            raise P.InvalidRequest(f"round must be in [1, {SRDV_MAX_ROUNDS})", field="round")
-        out.candidates, out.cand_p = _candidates(s.seed, position, p, req.round)
-    elif req.kind == "hr":
-        out.p, out.theta_o = _hr_payload(p, s.shared)
+            raise InvalidRequest(f"round must be in [1, {SRDV_MAX_ROUNDS})", field="round")
+        out.candidates, out.cand_p = _candidates(seed, pending.position, pending.p, req.round)
     else:
-        raise P.InvalidRequest(f"kind must be server_only, candidates or hr, got {req.kind!r}", field="kind")
+        out.p, out.theta_o = _hr_payload(pending.p, shared)
     return out
 
 
@@ -92,7 +100,7 @@ class Rejection:
     """
 
     def __init__(self, q: torch.Tensor, shared: torch.Tensor | None, seed: int, position: int, seq: int,
-                 session: int, strategy: str) -> None:
+                 session: int, strategy: Strategy) -> None:
         self.q, self.shared, self.seed, self.position = q, shared, seed, position  # q: [V_target] q'
         self.seq, self.session, self.strategy, self.round = seq, session, strategy, 0
 
@@ -106,8 +114,9 @@ class Rejection:
             if token is not None:
                 return token
             self.round += 1
-            kind = "candidates" if self.round < SRDV_MAX_ROUNDS else "hr"
-            return P.Resample(self.session, self.seq, kind, self.round if kind == "candidates" else 0)
+            if self.round < SRDV_MAX_ROUNDS:
+                return P.Resample(self.session, self.seq, ResampleKind.CANDIDATES, self.round)
+            return P.Resample(self.session, self.seq, ResampleKind.HR)
         return self._from_p(reply)
 
     def _try_candidates(self, z: list[int], p_of: dict[int, float]) -> int | None:
@@ -120,11 +129,11 @@ class Rejection:
         return None
 
     def _from_p(self, reply: P.Verdict | P.Resampled) -> int | P.Resample:
-        ids = _shared_ids(None if self.strategy == "full" else self.shared, self.q.shape[0])
+        ids = _shared_ids(None if self.strategy == Strategy.FULL else self.shared, self.q.shape[0])
         p_c = P.from_f32(reply.p, len(ids), "p")
         q_c = self.q[ids]
         theta_c = float((p_c.double() - q_c.double()).clamp(min=0).sum())
         theta_o = float(reply.theta_o)
         if theta_o > 0 and uniform(self.seed, self.position, Purpose.HYBRID) * (theta_c + theta_o) >= theta_c:
-            return P.Resample(self.session, self.seq, "server_only")
+            return P.Resample(self.session, self.seq, ResampleKind.SERVER_ONLY)
         return int(ids[sample_index(residual(p_c, q_c), uniform(self.seed, self.position, Purpose.RESIDUAL))])

@@ -5,6 +5,7 @@ with a KV cache, rollback of rejected positions (cache crop), and a ragged batch
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -81,6 +82,16 @@ class ModelRunner:
         return [(logits[i, :len(r.ids)], [(k[i], v[i]) for k, v in layers]) for i, r in enumerate(rows)]
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two id sequences."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 @dataclass
 class BatchRow:
     """One sequence in a batched forward: its cached K/V (None when empty), cached length, new token ids."""
@@ -149,15 +160,10 @@ class Decoder:
         return logits
 
     def sync(self, context: list[int]) -> None:
-        """Make the cache cover exactly `context` minus nothing it already holds: keep the common prefix."""
+        """Keep only the cached prefix that `context` still starts with (rejected drafts are dropped)."""
         n = len(self.ids)
         if n > len(context) or self.ids != context[:n]:
-            common = 0
-            for a, b in zip(self.ids, context):
-                if a != b:
-                    break
-                common += 1
-            self.rollback(common)
+            self.rollback(common_prefix(self.ids, context))
 
     def next_logits(self, context: list[int]) -> torch.Tensor:  # -> [V]
         """Logits for the token after `context`, feeding only the part of it the cache lacks."""

@@ -13,9 +13,6 @@ import torch
 
 from .errors import InvalidRequest
 
-MODES = ("greedy", "sample", "coupled")
-
-
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 means greedy; top_k 0 and top_p 1.0 mean no truncation."""

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..common.errors import FatalError
+from ..common.protocol import Mode
 from ..common.rng import Purpose, gumbel, sample_index, uniform
-from ..common.runner import KV, BatchRow, ModelRunner, append_kv, truncate_kv
+from ..common.runner import KV, BatchRow, ModelRunner, append_kv, common_prefix, truncate_kv
 from ..common.sampling import SamplingParams, probs_from_logits
 
 
@@ -31,7 +31,7 @@ class DraftState:
         n = len(self.ids)
         if n <= len(context) and self.ids == context[:n]:
             return
-        common = next((i for i, (a, b) in enumerate(zip(self.ids, context)) if a != b), min(n, len(context)))
+        common = common_prefix(self.ids, context)
         self.ids, self.kv, self.last_logits = self.ids[:common], truncate_kv(self.kv, common), None
 
 
@@ -43,7 +43,7 @@ class DraftJob:
     context: list[int]
     position: int          # absolute position (target sequence) of the first draft token
     d: int
-    mode: str
+    mode: Mode
     params: SamplingParams
     seed: int
 
@@ -91,10 +91,10 @@ class Drafter:
     # ------------------------------------------------------------------ drafting
     def choose(self, logits: torch.Tensor, job: DraftJob, pos: int, block: DraftBlock) -> int:
         """Pick the next draft token (a target id) from draft logits [V_draft] at absolute position pos."""
-        if job.mode == "greedy":
+        if job.mode == Mode.GREEDY:
             return int(self.to_target(torch.softmax(logits.float(), -1)).argmax())
         q = self.to_target(probs_from_logits(logits, job.params))  # [V_target] q'
-        if job.mode == "coupled":  # argmax(log q' + g) with the noise the target will use
+        if job.mode == Mode.COUPLED:  # argmax(log q' + g) with the noise the target will use
             return int((q.double().log() + gumbel(job.seed, pos, q.shape[0])).argmax())
         x = sample_index(q, uniform(job.seed, pos, Purpose.DRAFT))
         block.q_tok.append(float(q[x]))
@@ -137,38 +137,3 @@ class Drafter:
             state.kv = append_kv(state.kv, new_kv, keep=len(fed))
             state.ids = list(ctx)
             state.last_logits = logits[-1]
-
-
-def make_drafter(draft_model: str, target_tokenizer: str | None = None, device: str = "cpu", dtype: str = "float32",
-                 target_vocab_size: int | None = None):
-    """Load the draft model and return (drafter, target tokenizer).
-
-    With no target tokenizer, or one whose vocabulary equals the draft's, the pair shares a vocabulary;
-    otherwise the cross-vocabulary drafter (shared vocabulary V_c, context sync by bytes) is used. The target
-    vocabulary size defaults to the target config's (when `target_tokenizer` is a model directory/id).
-    """
-    runner = ModelRunner.load(draft_model, device=device, dtype=dtype)
-    if target_tokenizer is None:
-        return Drafter(runner, target_vocab_size), runner.tokenizer
-    target_tok, config_vocab = load_target_tokenizer(target_tokenizer)
-    target_vocab_size = target_vocab_size or config_vocab
-    if target_tok.get_vocab() == runner.tokenizer.get_vocab():
-        return Drafter(runner, target_vocab_size), target_tok
-    from .xdrafter import CrossVocabDrafter
-    return CrossVocabDrafter(runner, target_tok, target_vocab_size), target_tok
-
-
-def load_target_tokenizer(name: str):
-    """(tokenizer, vocab size from the model config when `name` is a model, else None). The edge needs only
-    the target's tokenizer files (its decode table), never its weights."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
-    except (OSError, ValueError) as exc:
-        raise FatalError(f"cannot load the target tokenizer {name!r}: {exc}") from exc
-    try:
-        vocab_size = getattr(AutoConfig.from_pretrained(name), "vocab_size", None)
-    except (OSError, ValueError):
-        vocab_size = None
-    return tokenizer, vocab_size

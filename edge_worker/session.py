@@ -2,18 +2,19 @@
 
 No sockets: the caller sends whatever `next_request()` returns and feeds the reply to `apply()`.
 The session knows which committed tokens the cloud already holds (`cloud_len`), so a token the edge drew
-itself after a rejection travels once, as the `tail` of the next VERIFY; after RESEND_CONTEXT,
-`open_message()` carries the whole history and the cloud re-prefills from it.
+itself after a rejection travels once, as the `tail` of the next VERIFY; on a retry
+`open_message()` carries the whole history and the cloud re-prefills from it (after UNKNOWN_SESSION,
+WORKER_LOST or a timeout).
 """
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 
 from ..common import protocol as P
-from ..common.errors import InvalidRequest, from_wire
-from ..common.resample import STRATEGIES, Rejection
+from ..common.errors import ErrorCode, InvalidRequest, from_wire
+from ..common.protocol import DEFAULT_STRATEGY, Mode, Strategy
+from ..common.resample import Rejection
 from ..common.sampling import SamplingParams
 from .drafter import DraftBlock, Drafter, DraftJob
 
@@ -24,24 +25,23 @@ AUTO_START, AUTO_MIN, AUTO_MAX = 6, 1, 16  # auto draft length: +2 after a fully
 class SessionConfig:
     max_new_tokens: int = 64
     params: SamplingParams = SamplingParams()
-    mode: str = ""            # "" = greedy at temperature 0, else sample; or "coupled"
+    mode: Mode | None = None      # None = GREEDY at temperature 0, else SAMPLE (names accepted: "coupled")
     seed: int = 0
     draft_len: int | None = None  # None = auto
-    resample: str = "hr"
+    resample: Strategy = DEFAULT_STRATEGY
 
-    def resolved_mode(self) -> str:
+    def resolved_mode(self) -> Mode:
         if self.params.greedy:
-            if self.mode not in ("", "greedy"):
-                raise InvalidRequest(f"mode {self.mode!r} needs temperature > 0", field="mode")
-            return "greedy"
-        if self.mode not in ("", "sample", "coupled"):
-            raise InvalidRequest(f"mode must be sample or coupled at temperature > 0, got {self.mode!r}",
-                                 field="mode")
-        return self.mode or "sample"
+            if self.mode not in (None, Mode.GREEDY):
+                raise InvalidRequest(f"mode {self.mode.name} needs temperature > 0", field="mode")
+            return Mode.GREEDY
+        if self.mode == Mode.GREEDY:
+            raise InvalidRequest("mode GREEDY needs temperature 0", field="mode")
+        return self.mode or Mode.SAMPLE
 
     def __post_init__(self) -> None:
-        if self.resample not in STRATEGIES:
-            raise InvalidRequest(f"resample must be one of {STRATEGIES}, got {self.resample!r}", field="resample")
+        object.__setattr__(self, "resample", P.enum_value(Strategy, self.resample, "resample"))
+        object.__setattr__(self, "mode", P.enum_value(Mode, self.mode, "mode"))
         if self.draft_len is not None and not 0 <= self.draft_len <= P.MAX_DRAFT:
             raise InvalidRequest(f"draft_len must be in [0, {P.MAX_DRAFT}] or auto", field="draft_len")
         if self.max_new_tokens < 1:
@@ -65,7 +65,7 @@ class EdgeSession:
     prompt_ids: list[int]
     config: SessionConfig
     drafter: Drafter
-    sid: int = field(default_factory=lambda: random.randrange(1, 2**31))
+    sid: int = 1
     stats: SessionStats = field(default_factory=SessionStats)
 
     def __post_init__(self) -> None:
@@ -85,7 +85,7 @@ class EdgeSession:
 
     # ---------------------------------------------------------------------------- requests
     def open_message(self) -> P.Open:
-        """OPEN with the whole committed context (also the re-prefill after RESEND_CONTEXT)."""
+        """OPEN with the whole committed context (also the re-prefill on a retry)."""
         c = self.config
         self.cloud_len = len(self.tokens)
         self._rejection = self._pending = None
@@ -113,13 +113,13 @@ class EdgeSession:
         self.seq += 1
         self.stats.draft_tokens += len(self._block.ids)
         return P.Verify(self.sid, self.seq, len(self.tokens), self.tokens[self.cloud_len:], self._block.ids,
-                        P.f32(self._block.q_tok) if self.mode == "sample" else b"")
+                        P.f32(self._block.q_tok) if self.mode == Mode.SAMPLE else b"")
 
     # ---------------------------------------------------------------------------- replies
     def apply(self, reply: P.Base) -> list[int]:
         """Apply a VERDICT / RESAMPLED / ERROR; returns the newly committed generated tokens."""
         if isinstance(reply, P.Error):
-            if reply.code == "RESEND_CONTEXT":
+            if reply.code == ErrorCode.UNKNOWN_SESSION:
                 self.stats.reopens += 1
             raise from_wire(reply.code, reply.message)
         if isinstance(reply, P.Resampled):

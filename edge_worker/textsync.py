@@ -24,6 +24,8 @@ from typing import Sequence
 import structlog
 from tokenizers import Tokenizer
 
+from ..common.runner import common_prefix
+
 log = structlog.get_logger("specrelay.textsync")
 
 
@@ -64,15 +66,6 @@ def _encoder_and_backoff(draft_tokenizer) -> tuple[Tokenizer, int | None]:
             log.warning("textsync_full_retokenize", reason="no proven tail rule for this pre-tokenizer")
         _ENCODERS[key] = (_text_encoder(draft_tokenizer), backoff)
     return _ENCODERS[key]
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class DraftContext:
@@ -131,7 +124,7 @@ class DraftContext:
         self._text += new
         tail = self._text[start:].decode("utf-8")  # start is a word start, hence a char boundary
         enc = self._enc.encode(tail, add_special_tokens=False)
-        same = _common_prefix(self._ids[k:], enc.ids)  # re-derived ids equal to old ones keep their KV
+        same = common_prefix(self._ids[k:], enc.ids)  # re-derived ids equal to old ones keep their KV
         del self._ids[k:]
         self._ids += enc.ids
         del self._word_pos[w:], self._word_tok[w:]

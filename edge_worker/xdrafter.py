@@ -3,19 +3,19 @@
 The draft samples from q' = q restricted to the shared vocabulary V_c (tokens of both vocabularies that spell
 the same bytes) and renormalised; its tokens travel as target ids. The committed target tokens become bytes
 (the target tokenizer's decode table — the edge loads the target TOKENIZER, never the target model) and only
-the affected tail of the text is re-tokenised in the draft vocabulary (common.textsync.DraftContext).
+the affected tail of the text is re-tokenised in the draft vocabulary (edge_worker.textsync.DraftContext).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ..common.runner import ModelRunner
-from ..common.textsync import DraftContext
-from ..common.vocab import build_shared_vocab, target_bytes_table
+from .textsync import DraftContext
+from .vocab import build_shared_vocab, target_bytes_table
 from .drafter import Drafter, DraftState
 
 
@@ -23,7 +23,6 @@ from .drafter import Drafter, DraftState
 class CrossVocabState(DraftState):
     text: DraftContext | None = None
     synced: int = 0  # target tokens already appended to `text`
-    _ids_cache: list[int] = field(default_factory=list)
 
 
 class CrossVocabDrafter(Drafter):

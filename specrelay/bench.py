@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from .common.protocol import Mode, Strategy
+
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
 OUT = ROOT / "bench_results"
@@ -41,20 +43,18 @@ async def run_edge(frontend: str, draft: str, texts: list[str], concurrency: int
                    **cfg) -> tuple[list[tuple[list[int], dict]], float]:
     """Generate `texts` through the broker with an in-process edge; returns per-prompt (ids, stats), wall."""
     from .common.sampling import SamplingParams
-    from .edge_worker.drafter import make_drafter
-    from .edge_worker.server import EdgeConfig, EdgeWorker
+    from .edge_worker.loading import load_edge
     from .edge_worker.session import SessionConfig
 
-    drafter, tok = make_drafter(draft, target_tok)
     params = SamplingParams(cfg.pop("temperature", 0.0))
     config = SessionConfig(params=params, **cfg)
     gate = asyncio.Semaphore(concurrency)
 
     async def one(text: str):
         async with gate:
-            return await edge.generate(tok(text).input_ids, config)
+            return await edge.generate(edge.tokenizer(text).input_ids, config)
 
-    async with EdgeWorker(frontend, drafter, tok, EdgeConfig()) as edge:
+    async with await load_edge(frontend, draft, target_tok) as edge:
         await one(texts[0])  # warm-up: first forward passes allocate
         t0 = time.perf_counter()
         out = await asyncio.gather(*(one(t) for t in texts))
@@ -144,7 +144,7 @@ def bench_xvocab(args) -> dict:
     rows = {}
     with LocalCluster(str(MODELS / "demo-target")) as c:
         for strategy in ("full", "hr", "srdv", "coupled"):
-            cfg = {"mode": "coupled", "resample": "hr"} if strategy == "coupled" else {"resample": strategy}
+            cfg = {"mode": Mode.COUPLED} if strategy == "coupled" else {"resample": Strategy[strategy.upper()]}
             out, wall = asyncio.run(run_edge(c.frontend, str(MODELS / "demo-draft-xv"), texts, 8,
                                              target_tok=str(MODELS / "demo-target"), temperature=1.0, seed=7,
                                              max_new_tokens=args.max_new_tokens, **cfg))
@@ -165,19 +165,19 @@ def bench_srdv_k(args) -> dict:
     from .common import resample
     from .common.runner import ModelRunner
     from .common.sampling import SamplingParams
-    from .edge_worker.drafter import make_drafter
+    from .edge_worker.loading import load_drafter
     from .edge_worker.session import SessionConfig
     from .speculative import speculative_generate_batch
 
     target = ModelRunner.load(str(MODELS / "demo-target"))
-    drafter, tok = make_drafter(str(MODELS / "demo-draft-xv"), str(MODELS / "demo-target"))
+    drafter, tok = load_drafter(str(MODELS / "demo-draft-xv"), str(MODELS / "demo-target"))
     ids = [tok(t).input_ids for t in prompts(args.prompts)]
     rows, default = {}, resample.SRDV_CANDIDATES
     try:
         for k in (1, 2, 4, 8):
             resample.SRDV_CANDIDATES = k
             configs = [SessionConfig(max_new_tokens=args.max_new_tokens, params=SamplingParams(1.0), seed=i,
-                                     resample="srdv") for i in range(len(ids))]
+                                     resample=Strategy.SRDV) for i in range(len(ids))]
             res = speculative_generate_batch(drafter, target, ids, configs)
             n = sum(s["generated_tokens"] for _, s in res)
             rows[f"K={k}"] = {"downlink_bits_per_token": round(8 * sum(s["downlink_bytes"] for _, s in res) / n, 1),
@@ -202,16 +202,17 @@ def bench_wire(args) -> dict:
             "VERIFY sample + 1 tail token": size(P.Verify(sid, 57, 300, [8001], ids(d), P.f32([0.5] * d))),
         }
     rows["any d"] = {
-        "OPEN (100-token prompt)": size(P.Open(sid, ids(100), "greedy")),
-        "OPEN (sample, cross-vocab bitmap 8192)": size(P.Open(sid, ids(100), "sample", 1.0, 0, 1.0, 7, "hr",
-                                                              b"\xff" * 1024, 8192)),
+        "OPEN (100-token prompt)": size(P.Open(sid, ids(100), P.Mode.GREEDY)),
+        "OPEN (sample, cross-vocab bitmap 8192)": size(P.Open(sid, ids(100), P.Mode.SAMPLE, 1.0, 0, 1.0, 7,
+                                                              P.Strategy.HR, b"\xff" * 1024, 8192)),
         "VERDICT (accepted + next token)": size(P.Verdict(sid, 57, 3, 8001)),
         "VERDICT srdv (4 candidates)": size(P.Verdict(sid, 57, 1, -1, candidates=ids(4), cand_p=P.f32([0.1] * 4))),
         "VERDICT hr (|V_c| = 2950 floats)": size(P.Verdict(sid, 57, 1, -1, P.f32([0.0] * 2950), 0.1)),
         "VERDICT full (8192 floats)": size(P.Verdict(sid, 57, 1, -1, P.f32([0.0] * 8192))),
-        "RESAMPLE": size(P.Resample(sid, 57, "server_only")), "RESAMPLED": size(P.Resampled(sid, 57, 8001)),
-        "CLOSE": size(P.Close(sid)), "ERROR": size(P.Error(sid, 57, "RESEND_CONTEXT", "session 37 is not held by "
-                                                           "this worker; resend the context")),
+        "RESAMPLE": size(P.Resample(sid, 57, P.ResampleKind.SERVER_ONLY)),
+        "RESAMPLED": size(P.Resampled(sid, 57, 8001)),
+        "CLOSE": size(P.Close(sid)), "ERROR": size(P.Error(sid, 57, P.ErrorCode.UNKNOWN_SESSION,
+                                                           "session 37 is not held by this worker; re-OPEN it")),
         "READY": size(P.Ready("models/demo-target", 8192, 1024, 32)), "HEARTBEAT": size(P.Heartbeat(12)),
         "DISCONNECT": size(P.Disconnect("shutdown")),
     }

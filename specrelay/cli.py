@@ -5,64 +5,42 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
 import sys
+import warnings
 from pathlib import Path
 
 from . import logs
+from .runtime import run_async, set_threads
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_TARGET = str(ROOT / "models" / "demo-target")
 DEMO_DRAFT = str(ROOT / "models" / "demo-draft")
-RESAMPLE_CHOICES = ("full", "hr", "srdv", "coupled")
-
-
-def run_async(main) -> int:
-    """Run a coroutine with uvloop when installed; SIGINT/SIGTERM cancel it for a clean shutdown."""
-    try:
-        import uvloop
-        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
-    except ImportError:
-        runner = asyncio.Runner()
-    with runner:
-        loop = runner.get_loop()
-        task = loop.create_task(main)
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, task.cancel)
-        try:
-            return loop.run_until_complete(task) or 0
-        except asyncio.CancelledError:
-            return 0
-
-
-def set_threads() -> None:
-    threads = os.environ.get("SPECRELAY_THREADS")
-    if threads:
-        import torch
-        torch.set_num_threads(int(threads))
+MODES = ("greedy", "sample", "coupled")
+STRATEGIES = ("full", "hr", "srdv")
 
 
 # ------------------------------------------------------------------------------------------ servers
 
 def cmd_broker(args) -> int:
     from .broker.server import serve
-    return run_async(serve(args.frontend, args.backend, health_port=args.health_port, health_host=args.health_host))
+    run_async(serve(args.frontend, args.backend, health_port=args.health_port, health_host=args.health_host))
+    return 0
 
 
 def cmd_cloud_worker(args) -> int:
     set_threads()
     from .cloud_worker.server import serve
-    return run_async(serve(args.broker, args.model, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
-                           max_wait_ms=args.max_wait_ms, health_port=args.health_port, health_host=args.health_host,
-                           max_cache_bytes=int(args.max_cache_mb * 2**20)))
+    run_async(serve(args.broker, args.model, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
+                    max_wait_ms=args.max_wait_ms, health_port=args.health_port, health_host=args.health_host,
+                    max_cache_bytes=int(args.max_cache_mb * 2**20)))
+    return 0
 
 
 def cmd_edge_worker(args) -> int:
     set_threads()
-    from .edge_worker.server import serve
-    return run_async(serve(args.broker, args.draft_model, args.listen, target_tokenizer=args.target_tokenizer,
-                           device=args.device))
+    from .edge_worker.loading import serve
+    run_async(serve(args.broker, args.draft_model, args.listen, args.target_tokenizer, device=args.device))
+    return 0
 
 
 # ------------------------------------------------------------------------------------------ generate
@@ -82,57 +60,73 @@ def read_prompts(args) -> list[str]:
 
 
 def session_config(args, max_new_tokens: int | None = None):
+    """The sampling flags -> SessionConfig. `--resample coupled` (before --mode existed) still selects the
+    coupled mode, with a deprecation warning."""
+    from .common.protocol import Mode, Strategy
     from .common.sampling import SamplingParams
     from .edge_worker.session import SessionConfig
 
-    coupled = args.resample == "coupled"
+    mode, resample = args.mode, args.resample
+    if resample == "coupled":
+        warnings.warn("--resample coupled is deprecated: use --mode coupled", DeprecationWarning, stacklevel=2)
+        print("specrelay: --resample coupled is deprecated, use --mode coupled", file=sys.stderr)
+        mode, resample = "coupled", "srdv"
     return SessionConfig(max_new_tokens=max_new_tokens or args.max_new_tokens,
                          params=SamplingParams(args.temperature, args.top_k, args.top_p),
-                         mode="coupled" if coupled and args.temperature > 0 else "",
-                         seed=args.seed, draft_len=None if args.draft_len == "auto" else int(args.draft_len),
-                         resample="hr" if coupled else args.resample)
+                         mode=Mode[mode.upper()] if mode else None, seed=args.seed,
+                         draft_len=None if args.draft_len == "auto" else int(args.draft_len),
+                         resample=Strategy[resample.upper()])
 
 
-def build_edge(broker: str, draft_model: str, target_tokenizer: str | None, device: str = "cpu"):
-    """An in-process edge: the draft model, the target's tokenizer, and a drafter for that pair."""
-    from .edge_worker.drafter import make_drafter
-    from .edge_worker.server import EdgeConfig, EdgeWorker
+async def generate_all(args, prompts: list[str], emit) -> int:
+    """Generate every prompt (at most `--concurrency` at once); `emit(i, result)` runs for each prompt in input
+    order, as soon as it and all earlier ones are done. A failed prompt is a result with an `error` field.
+    Returns the number of failed prompts."""
+    from .edge_worker.loading import load_edge
 
-    drafter, tokenizer = make_drafter(draft_model, target_tokenizer, device=device)
-    return EdgeWorker(broker, drafter, tokenizer, EdgeConfig())
-
-
-async def generate_all(args, prompts: list[str]) -> list[dict]:
-    edge = build_edge(args.broker, args.draft_model, args.target_tokenizer, args.device)
+    if args.concurrency < 1:
+        raise SystemExit("--concurrency must be >= 1")
+    edge = await load_edge(args.broker, args.draft_model, args.target_tokenizer, device=args.device)
     config = session_config(args)
     gate = asyncio.Semaphore(args.concurrency)
 
     async def one(prompt: str) -> dict:
         async with gate:
-            ids = edge.tokenizer(prompt).input_ids
-            generated, stats = await edge.generate(ids, config)
+            try:
+                ids = edge.tokenizer(prompt).input_ids
+                generated, stats = await edge.generate(ids, config)
+            except Exception as exc:  # reported as this prompt's result; the others go on
+                return {"prompt": prompt, "error": f"{type(exc).__name__}: {exc}"}
             return {"prompt": prompt, "text": edge.tokenizer.decode(generated), "token_ids": generated,
                     "stats": stats}
 
     async with edge:
-        return await asyncio.gather(*(one(p) for p in prompts))
+        tasks = [asyncio.create_task(one(p)) for p in prompts]
+        failed = 0
+        for i, task in enumerate(tasks):
+            result = await task
+            failed += "error" in result
+            emit(i, result)
+        return failed
+
+
+def print_result(args, result: dict) -> None:
+    if args.json:
+        print(json.dumps(result), flush=True)
+    elif "error" in result:
+        print(f"--- failed: {result['error']}", file=sys.stderr, flush=True)
+    else:
+        s = result["stats"]
+        print(result["prompt"] + result["text"], flush=True)
+        print(f"--- {s['generated_tokens']} tokens, {s['cloud_calls']} cloud calls, accepted "
+              f"{s['accepted_tokens']}/{s['draft_tokens']} drafted, {s['wall_s']:.2f}s", file=sys.stderr, flush=True)
 
 
 def cmd_generate(args) -> int:
     set_threads()
     prompts = read_prompts(args)
-    results = run_async(generate_all(args, prompts))
-    if not isinstance(results, list):
-        return 1
-    for r in results:
-        if args.json:
-            print(json.dumps(r), flush=True)
-        else:
-            s = r["stats"]
-            print(r["prompt"] + r["text"])
-            print(f"--- {s['generated_tokens']} tokens, {s['cloud_calls']} cloud calls, accepted "
-                  f"{s['accepted_tokens']}/{s['draft_tokens']} drafted, {s['wall_s']:.2f}s", file=sys.stderr)
-    return 0
+    failed = run_async(generate_all(args, prompts, lambda i, result: print_result(args, result)))
+    return 1 if failed else 0
 
 
 def cmd_demo(args) -> int:
@@ -155,8 +149,12 @@ def add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--draft-len", default="auto", help="tokens drafted per cloud call, or 'auto' (adaptive); "
                    "0 = target alone through the same path")
-    p.add_argument("--resample", choices=RESAMPLE_CHOICES, default="hr",
-                   help="after a rejection at temperature > 0: full | hr | srdv, or the Gumbel-coupled mode")
+    p.add_argument("--mode", choices=MODES, default=None,
+                   help="default: greedy at temperature 0, else sample; coupled = shared Gumbel noise")
+    from .common.protocol import DEFAULT_STRATEGY
+
+    p.add_argument("--resample", choices=(*STRATEGIES, "coupled"), default=DEFAULT_STRATEGY.name.lower(),
+                   help="what a rejection sends down in sample mode: full | hr | srdv")
 
 
 def parser() -> argparse.ArgumentParser:

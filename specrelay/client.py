@@ -22,7 +22,9 @@ import zmq
 import zmq.asyncio
 
 from .common import protocol as P
-from .common.errors import FatalError, GenerationTimeout, from_wire
+from .common import transport
+from .common.errors import FatalError, GenerationTimeout, InvalidRequest, from_wire
+from .edge_worker.frontend import handle_generate
 
 log = structlog.get_logger("specrelay.client")
 
@@ -94,7 +96,7 @@ class Client:
               context: zmq.asyncio.Context | None = None) -> "Client":
         """A client with an EdgeWorker embedded in this process (no local socket): one-process apps.
         The draft model loads when the client starts."""
-        from .edge_worker.server import load_edge
+        from .edge_worker.loading import load_edge
 
         client = cls(f"local edge worker (broker {broker})", timeout, context=context)
 
@@ -117,13 +119,12 @@ class Client:
         if self._edge_factory is not None:
             if self._edge is None:
                 self._edge = await self._edge_factory()
-                await self._edge.start()
+                await self._edge.__aenter__()  # serves in a background task
             return
         if self._sock is None:
-            self._sock = (self._ctx or zmq.asyncio.Context.instance()).socket(zmq.DEALER)
-            self._sock.setsockopt(zmq.LINGER, self._linger_ms)
-            self._sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME)
-            self._sock.connect(self.endpoint)
+            ctx = self._ctx or zmq.asyncio.Context.instance()
+            self._sock = transport.make_socket(ctx, zmq.DEALER, linger_ms=self._linger_ms)
+            transport.connect(self._sock, self.endpoint, "client")
             self._receiver = asyncio.create_task(self._receive(), name="client-receive")
 
     async def close(self) -> None:
@@ -139,13 +140,13 @@ class Client:
             self._sock.close()
             self._sock = None
         if self._edge is not None:
-            await self._edge.close()
+            await self._edge.stop()
             self._edge = None
 
     # ------------------------------------------------------------------------------ requests
     async def generate(self, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-                       top_p: float = 1.0, seed: int = 0, draft_len: int | None = None, mode: str = "",
-                       resample: str = "") -> Result:
+                       top_p: float = 1.0, seed: int = 0, draft_len: int | None = None, mode: str | None = None,
+                       resample: str | None = None) -> Result:
         """The whole completion of `prompt`: its text, target token ids and the edge's stats."""
         call = self._start(prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_len, mode, resample)
         pieces: list[str] = []
@@ -161,8 +162,8 @@ class Client:
             call.finish()
 
     async def stream(self, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-                     top_p: float = 1.0, seed: int = 0, draft_len: int | None = None, mode: str = "",
-                     resample: str = "") -> AsyncIterator[str]:
+                     top_p: float = 1.0, seed: int = 0, draft_len: int | None = None, mode: str | None = None,
+                     resample: str | None = None) -> AsyncIterator[str]:
         """Text pieces as tokens are committed, in order; their concatenation is the completion's text."""
         call = self._start(prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_len, mode, resample)
         try:
@@ -176,11 +177,14 @@ class Client:
             call.finish()
 
     def _start(self, prompt: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,
-               draft_len: int | None, mode: str, resample: str) -> _Call:
+               draft_len: int | None, mode: str | None, resample: str | None) -> _Call:
+        """mode: greedy | sample | coupled (None: greedy at temperature 0, else sample); resample: full | hr |
+        srdv (None: the edge's default)."""
         if self._sock is None and self._edge is None:
             raise FatalError("the client is not started (use `async with Client(...)` or `await start()`)")
         msg = P.Generate(next(self._ids), prompt, max_new_tokens, float(temperature), top_k, float(top_p), seed,
-                         -1 if draft_len is None else draft_len, mode, resample)
+                         -1 if draft_len is None else draft_len, P.enum_value(P.Mode, mode, "mode"),
+                         P.enum_value(P.Strategy, resample, "resample"))
         P.decode(P.encode(msg))  # checks every field's range here, naming the field (InvalidRequest)
         return _Call(self, msg)
 
@@ -193,7 +197,7 @@ class Client:
         async def emit(reply: P.Base) -> None:
             call.queue.put_nowait(reply)
 
-        task = asyncio.create_task(self._edge.handle_generate(msg, emit), name=f"client-local-{msg.request}")
+        task = asyncio.create_task(handle_generate(self._edge, msg, emit), name=f"client-local-{msg.request}")
         task.add_done_callback(lambda t: t.cancelled() or t.exception() is None
                                or call.queue.put_nowait(t.exception()))
         return task
@@ -202,31 +206,25 @@ class Client:
         """Queue a message to the edge without awaiting (safe in `finally` during cancellation)."""
         if self._sock is None:
             return
-        try:
-            self._sock.send_multipart(P.encode(msg)).add_done_callback(_log_send_failure)
-        except zmq.ZMQError as exc:
-            log.warning("send to the edge worker failed", endpoint=self.endpoint, error=str(exc))
+        error = transport.send_nowait(self._sock, P.encode(msg))
+        if error is not None:
+            log.warning("send to the edge worker failed", endpoint=self.endpoint, error=str(error))
 
     async def _receive(self) -> None:
         """Edge -> the call with that request id; replies to finished calls are dropped."""
-        while True:
-            try:
-                frames = await self._sock.recv_multipart()
-            except zmq.ZMQError as exc:
-                for call in self._calls.values():
-                    call.queue.put_nowait(FatalError(f"the connection to {self.endpoint} failed: {exc}"))
-                return
-            try:
-                msg = P.decode(frames)
-            except P.InvalidRequest as exc:
-                log.warning("bad reply from the edge worker", endpoint=self.endpoint, error=str(exc))
-                continue
-            request = msg.session if isinstance(msg, P.Error) else getattr(msg, "request", None)
-            call = self._calls.get(request)
-            if call is not None:
-                call.queue.put_nowait(msg)
+        try:
+            await transport.receive_forever(self._sock, self._on_reply)
+        except zmq.ZMQError as exc:
+            for call in self._calls.values():
+                call.queue.put_nowait(FatalError(f"the connection to {self.endpoint} failed: {exc}"))
 
-
-def _log_send_failure(fut: asyncio.Future) -> None:
-    if not fut.cancelled() and fut.exception() is not None:
-        log.warning("send to the edge worker failed", error=str(fut.exception()))
+    def _on_reply(self, frames: list[bytes], n_frames: int) -> None:
+        try:
+            msg = P.decode(frames, n_frames)
+        except InvalidRequest as exc:
+            log.warning("bad reply from the edge worker", endpoint=self.endpoint, error=str(exc))
+            return
+        request = msg.session if isinstance(msg, P.Error) else getattr(msg, "request", None)
+        call = self._calls.get(request)
+        if call is not None:
+            call.queue.put_nowait(msg)

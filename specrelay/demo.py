@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from .cluster import LocalCluster
+from .runtime import run_async
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [
@@ -35,13 +36,12 @@ def summary(results: list[dict], wall: float) -> list[str]:
 
 async def run_demo(frontend: str, max_new_tokens: int, temperature: float) -> tuple[list[dict], float]:
     from .common.sampling import SamplingParams
-    from .edge_worker.drafter import make_drafter
-    from .edge_worker.server import EdgeConfig, EdgeWorker
+    from .edge_worker.loading import load_edge
     from .edge_worker.session import SessionConfig
 
-    drafter, tok = make_drafter(str(ROOT / "models" / "demo-draft"))
     config = SessionConfig(max_new_tokens=max_new_tokens, params=SamplingParams(temperature), seed=1)
-    async with EdgeWorker(frontend, drafter, tok, EdgeConfig()) as edge:
+    async with await load_edge(frontend, str(ROOT / "models" / "demo-draft")) as edge:
+        tok = edge.tokenizer
         t0 = time.perf_counter()
         outs = await asyncio.gather(*(edge.generate(tok(p).input_ids, config) for p in PROMPTS))
         wall = time.perf_counter() - t0
@@ -56,7 +56,6 @@ def main(args) -> int:
         return 2
     print(f"starting broker + cloud worker ({target.name}) on 127.0.0.1 ...", file=sys.stderr)
     with LocalCluster(str(target)) as cluster:
-        from .cli import run_async
         out = run_async(run_demo(cluster.frontend, args.max_new_tokens, args.temperature))
     if not isinstance(out, tuple):
         return 1

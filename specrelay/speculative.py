@@ -15,6 +15,7 @@ import torch
 
 from .cloud_worker.verifier import Verifier, VerifierConfig
 from .common import protocol as P
+from .common.protocol import Mode
 from .common.rng import Purpose, gumbel, sample_index, uniform
 from .common.runner import Decoder, ModelRunner
 from .common.sampling import SamplingParams, probs_from_logits
@@ -42,16 +43,17 @@ def speculative_generate_batch(draft: ModelRunner | Drafter, target: ModelRunner
     sessions = [EdgeSession(list(p), c, drafter, sid=i + 1) for i, (p, c) in enumerate(zip(prompts, configs))]
     t0 = time.perf_counter()
     for s in sessions:
-        verifier.open(s.open_message())
+        verifier.open((b"", s.sid), s.open_message())
     live = list(sessions)
     while live:
         jobs = [(s, s.draft_job()) for s in live]
         drafting = [(s, j) for s, j in jobs if j is not None]
         blocks = drafter.draft_batch([j for _, j in drafting])
         verifies = [s.request_for(b) for (s, _), b in zip(drafting, blocks)]
-        replies = verifier.verify(verifies) if verifies else []
+        replies = verifier.verify([((b"", v.session), v) for v in verifies]) if verifies else []
         pairs = list(zip(verifies, replies))
-        pairs += [(req, verifier.resample_request(req)) for s, j in jobs if j is None for req in [s.next_request()]]
+        pairs += [(req, verifier.resample((b"", s.sid), req)) for s, j in jobs if j is None
+                  for req in [s.next_request()]]
         for request, reply in pairs:
             session = sessions[request.session - 1]
             session.stats.uplink_bytes += sum(map(len, P.encode(request)))
@@ -60,23 +62,24 @@ def speculative_generate_batch(draft: ModelRunner | Drafter, target: ModelRunner
         live = [s for s in live if not s.done]
     wall = time.perf_counter() - t0
     for s in sessions:
-        verifier.close(s.sid)
+        verifier.close((b"", s.sid))
     return [(s.generated, asdict(s.stats) | {"wall_s": wall}) for s in sessions]
 
 
 @torch.no_grad()
 def target_generate(target: ModelRunner, prompt_ids: list[int], max_new_tokens: int,
-                    params: SamplingParams = SamplingParams(), mode: str = "greedy", seed: int = 0) -> list[int]:
+                    params: SamplingParams = SamplingParams(), mode: Mode = Mode.GREEDY, seed: int = 0) -> list[int]:
     """Target-alone decoding with the KV cache: greedy, `sample` (inverse CDF with Purpose.TARGET uniforms),
     or `coupled` (argmax(log p + g_t), the same noise the coupled speculative mode uses)."""
+    mode = P.enum_value(Mode, mode, "mode")
     decoder = Decoder(target)
     tokens, out = list(prompt_ids), []
     while len(out) < max_new_tokens:
         logits = decoder.next_logits(tokens)
         pos = len(tokens)
-        if mode == "greedy":
+        if mode == Mode.GREEDY:
             x = int(logits.argmax())
-        elif mode == "coupled":
+        elif mode == Mode.COUPLED:
             p = probs_from_logits(logits, params)
             x = int((p.double().log() + gumbel(seed, pos, p.shape[0])).argmax())
         else:

@@ -11,6 +11,7 @@ import zmq.asyncio
 
 from specrelay.broker.server import Broker, serve
 from specrelay.common import protocol
+from specrelay.common.errors import ErrorCode
 from specrelay.common.protocol import MsgType
 
 pytestmark = pytest.mark.timeout(30)
@@ -169,17 +170,17 @@ async def test_two_edges_with_the_same_session_id_are_independent(broker, dealer
 
 
 @pytest.mark.parametrize("frames, field", [
-    ([b"\x01\x03", b"junk"], "VERDICT"),
-    ([b"\x01\x02"], "frames"),
-    ([b"\x01\x02", b"\xc1", b"x", b"y", b"z", b"w", b"v", b"u"], "frames"),  # past the frame cap
-    ([b"\x01\x02", b"\xc1not msgpack"], "session"),
+    ([b"\x02\x03", b"junk"], "VERDICT"),
+    ([b"\x02\x02"], "frames"),
+    ([b"\x02\x02", b"\xc1", b"x", b"y", b"z", b"w", b"v", b"u"], "frames"),  # past the frame cap
+    ([b"\x02\x02", b"\xc1not msgpack"], "session"),
 ])
 async def test_malformed_input_gets_bad_request_and_broker_keeps_serving(broker, dealer, workers, frames, field):
     await workers(broker)
     edge = dealer(broker.frontend)
     await edge.send_multipart(frames)
     err = await edge_recv(edge)
-    assert isinstance(err, protocol.Error) and err.code == "BAD_REQUEST" and field in err.message
+    assert isinstance(err, protocol.Error) and err.code == ErrorCode.BAD_REQUEST and field in err.message
     await edge.send_multipart(open_(1))
     await edge.send_multipart(verify(1, seq=0))
     assert isinstance(await edge_recv(edge), protocol.Verdict)
@@ -196,20 +197,20 @@ async def test_silent_worker_causes_worker_lost_for_request_in_flight(zctx, deal
         await wait_until(lambda: (MsgType.VERIFY, 9) in worker.seen)
         worker.beating = False  # the process hangs: no heartbeat, no verdict
         err = await edge_recv(edge)
-        assert (err.code, err.session, err.seq) == ("WORKER_LOST", 9, 42)
+        assert (err.code, err.session, err.seq) == (ErrorCode.WORKER_LOST, 9, 42)
         assert broker.stats["live_workers"] == 0 and broker.stats["sessions_open"] == 0
         await edge.send_multipart(open_(9))
         err = await edge_recv(edge)
-        assert err.code == "UNAVAILABLE"  # no live worker left to re-OPEN on
+        assert err.code == ErrorCode.UNAVAILABLE  # no live worker left to re-OPEN on
 
 
 async def test_no_worker_and_unknown_session(broker, dealer):
     edge = dealer(broker.frontend)
     await edge.send_multipart(open_(1))
-    assert (await edge_recv(edge)).code == "UNAVAILABLE"
+    assert (await edge_recv(edge)).code == ErrorCode.UNAVAILABLE
     await edge.send_multipart(verify(2, seq=3))
     err = await edge_recv(edge)
-    assert (err.code, err.session, err.seq) == ("RESEND_CONTEXT", 2, 3)
+    assert (err.code, err.session, err.seq) == (ErrorCode.UNKNOWN_SESSION, 2, 3)
 
 
 async def test_vanished_edge_is_counted_and_its_session_closed(broker, dealer, workers):
@@ -247,8 +248,9 @@ async def test_health_endpoints(zctx, dealer, workers):
         await workers(broker)
         assert (await _get(broker.health_port, "/readyz")).startswith(b"HTTP/1.0 200")
         metrics = await _get(broker.health_port, "/metrics")
-        assert b"specrelay_broker_live_workers 1\n" in metrics
+        assert b"specrelay_broker_live_workers 1.0\n" in metrics
         assert b"# TYPE specrelay_broker_frontend_in_total counter" in metrics
+        assert b'"status": "ok"' in await _get(broker.health_port, "/healthz")
         assert b'"status": "ok"' in await _get(broker.health_port, "/healthz")
 
 
@@ -266,7 +268,7 @@ async def test_serve_runs_until_cancelled(zctx, dealer):
     task = asyncio.create_task(serve(frontend, backend, context=zctx, linger_ms=0))
     edge = dealer(frontend)
     await edge.send_multipart(open_(1))
-    assert (await edge_recv(edge)).code == "UNAVAILABLE"
+    assert (await edge_recv(edge)).code == ErrorCode.UNAVAILABLE
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

@@ -20,6 +20,7 @@ from specrelay.cloud_worker.batcher import Batcher, Item
 from specrelay.cloud_worker.server import CloudWorker, WorkerConfig, serve
 from specrelay.cloud_worker.verifier import Verifier
 from specrelay.common import protocol as P
+from specrelay.common.errors import ErrorCode
 from specrelay.common.protocol import MsgType
 from specrelay.common.sampling import SamplingParams
 from specrelay.edge_worker.drafter import Drafter
@@ -192,11 +193,10 @@ async def test_two_edges_with_the_same_session_id_are_independent(fake_broker, s
     assert stats["verify_requests"] == sum(s.stats.cloud_calls for s in sessions)
     assert 2 in stats["batch_sizes"]  # session 1 of edge-0 and session 1 of edge-1 share a forward pass
     await wait_until(lambda: worker.stats["sessions_open"] == 0)  # each CLOSE closed its own session
-    assert worker._edges == {}  # and the edges' key indices were forgotten with them
-    # a RESEND_CONTEXT names the edge's own session id, not the worker's scoped key
+    # UNKNOWN_SESSION names the edge's own session id (nothing is rewritten on the way)
     await broker.send(b"edge-0", P.Verify(1, 9, 3, [], [1]))
     error = await broker.reply(b"edge-0")
-    assert (error.code, error.session, error.seq) == ("RESEND_CONTEXT", 1, 9)
+    assert (error.code, error.session, error.seq) == (ErrorCode.UNKNOWN_SESSION, 1, 9)
     assert "session 1 " in error.message, error.message
 
 
@@ -230,7 +230,7 @@ async def test_queued_verifies_run_in_one_batch_with_unbatched_verdicts(fake_bro
     contexts = {sid: ids_of(target, p) for sid, p in zip((11, 12, 13, 14), PROMPTS)}
     for sid, ids in contexts.items():
         await broker.send(b"c%d" % sid, P.Open(sid, ids))
-        reference.open(P.Open(sid, ids))
+        reference.open((b"c%d" % sid, sid), P.Open(sid, ids))
     await wait_until(lambda: worker.stats["sessions_open"] == 4)
     gen = torch.Generator().manual_seed(0)
     for seq, draft_lens in enumerate([(0, 3, 5, 1), (4, 4, 2, 6), (2, 0, 7, 3)], start=1):
@@ -243,7 +243,7 @@ async def test_queued_verifies_run_in_one_batch_with_unbatched_verdicts(fake_bro
             await broker.send(b"c%d" % req.session, req)
         for req in requests:
             verdict = await broker.reply(b"c%d" % req.session)
-            assert verdict == reference.verify([req])[0]
+            assert verdict == reference.verify([((b"c%d" % req.session, req.session), req)])[0]
             contexts[req.session] += req.draft[:verdict.n_accepted] + [verdict.next_token]
         stats = worker.stats
         assert stats["batches"] == stats["forward_passes"] == seq
@@ -269,7 +269,7 @@ async def test_open_then_verify_in_one_burst_is_applied_in_order(fake_broker, st
     await broker.send(b"e", P.Verify(5, 2, len(ids) + 3, [], []))  # after CLOSE: unknown again
     assert isinstance(await broker.reply(b"e"), P.Verdict)
     error = await broker.reply(b"e")
-    assert (error.code, error.session, error.seq) == ("RESEND_CONTEXT", 5, 2)
+    assert (error.code, error.session, error.seq) == (ErrorCode.UNKNOWN_SESSION, 5, 2)
     assert worker.stats["sessions_open"] == 0
 
 
@@ -303,8 +303,8 @@ async def test_malformed_requests_get_bad_request_and_the_worker_keeps_serving(f
         ([b"\x09\x02", msgspec.msgpack.encode([21])], 21, 0, "version"),
         ([verify], 0, 0, "frames"),
         ([verify, msgspec.msgpack.encode([21, 1, len(ids)]), b"extra"], 21, 0, "frames"),
-        (P.encode(P.Verdict(21, 1, 0)), 21, 0, "does not accept VERDICT"),
-        (P.encode(P.Open(22, ids, mode="nope")), 22, 0, "mode"),
+        (P.encode(P.Verdict(21, 1, 0)), 21, 0, "takes OPEN, VERIFY, CLOSE or RESAMPLE"),
+        ([P.header(MsgType.OPEN), msgspec.msgpack.encode([22, ids, 9])], 22, 0, "mode"),
         (P.encode(P.Open(23, [v + 5])), 23, 0, "tokens"),
         (P.encode(P.Verify(21, 1, len(ids), [], [v + 5])), 21, 1, "draft"),
         (P.encode(P.Verify(21, 1, len(ids), [], [1], q=b"\x00\x00\xc0\x7f")), 21, 1, "q"),
@@ -312,19 +312,34 @@ async def test_malformed_requests_get_bad_request_and_the_worker_keeps_serving(f
     for frames, sid, seq, words in cases:
         await broker.send(b"e", frames)
         error = await broker.reply(b"e")
-        assert isinstance(error, P.Error) and error.code == "BAD_REQUEST", (words, error)
+        assert isinstance(error, P.Error) and error.code == ErrorCode.BAD_REQUEST, (words, error)
         assert (error.session, error.seq) == (sid, seq) and words in error.message, (words, error)
     await broker.send(b"e", P.Verify(21, 1, len(ids), [], [1, 2]))
     assert isinstance(await broker.reply(b"e"), P.Verdict)
     assert worker.stats["bad_requests"] == len(cases) == worker.stats["errors"]["BAD_REQUEST"]
 
 
-async def test_unknown_session_gets_resend_context(fake_broker, start_worker):
+async def test_unknown_session_gets_unknown_session(fake_broker, start_worker):
     broker = fake_broker()
     await start_worker(broker)
     await broker.send(b"e", P.Verify(12345, 7, 3, [], [1]))
     error = await broker.reply(b"e")
-    assert (error.code, error.session, error.seq) == ("RESEND_CONTEXT", 12345, 7)
+    assert (error.code, error.session, error.seq) == (ErrorCode.UNKNOWN_SESSION, 12345, 7)
+
+
+async def test_replayed_seq_must_carry_the_same_draft(fake_broker, start_worker, tiny_runners):
+    target, _ = tiny_runners
+    broker = fake_broker()
+    await start_worker(broker)
+    ids = ids_of(target, PROMPTS[0])
+    await broker.send(b"e", P.Open(8, ids))
+    await broker.send(b"e", P.Verify(8, 1, len(ids), [], [1, 2]))
+    verdict = await broker.reply(b"e")
+    await broker.send(b"e", P.Verify(8, 1, len(ids), [], [1, 2]))  # a retry: the cached verdict
+    assert await broker.reply(b"e") == verdict
+    await broker.send(b"e", P.Verify(8, 1, len(ids), [], [3, 4]))  # same seq, another draft: refused
+    error = await broker.reply(b"e")
+    assert (error.code, error.seq) == (ErrorCode.BAD_REQUEST, 1) and "different draft" in error.message
 
 
 async def test_model_failure_answers_internal_and_keeps_serving(fake_broker, start_worker, tiny_runners,
@@ -341,10 +356,10 @@ async def test_model_failure_answers_internal_and_keeps_serving(fake_broker, sta
     await broker.send(b"e", P.Open(31, ids))
     await broker.send(b"e", P.Verify(31, 1, len(ids), [], [1]))
     error = await broker.reply(b"e")
-    assert (error.code, error.session, error.seq) == ("INTERNAL", 31, 1)
+    assert (error.code, error.session, error.seq) == (ErrorCode.INTERNAL, 31, 1)
     monkeypatch.undo()
     await broker.send(b"e", P.Verify(31, 1, len(ids), [], [1]))  # the session was dropped with the batch
-    assert (await broker.reply(b"e")).code == "RESEND_CONTEXT"
+    assert (await broker.reply(b"e")).code == ErrorCode.UNKNOWN_SESSION
     await broker.send(b"e", P.Open(31, ids))
     await broker.send(b"e", P.Verify(31, 1, len(ids), [], [1]))
     assert isinstance(await broker.reply(b"e"), P.Verdict)
@@ -386,7 +401,7 @@ async def test_silent_broker_means_reconnect_and_ready_again(fake_broker, start_
     await broker.ready(count=2)
     assert broker.of_type(P.Ready)[1][0] != first  # a new socket, a new identity
     await wait_until(lambda: worker.stats["sessions_open"] == 0)  # the broker has forgotten them too
-    assert worker.stats["reconnects"] >= 1 and worker._edges == {}
+    assert worker.stats["reconnects"] >= 1
 
 
 async def test_broker_disconnect_means_ready_again(fake_broker, start_worker):
@@ -467,8 +482,9 @@ async def test_health_and_metrics(fake_broker, start_worker, tiny_runners):
     assert (await http_get(worker.health_port, "/readyz"))[0] == 200
     status, metrics = await http_get(worker.health_port, "/metrics")
     assert status == 200
-    assert "specrelay_cloud_batches_total 1" in metrics and 'specrelay_cloud_batch_size_bucket{le="1"} 1' in metrics
-    assert "specrelay_cloud_sessions_open 1" in metrics
+    assert "specrelay_cloud_batches_total 1.0" in metrics
+    assert 'specrelay_cloud_batch_size_bucket{le="1"} 1.0' in metrics
+    assert "specrelay_cloud_sessions_open 1.0" in metrics
     assert (await http_get(worker.health_port, "/nope"))[0] == 404
 
 
@@ -497,7 +513,7 @@ async def test_systemd_notify(fake_broker, start_worker, monkeypatch):
 # ------------------------------------------------------------------------------------ the Batcher, pure
 
 def item(sid: int, msg: P.Base, t: float = 0.0) -> Item:
-    return Item(b"c", msg, sid, t)
+    return Item((b"c", sid), msg, t)
 
 
 def test_batcher_waits_only_for_other_active_sessions():
@@ -505,13 +521,14 @@ def test_batcher_waits_only_for_other_active_sessions():
     b.push(item(1, P.Verify(1, 1, 3), t=10.0))
     batch: list[Item] = []
     assert b.take(batch, control=lambda it: None) is False and len(batch) == 1
-    assert b.wait_budget(batch, 10.0, is_open={1}) == 0.0             # one active session: go at once
-    b.last_seen[2] = 9.0                                              # another session spoke a second ago
-    assert b.wait_budget(batch, 10.0005, is_open={1, 2}) == pytest.approx(0.0015)
-    assert b.wait_budget(batch, 10.003, is_open={1, 2}) == 0.0        # max_wait since the oldest request
-    assert b.wait_budget(batch, 10.0005, is_open={1}) == 0.0          # session 2 closed (or evicted)
-    b.last_seen[3] = 0.0
-    assert b.wait_budget(batch, 10.0005, is_open={1, 3}) == 0.0       # session 3 idle for 10 s
+    k1, k2, k3 = (b"c", 1), (b"c", 2), (b"c", 3)
+    assert b.wait_budget(batch, 10.0, is_open={k1}) == 0.0             # one active session: go at once
+    b.last_seen[k2] = 9.0                                              # another session spoke a second ago
+    assert b.wait_budget(batch, 10.0005, is_open={k1, k2}) == pytest.approx(0.0015)
+    assert b.wait_budget(batch, 10.003, is_open={k1, k2}) == 0.0       # max_wait since the oldest request
+    assert b.wait_budget(batch, 10.0005, is_open={k1}) == 0.0          # session 2 closed (or evicted)
+    b.last_seen[k3] = 0.0
+    assert b.wait_budget(batch, 10.0005, is_open={k1, k3}) == 0.0      # session 3 idle for 10 s
 
 
 def test_batcher_keeps_each_sessions_order_and_the_batch_cap():
@@ -522,9 +539,9 @@ def test_batcher_keeps_each_sessions_order_and_the_batch_cap():
     control: list[P.Base] = []
     batch: list[Item] = []
     assert b.take(batch, lambda it: control.append(it.msg)) is False
-    assert [type(m) for m in control] == [P.Open] and [it.session for it in batch] == [1, 2]  # cap reached
+    assert [type(m) for m in control] == [P.Open] and [it.key[1] for it in batch] == [1, 2]  # cap reached
     batch = []
     assert b.take(batch, lambda it: control.append(it.msg)) is False
-    assert isinstance(control[-1], P.Close) and [it.session for it in batch] == [3]
+    assert isinstance(control[-1], P.Close) and [it.key[1] for it in batch] == [3]
     b.push(item(3, P.Verify(3, 2, 1)))
     assert b.take(batch, lambda it: None) is True  # session 3 is already in the batch: wait for it

@@ -9,7 +9,9 @@ from stats import chi2_pvalue
 from specrelay.common.rng import Purpose, gumbel, sample_index, uniform, uniforms
 from specrelay.common.runner import Decoder
 from specrelay.common.sampling import SamplingParams, probs_from_logits
-from specrelay.common.verify import accept_prefix, residual, verify_coupled, verify_greedy
+from specrelay.common import verify
+from specrelay.common.protocol import Mode
+from specrelay.common.verify import accept_prefix, residual
 from specrelay.speculative import speculative_generate, target_generate
 
 
@@ -27,12 +29,12 @@ def one_hot_logits(ids: list[int], v: int = 6) -> torch.Tensor:  # -> [len(ids),
     ([2, 2], [2, 2, 2], 2, 2),
 ])
 def test_greedy_table(draft, target, n, nxt):
-    assert verify_greedy(torch.tensor(draft, dtype=torch.long), one_hot_logits(target)) == (n, nxt)
+    assert verify.greedy(torch.tensor(draft, dtype=torch.long), one_hot_logits(target)) == (n, nxt)
 
 
 def test_greedy_ties_pick_first_index():
     logits = torch.tensor([[1.0, 3.0, 3.0], [0.0, 0.0, 0.0]])
-    assert verify_greedy(torch.tensor([2]), logits) == (0, 1)
+    assert verify.greedy(torch.tensor([2]), logits) == (0, 1)
 
 
 @pytest.mark.parametrize("p, q, u, n", [
@@ -43,6 +45,17 @@ def test_greedy_ties_pick_first_index():
 ])
 def test_accept_table(p, q, u, n):
     assert accept_prefix(torch.tensor(p), torch.tensor(q), torch.tensor(u)) == n
+
+
+@pytest.mark.parametrize("u, n, token", [
+    ([0.1, 0.1], 2, 2),       # both accepted: the bonus is drawn from p[d] (all its mass on token 2)
+    ([0.1, 0.99], 1, None),   # x_2 rejected (p/q = 0.5 < u): the edge resolves the recovered token
+    ([0.99, 0.6], 1, None),   # u_2 * q = 0.3 >= p = 0.25: rejected; x_1 (q <= p) never is
+])
+def test_sampled_table(u, n, token):
+    p = torch.tensor([[0.2, 0.8, 0.0], [0.5, 0.25, 0.25], [0.0, 0.0, 1.0]])  # [d+1, V]
+    q_draft = torch.tensor([0.2, 0.5])  # q(x_1 = 1) <= p: always accepted; q(x_2 = 2) = 2 p(x_2)
+    assert verify.sampled(torch.tensor([1, 2]), p, q_draft, torch.tensor(u), 0.5) == (n, token)
 
 
 def test_residual_is_normalised_positive_part():
@@ -89,7 +102,7 @@ def test_coupled_verify_accepts_while_noisy_argmax_agrees():
     logp = torch.log_softmax(torch.randn(3, 8, generator=torch.Generator().manual_seed(0)), -1)
     noise = torch.stack([gumbel(5, j, 8) for j in range(3)])
     target_ids = (logp.double() + noise).argmax(-1)
-    assert verify_coupled(target_ids[:2], logp, noise) == (2, int(target_ids[2]))
+    assert verify.coupled(target_ids[:2], logp, noise) == (2, int(target_ids[2]))
 
 
 def test_top_k_top_p_transform():
@@ -131,7 +144,7 @@ def test_coupled_equals_target_alone_coupled(tiny_runners):
     params = SamplingParams(temperature=1.0, top_p=0.9)
     for seed in range(5):
         out, _ = speculative_generate(draft, target, ids, max_new_tokens=25, params=params, mode="coupled", seed=seed)
-        assert out == target_generate(target, ids, 25, params, "coupled", seed)
+        assert out == target_generate(target, ids, 25, params, Mode.COUPLED, seed)
 
 
 @pytest.mark.parametrize("resample", ["full", "hr", "srdv"])

@@ -383,8 +383,9 @@ def test_probe_paths():
 
 def test_exec_probes_pass_on_200_and_fail_on_503():
     """Run the manifests' exec probe commands against the real health servers."""
-    from specrelay.broker.health import start_health_server as broker_health
-    from specrelay.cloud_worker.health import start_health_server as cloud_health
+    from prometheus_client import CollectorRegistry
+
+    from specrelay.common import health
 
     probes = []
     for command, (_, c, _) in by_command().items():
@@ -404,11 +405,11 @@ def test_exec_probes_pass_on_200_and_fail_on_503():
     async def main() -> None:
         stats = {"live_workers": 0, "sessions_open": 0}
         up = {"ok": True}
-        servers = {
-            "broker": await broker_health("127.0.0.1", 0, lambda: dict(stats)),
-            "cloud-worker": await cloud_health("127.0.0.1", 0, healthz=lambda: (up["ok"], {}),
-                                               readyz=lambda: (up["ok"], {}), stats=lambda: {}),
-        }
+        broker = health.Endpoints(lambda: (True, stats), lambda: (stats["live_workers"] > 0, stats),
+                                  CollectorRegistry())
+        cloud = health.Endpoints(lambda: (up["ok"], {}), lambda: (up["ok"], {}), CollectorRegistry())
+        servers = {"broker": await health.start_http("127.0.0.1", 0, broker),
+                   "cloud-worker": await health.start_http("127.0.0.1", 0, cloud)}
         try:
             for command, kind, argv in probes:
                 port = servers[command].sockets[0].getsockname()[1]

@@ -20,7 +20,9 @@ from specrelay.common import protocol as P
 from specrelay.common.errors import GenerationTimeout, InvalidRequest, RequestError
 from specrelay.common.sampling import SamplingParams
 from specrelay.edge_worker.drafter import Drafter
-from specrelay.edge_worker.server import EdgeConfig, EdgeWorker, serve
+from specrelay.common.errors import ErrorCode
+from specrelay.edge_worker.loading import serve
+from specrelay.edge_worker.server import EdgeConfig, EdgeWorker
 from specrelay.edge_worker.session import SessionConfig
 from specrelay.edge_worker.textstream import TextStream
 from specrelay.speculative import speculative_generate
@@ -37,7 +39,7 @@ STATS = {"generated_tokens", "draft_tokens", "accepted_tokens", "cloud_calls", "
 class FakeCloud:
     """Broker + cloud worker in one ROUTER: OPEN/VERIFY/RESAMPLE/CLOSE answered by a real Verifier.
 
-    faults: {n: code} makes the n-th VERIFY (1-based) drop its session first; RESEND_CONTEXT then comes from
+    faults: {n: code} makes the n-th VERIFY (1-based) drop its session first; UNKNOWN_SESSION then comes from
     the Verifier itself, any other code is answered directly. silent: receive and never answer."""
 
     def __init__(self, ctx: zmq.asyncio.Context, runner) -> None:
@@ -49,7 +51,7 @@ class FakeCloud:
         self.seen: list[tuple[str, int]] = []     # (message type, session) of every request
         self.opens: dict[int, list[list[int]]] = {}
         self.closed: dict[int, int] = {}          # session -> tokens the cloud held when CLOSE came
-        self.faults: dict[int, str] = {}
+        self.faults: dict[int, ErrorCode] = {}
         self.silent = False
         self.delay = 0.0                          # seconds before answering each VERIFY
         self.slow: dict[int, float] = {}          # {n: seconds} for the n-th VERIFY only
@@ -58,39 +60,40 @@ class FakeCloud:
     async def run(self) -> None:
         while True:
             edge, *frames = await self.sock.recv_multipart()
-            reply = await self.handle(P.decode(frames))
+            reply = await self.handle(P.decode(frames), edge)
             if reply is not None:
                 await self.sock.send_multipart([edge, *P.encode(reply)])
 
-    async def handle(self, msg: P.Base) -> P.Base | None:
+    async def handle(self, msg: P.Base, edge: bytes) -> P.Base | None:
         self.seen.append((type(msg).__name__, msg.session))
+        key = (edge, msg.session)
         if self.silent:
             return None
         try:
             if isinstance(msg, P.Open):
                 self.opens.setdefault(msg.session, []).append(list(msg.tokens))
-                self.verifier.open(msg)
+                self.verifier.open(key, msg)
             elif isinstance(msg, P.Close):
-                held = self.verifier.sessions.get(msg.session)
+                held = self.verifier.sessions.get(key)
                 self.closed[msg.session] = len(held.tokens) if held else -1
-                self.verifier.close(msg.session)
+                self.verifier.close(key)
             elif isinstance(msg, P.Verify):
-                return await self._verify(msg)
+                return await self._verify(key, msg)
             elif isinstance(msg, P.Resample):
-                return self.verifier.resample_request(msg)
+                return self.verifier.resample(key, msg)
         except RequestError as exc:
             return P.Error(msg.session, getattr(msg, "seq", 0), exc.code, str(exc))
         return None
 
-    async def _verify(self, msg: P.Verify) -> P.Base:
+    async def _verify(self, key, msg: P.Verify) -> P.Base:
         self.verifies += 1
         await asyncio.sleep(self.slow.pop(self.verifies, self.delay))
         code = self.faults.pop(self.verifies, None)
         if code is not None:
-            self.verifier.close(msg.session)  # the worker lost the session
-            if code != "RESEND_CONTEXT":
+            self.verifier.close(key)  # the worker lost the session
+            if code != ErrorCode.UNKNOWN_SESSION:
                 return P.Error(msg.session, msg.seq, code, "injected fault")
-        return self.verifier.verify([msg])[0]
+        return self.verifier.verify([(key, msg)])[0]
 
     def types(self, session: int) -> list[str]:
         return [t for t, s in self.seen if s == session]
@@ -178,7 +181,7 @@ async def test_sampled_equals_in_process(edge, cloud, drafter, tiny_runners, mod
         assert any(t == "Resample" for t, _ in cloud.seen)
 
 
-@pytest.mark.parametrize("code", ["RESEND_CONTEXT", "WORKER_LOST"])
+@pytest.mark.parametrize("code", [ErrorCode.UNKNOWN_SESSION, ErrorCode.WORKER_LOST, ErrorCode.INTERNAL])
 async def test_lost_session_reopens_with_full_history(zctx, cloud, drafter, tiny_runners, greedy_refs, code):
     ids, ref = greedy_refs[PROMPTS[0]]
     cloud.faults = {3: code}
@@ -207,7 +210,7 @@ async def test_silent_cloud_times_out(zctx, cloud, drafter, tiny_runners, greedy
     cloud.silent = True
     ids, _ = greedy_refs[PROMPTS[0]]
     async with edge_worker(zctx, cloud, drafter, tiny_runners[0].tokenizer, request_timeout_s=0.2,
-                           max_retries=1, retry_backoff_s=0.01) as edge:
+                           retry_budget_s=0.3, retry_backoff_s=0.01) as edge:
         t0 = time.monotonic()
         with pytest.raises(GenerationTimeout, match="no reply from the cloud"):
             await edge.generate(ids, SessionConfig(max_new_tokens=8))
@@ -251,7 +254,7 @@ async def test_leaving_a_stream_cancels_and_closes_the_session(zctx, edge, cloud
         await wait_until(lambda: cloud.closed)
         (sid, held), = cloud.closed.items()
         assert held < len(cloud.opens[sid][0]) + 300  # closed early: the generation was cancelled
-        await wait_until(lambda: not edge._requests)
+        await wait_until(lambda: not edge.frontend._requests)
 
 
 async def test_cancelling_generate_sends_cancel(zctx, edge, cloud):
@@ -263,7 +266,7 @@ async def test_cancelling_generate_sends_cancel(zctx, edge, cloud):
         with pytest.raises(asyncio.CancelledError):
             await task
         await wait_until(lambda: cloud.closed)
-        await wait_until(lambda: not edge._requests)
+        await wait_until(lambda: not edge.frontend._requests)
 
 
 async def test_errors_reach_the_client(zctx, edge):

@@ -10,12 +10,14 @@ from specrelay.common.errors import InvalidRequest
 
 
 @pytest.mark.parametrize("msg", [
-    P.Open(7, [1, 2, 3], "sample", 0.7, 40, 0.9, 11, "srdv", b"\xff\x01", 8192),
+    P.Open(7, [1, 2, 3], P.Mode.SAMPLE, 0.7, 40, 0.9, 11, P.Strategy.SRDV, b"\xff\x01", 8192),
     P.Verify(7, 3, 10, [5], [1, 2, 3, 4], P.f32([0.1, 0.2, 0.3, 0.4])),
     P.Verdict(7, 3, 2, 99), P.Verdict(7, 3, 1, -1, candidates=[4, 5], cand_p=P.f32([0.5, 0.25])),
-    P.Resample(7, 3, "candidates", 1), P.Resampled(7, 3, 12), P.Close(7), P.Error(7, 3, "BAD_REQUEST", "x"),
+    P.Resample(7, 3, P.ResampleKind.CANDIDATES, 1), P.Resampled(7, 3, 12), P.Close(7),
+    P.Error(7, 3, P.ErrorCode.BAD_REQUEST, "x"),
     P.Ready("m", 8192, 10, 32), P.Heartbeat(3), P.Disconnect("bye"),
-    P.Generate(1, "def f():\n", 16, 0.5, 0, 1.0, 3, -1, "", ""), P.Cancel(1), P.Tokens(1, [1], "a"),
+    P.Generate(1, "def f():\n", 16, 0.5, 0, 1.0, 3, -1, P.Mode.COUPLED, P.Strategy.HR), P.Cancel(1),
+    P.Generate(1, "def f():\n"), P.Tokens(1, [1], "a"),
     P.Done(1, {"wall_s": 0.1}),
 ])
 def test_round_trip(msg):
@@ -33,6 +35,23 @@ def bad(msg_type: P.MsgType, body) -> InvalidRequest:
 def test_wrong_type_names_the_field():
     err = bad(P.MsgType.VERIFY, [5, "x", 1])
     assert err.field == "seq" and "Verify.seq" in str(err)
+
+
+def test_enums_decode_only_to_members_and_name_the_field():
+    assert bad(P.MsgType.OPEN, [5, [1], 7]).field == "mode"
+    assert bad(P.MsgType.OPEN, [5, [1], 1, 1.0, 0, 1.0, 0, "srdv"]).field == "resample"
+    assert bad(P.MsgType.RESAMPLE, [5, 1, 9]).field == "kind"
+    assert bad(P.MsgType.ERROR, [5, 1, 99, "x"]).field == "code"
+    assert P.decode(P.encode(P.Open(5, [1], P.Mode.SAMPLE, 1.0))).resample == P.DEFAULT_STRATEGY
+    with pytest.raises(InvalidRequest, match="resample must be one of full, hr, srdv"):
+        P.enum_value(P.Strategy, "coupled", "resample")
+    assert P.enum_value(P.Mode, "Coupled", "mode") is P.Mode.COUPLED
+
+
+def test_enums_cost_one_byte():
+    greedy = P.encode(P.Verdict(3, 4, 2, 100))[1]
+    assert len(P.encode(P.Error(3, 4, P.ErrorCode.UNKNOWN_SESSION))[1]) == 4  # [3, 4, 2]: array + 3 fixints
+    assert len(greedy) == 5
 
 
 def test_huge_arrays_rejected_cheaply():

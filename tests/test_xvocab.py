@@ -8,7 +8,7 @@ import pytest
 
 from specrelay.common.runner import ModelRunner
 from specrelay.common.sampling import SamplingParams
-from specrelay.edge_worker.drafter import make_drafter
+from specrelay.edge_worker.loading import load_drafter
 from specrelay.edge_worker.session import SessionConfig
 from specrelay.speculative import speculative_generate, speculative_generate_batch, target_generate
 from stats import chi2_pvalue
@@ -22,7 +22,7 @@ PARAMS = SamplingParams(temperature=1.0)
 def synthetic(tmp_path_factory):
     target_dir, draft_dir = make_synthetic_pair(tmp_path_factory.mktemp("synthetic"))
     target = ModelRunner.load(str(target_dir))
-    drafter, target_tok = make_drafter(str(draft_dir), str(target_dir))
+    drafter, target_tok = load_drafter(str(draft_dir), str(target_dir))
     prompt = target_tok("ab").input_ids
     return target, drafter, prompt
 

@@ -1,0 +1,65 @@
+"""A cloud worker's settings (validated once, here) and its counters."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class WorkerConfig:
+    """How a cloud worker batches, heartbeats and reports."""
+
+    max_batch: int = 32
+    max_wait_ms: float = 5.0             # longest wait to fill a batch, and only while others may still send
+    max_sessions: int = 1024
+    max_cache_bytes: int = 2 << 30       # KV memory cap; least-recently-used sessions are evicted past it
+    heartbeat_interval: float = 1.0
+    heartbeat_liveness: int = 3          # broker silent this many intervals = dead: reconnect
+    health_port: int | None = None       # HTTP /healthz /readyz /metrics (0 = any free port)
+    health_host: str = "127.0.0.1"
+    identity: bytes | None = None        # explicit DEALER identity (default: chosen by the broker's ROUTER)
+    linger_ms: int = 200                 # bounded, so shutdown cannot hang on unsent frames
+    idle_after_s: float = 5.0            # a session silent this long is not waited for when batching
+    reconnect_max_s: float = 32.0        # reconnect back-off doubles from heartbeat_interval up to this
+    drain_timeout_s: float = 30.0        # on stop, how long the running batch may take to finish
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_batch >= 1, "max_batch must be >= 1"),
+            (0 <= self.max_wait_ms <= 1000, "max_wait_ms must be in [0, 1000]"),
+            (self.max_sessions >= 1, "max_sessions must be >= 1"),
+            (self.max_cache_bytes > 0, "max_cache_bytes must be > 0"),
+            (self.heartbeat_interval > 0, "heartbeat_interval must be > 0"),
+            (self.heartbeat_liveness >= 1, "heartbeat_liveness must be >= 1"),
+            (0 <= self.linger_ms <= 5000, "linger_ms must be in [0, 5000] so shutdown cannot hang"),
+            (self.identity is None or (0 < len(self.identity) <= 255 and self.identity[0] != 0),
+             "identity must be 1-255 bytes and not start with a zero byte (reserved by ZeroMQ)"),
+            (self.idle_after_s > 0 and self.reconnect_max_s > 0 and self.drain_timeout_s >= 0,
+             "idle_after_s and reconnect_max_s must be > 0, drain_timeout_s >= 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def broker_ttl(self) -> float:
+        """Seconds of broker silence after which the connection is declared dead."""
+        return self.heartbeat_interval * self.heartbeat_liveness
+
+
+@dataclass
+class WorkerStats:
+    requests: int = 0               # edge messages received (malformed ones included)
+    verify_requests: int = 0        # VERIFYs run through the model
+    batches: int = 0
+    batch_sizes: Counter = field(default_factory=Counter)  # batch size -> batches of that size
+    bad_requests: int = 0
+    internal_errors: int = 0        # batches the model failed on
+    errors: Counter = field(default_factory=Counter)       # ERROR replies by code name
+    replies: int = 0
+    replies_dropped: int = 0        # stale (older broker connection) or refused by the socket
+    heartbeats_sent: int = 0
+    heartbeats_received: int = 0
+    bad_broker_messages: int = 0
+    reconnects: int = 0

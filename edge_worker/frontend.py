@@ -1,0 +1,142 @@
+"""The edge worker's face to local clients: a ROUTER speaking GENERATE / CANCEL -> TOKENS* DONE | ERROR.
+
+    client DEALER -> [client_id, header, body] -> ROUTER (this module) -> EdgeWorker.generate
+
+`handle_generate` runs one request against an EdgeWorker and reports through an `emit` callback; the ROUTER
+loop and `Client.local` (no socket) both use it. Cancelling a request cancels its generation, which CLOSEs the
+session in the cloud.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Awaitable, Callable
+
+import structlog
+import zmq
+
+from ..common import protocol as P
+from ..common import transport
+from ..common.errors import ErrorCode, FatalError, InvalidRequest, RequestError
+from ..common.sampling import SamplingParams
+from .session import SessionConfig
+from .textstream import TextStream
+
+log = structlog.get_logger("specrelay.edge")
+
+Emit = Callable[[P.Base], Awaitable[None]]
+
+
+def session_config(edge, msg: P.Generate) -> SessionConfig:
+    """A client's GENERATE -> the session's settings (the edge's defaults fill what the client left out)."""
+    draft_len = edge.config.default_draft_len if msg.draft_len < 0 else msg.draft_len
+    return SessionConfig(max_new_tokens=msg.max_new_tokens, params=SamplingParams(msg.temperature, msg.top_k, msg.top_p),
+                         mode=msg.mode, seed=msg.seed, draft_len=draft_len,
+                         resample=edge.config.default_resample if msg.resample is None else msg.resample)
+
+
+async def handle_generate(edge, msg: P.Generate, emit: Emit) -> None:
+    """One client request: TOKENS per committed chunk, then DONE; a failed request becomes one ERROR."""
+    try:
+        config = session_config(edge, msg)
+        loop = asyncio.get_running_loop()
+        ids = await loop.run_in_executor(None, lambda: list(edge.tokenizer(msg.prompt).input_ids))
+        text = TextStream(edge.tokenizer)
+
+        async def on_tokens(new: list[int]) -> None:
+            await emit(P.Tokens(msg.request, new, text.push(new)))
+
+        _, stats = await edge.generate(ids, config, on_tokens)
+        tail = text.flush()
+        if tail:
+            await emit(P.Tokens(msg.request, [], tail))
+        await emit(P.Done(msg.request, stats))
+    except zmq.ZMQError:
+        raise  # the client is gone: nobody to tell
+    except RequestError as exc:
+        await emit(P.Error(msg.request, 0, exc.code, str(exc)))
+    except FatalError as exc:
+        await emit(P.Error(msg.request, 0, ErrorCode.INTERNAL, str(exc)))
+    except Exception as exc:  # a bug fails this request, not the process
+        log.exception("request failed", request=msg.request)
+        await emit(P.Error(msg.request, 0, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+
+
+class ClientFrontend:
+    """The ROUTER loop: GENERATE starts a generation task, CANCEL cancels it; anything else gets an ERROR."""
+
+    def __init__(self, edge, listen: str) -> None:
+        self.edge, self.listen = edge, listen
+        self.endpoint: str | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._requests: dict[tuple[bytes, int], asyncio.Task] = {}
+
+    def open(self) -> None:
+        self._sock = transport.make_socket(self.edge.ctx, zmq.ROUTER, linger_ms=self.edge.config.linger_ms,
+                                           mandatory=True)  # a vanished client -> EHOSTUNREACH, not silence
+        self.endpoint = transport.bind(self._sock, self.listen, "edge worker")
+
+    async def serve(self) -> None:
+        await transport.receive_forever(self._sock, self._on_message)
+
+    async def _on_message(self, frames: list[bytes], n_frames: int) -> None:
+        client, body = frames[0], frames[1:]
+        try:
+            if n_frames != 3:
+                raise InvalidRequest(f"a request is 2 frames (header, body), got {n_frames - 1}", field="frames")
+            msg = P.decode(body)
+            if not isinstance(msg, (P.Generate, P.Cancel)):
+                raise InvalidRequest(f"the edge worker takes GENERATE or CANCEL, got {type(msg).__name__}",
+                                     field="header.type")
+        except InvalidRequest as exc:
+            await self._refuse(client, _request_id(body), str(exc))
+            return
+        if isinstance(msg, P.Cancel):
+            task = self._requests.get((client, msg.request))
+            if task is not None:
+                task.cancel()
+        elif (client, msg.request) in self._requests:
+            await self._refuse(client, msg.request, f"request id {msg.request} is already running")
+        else:
+            self._start(client, msg)
+
+    def _start(self, client: bytes, msg: P.Generate) -> None:
+        key = (client, msg.request)
+        task = asyncio.create_task(self._run(client, msg), name=f"edge-request-{msg.request}")
+        self._requests[key] = task
+        task.add_done_callback(lambda _: self._requests.pop(key, None))
+
+    async def _run(self, client: bytes, msg: P.Generate) -> None:
+        try:
+            await handle_generate(self.edge, msg, lambda reply: self._to_client(client, reply))
+        except zmq.ZMQError as exc:
+            log.info("client gone; generation stopped", request=msg.request, error=str(exc))
+
+    async def _to_client(self, client: bytes, msg: P.Base) -> None:
+        await self._sock.send_multipart([client, *P.encode(msg)])
+
+    async def _refuse(self, client: bytes, request: int, reason: str) -> None:
+        """BAD_REQUEST to a client; one that has already gone away is only logged."""
+        try:
+            await self._to_client(client, P.Error(request, 0, ErrorCode.BAD_REQUEST, reason))
+        except zmq.ZMQError as exc:
+            log.info("cannot refuse a request: client gone", request=request, error=str(exc))
+
+    async def cancel_all(self) -> None:
+        requests = list(self._requests.values())
+        for task in requests:
+            task.cancel()
+        await asyncio.gather(*requests, return_exceptions=True)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+def _request_id(body: list[bytes]) -> int:
+    """The request id of an undecodable client message, when its first field is readable (else 0)."""
+    try:
+        return P.session_of(body[1]) if len(body) == 2 else 0
+    except InvalidRequest:
+        return 0

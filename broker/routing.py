@@ -1,146 +1,167 @@
-"""The broker's routing core: worker registry, session table and in-flight requests, with no sockets.
+"""The broker's routing core: worker registry, edges, session table and in-flight requests, with no sockets.
 
 Events go in (frames from one side, a clock tick, a send that failed); actions come out as a list of
 (socket_name, frames) for the shell to send. Time is passed in (`now`, seconds on a monotonic clock) so
 tests drive heartbeats and expiry without sleeping.
 
 Frames (the first frame is always the ROUTER's routing id of the peer):
-  frontend in/out : [edge_id, header, body]
+  frontend in/out : [edge_id, header, body]               edges send OPEN VERIFY RESAMPLE CLOSE HEARTBEAT
   backend out     : [worker_id, edge_id, header, body]    edge_id b"" for HEARTBEAT / DISCONNECT
   backend in      : [worker_id, client_id, header, body]  client_id b"" for READY / HEARTBEAT / DISCONNECT
 
-Sessions are scoped by the edge: the edge numbers its own sessions, so the broker keys every table by
-(edge_id, session id) and two edges may both hold a session 1.
-
-Failure rule: the Majordomo reference broker silently loses the work held by a dead worker; we do not.
-When a worker dies, every request in flight on it is answered with ERROR WORKER_LOST (with its seq), and
-its sessions are forgotten so the edge's re-OPEN lands on a live worker.
+Rules:
+- A session is (edge_id, the edge's session id) and belongs to that connection and the key it authenticated
+  with: nobody else can reach it. A routing id reused by another key ends the old connection's sessions.
+- A new session goes to the least-loaded live worker, later requests to the worker holding it (affinity).
+  It is *booked* when the worker accepts it (its first VERDICT); an ERROR for its OPEN frees it again.
+- A worker's reply is delivered only for a session that worker holds (no injection into other sessions).
+- Per-client quotas (sessions, requests in flight, prompt tokens; `Limits`) answer UNAVAILABLE past them.
+- Failure rule: the Majordomo reference broker silently loses the work held by a dead worker; we do not.
+  When a worker dies, every request in flight on it is answered WORKER_LOST (with its seq) and its sessions
+  are forgotten so the edge's re-OPEN lands on a live worker. An edge silent past `edge_ttl` (edges heartbeat)
+  or unreachable has its sessions closed on their workers.
 """
 
 from __future__ import annotations
 
 import itertools
 
-import msgspec
 import structlog
 
 from specrelay.common import protocol
 from specrelay.common.errors import ErrorCode, InvalidRequest
 from specrelay.common.protocol import CLOUD_REPLIES, EDGE_REQUESTS, MsgType
+from specrelay.common.ratelimit import LogLimiter, TokenBucket
 
-from .table import Session, SessionKey, Stats, Worker
+from .heads import open_tokens, read_head, session_or_zero
+from .table import Limits, Peer, Session, SessionKey, Stats, Usage, Worker
 
 HEARTBEAT_INTERVAL = 1.0   # seconds between heartbeats to each worker
 HEARTBEAT_LIVENESS = 3     # a worker silent for LIVENESS intervals is dead
-MAX_IN_FLIGHT = 64         # requests one session may have outstanding on its worker
 
 FRONTEND = "frontend"
 BACKEND = "backend"
 
 Action = tuple[str, list[bytes]]
 
-_SEQ_TYPES = frozenset({MsgType.VERIFY, MsgType.RESAMPLE}) | CLOUD_REPLIES
-
 log = structlog.get_logger("specrelay.broker")
-
-
-class _Head(protocol.Base):
-    """[session, seq]: the first two fields of VERIFY, RESAMPLE, VERDICT and RESAMPLED bodies."""
-
-    session: protocol.U63
-    seq: protocol.U63
-
-
-class _ErrorHead(protocol.Base):
-    session: protocol.U63
-    seq: protocol.U63 = 0  # ERROR omits a zero seq
-
-
-_head_decoders = {t: msgspec.msgpack.Decoder(_ErrorHead if t == MsgType.ERROR else _Head) for t in _SEQ_TYPES}
-
-
-def read_head(msg_type: MsgType, body: bytes) -> tuple[int, int]:
-    """(session, seq) of a session-scoped body, decoding nothing past them; seq is 0 for OPEN/CLOSE."""
-    if msg_type not in _SEQ_TYPES:
-        return protocol.session_of(body), 0
-    try:
-        head = _head_decoders[msg_type].decode(body)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        protocol.session_of(body)  # raises, naming the session, when that is the fault
-        raise InvalidRequest(f"{msg_type.name}.seq is missing or invalid: {exc}", field="seq") from None
-    return head.session, head.seq
-
-
-def _session_or_zero(body: bytes) -> int:
-    try:
-        return protocol.session_of(body)
-    except InvalidRequest:
-        return 0
+limited = LogLimiter(log)  # bad input is counted exactly but logged at a bounded rate
+_FORGET_ON = frozenset({ErrorCode.UNKNOWN_SESSION, ErrorCode.INTERNAL})  # the worker no longer holds it
 
 
 class Router:
-    """Assigns sessions to workers, keeps affinity, and answers for dead workers. Single-threaded."""
+    """Assigns sessions to workers, keeps affinity, enforces ownership and quotas, answers for dead workers.
+    Single-threaded."""
 
     def __init__(self, *, heartbeat_interval: float = HEARTBEAT_INTERVAL, liveness: int = HEARTBEAT_LIVENESS,
-                 max_in_flight: int = MAX_IN_FLIGHT) -> None:
-        if heartbeat_interval <= 0 or liveness < 1 or max_in_flight < 1:
-            raise ValueError("heartbeat_interval must be > 0, liveness and max_in_flight >= 1")
+                 limits: Limits | None = None) -> None:
+        if heartbeat_interval <= 0 or liveness < 1:
+            raise ValueError("heartbeat_interval must be > 0 and liveness >= 1")
         self.heartbeat_interval = heartbeat_interval
         self.ttl = heartbeat_interval * liveness
-        self.max_in_flight = max_in_flight
+        self.limits = limits or Limits()
         self.workers: dict[bytes, Worker] = {}
+        self.peers: dict[bytes, Peer] = {}
         self.sessions: dict[SessionKey, Session] = {}  # (edge_id, the edge's session id) -> session
+        self.usage: dict[object, Usage] = {}           # Peer.client -> what it holds
         self.stats = Stats()
         self._serials = itertools.count()
         self._next_heartbeat: float | None = None
 
     # ---- edge side -------------------------------------------------------------------------------
 
-    def from_edge(self, frames: list[bytes], now: float, n_frames: int | None = None) -> list[Action]:
-        """One message from the frontend ROUTER: [edge_id, header, body]. n_frames: the real count when
-        the shell kept only the first few frames of an oversized message."""
+    def from_edge(self, frames: list[bytes], now: float, n_frames: int | None = None,
+                  user: str | None = None) -> list[Action]:
+        """One message from the frontend ROUTER: [edge_id, header, body]. n_frames: the real count when the
+        shell kept only the first few frames; user: the CURVE key the edge authenticated with (None without)."""
         self.stats.frontend_in += 1
-        edge, n = frames[0], len(frames) if n_frames is None else n_frames
+        peer, actions = self._peer(frames[0], user, now)
+        n = len(frames) if n_frames is None else n_frames
         try:
             if n != 3:
                 raise InvalidRequest(f"a request is 2 frames (header, body), got {n - 1}", field="frames")
             msg_type = protocol.parse_header(frames[1])
+            if msg_type == MsgType.HEARTBEAT:
+                return actions  # liveness only (Peer.expires was just renewed)
             if msg_type not in EDGE_REQUESTS:
-                raise InvalidRequest(f"an edge may not send {msg_type.name}; it sends OPEN, VERIFY, RESAMPLE "
-                                     "or CLOSE", field="header.type")
+                raise InvalidRequest(f"an edge may not send {msg_type.name}; it sends OPEN, VERIFY, RESAMPLE, "
+                                     "CLOSE or HEARTBEAT", field="header.type")
             session_id, seq = read_head(msg_type, frames[2])
+            tokens = open_tokens(frames[2]) if msg_type == MsgType.OPEN else 0
         except InvalidRequest as exc:
-            return [self._bad_request(edge, _session_or_zero(frames[2]) if n == 3 else 0, 0, str(exc))]
+            return actions + self._bad_request(peer, session_or_zero(frames[2]) if n == 3 else 0, str(exc), now)
         if msg_type == MsgType.OPEN:
-            return self._open(edge, session_id, frames)
-        key = (edge, session_id)
+            return actions + self._open(peer, session_id, tokens, frames)
+        key = (peer.edge, session_id)
         session = self.sessions.get(key)
         if session is None:
             if msg_type == MsgType.CLOSE:
-                return []  # closing a session nobody holds: already done
+                return actions  # closing a session nobody holds: already done
             self.stats.unknown_session_sent += 1
-            return [self._error(edge, session_id, seq, ErrorCode.UNKNOWN_SESSION,
-                                f"session {session_id} is not open on any worker; re-OPEN it with the full context")]
+            return actions + [self._error(peer.edge, session_id, seq, ErrorCode.UNKNOWN_SESSION,
+                                          f"session {session_id} is not open on any worker; re-OPEN it with "
+                                          "the full context")]
         if msg_type == MsgType.CLOSE:
             self._forget(key)
-            return [self._to_worker(session.worker, edge, frames[1:])]
-        return self._forward(session_id, session, msg_type, seq, frames)
+            return actions + [self._to_worker(session.worker, peer.edge, frames[1:])]
+        return actions + self._forward(session_id, session, msg_type, seq, frames)
 
-    def _open(self, edge: bytes, session_id: int, frames: list[bytes]) -> list[Action]:
-        """New session -> least-loaded live worker; re-OPEN of a known one -> the worker that holds it."""
-        key = (edge, session_id)
+    def _peer(self, edge: bytes, user: str | None, now: float) -> tuple[Peer, list[Action]]:
+        """The edge connection's record, renewed. A routing id now used with another key is a new connection:
+        the old one's sessions are closed first."""
+        actions: list[Action] = []
+        peer = self.peers.get(edge)
+        if peer is not None and peer.user != user:
+            log.warning("routing id reused by another key; its sessions are closed", edge=edge.hex())
+            actions = self._edge_gone(edge)
+            peer = None
+        if peer is None:
+            burst = max(1.0, self.limits.bad_replies_per_s)
+            peer = self.peers[edge] = Peer(edge, user, now, TokenBucket(self.limits.bad_replies_per_s, burst))
+            self.stats.live_edges = len(self.peers)
+        peer.expires = now + self.limits.edge_ttl
+        return peer, actions
+
+    def _open(self, peer: Peer, session_id: int, tokens: int, frames: list[bytes]) -> list[Action]:
+        """New session -> least-loaded live worker (within the client's quotas); re-OPEN of a known one -> the
+        worker that holds it."""
+        key = (peer.edge, session_id)
         session = self.sessions.get(key)
-        if session is None:
+        usage = self.usage.setdefault(peer.client, Usage())
+        extra_tokens = tokens - (session.tokens if session else 0)
+        refusal = self._quota(usage, new_session=session is None, extra_tokens=extra_tokens)
+        if refusal is None and session is None:
             worker = self._least_loaded()
             if worker is None:
-                self.stats.unavailable_sent += 1
-                return [self._error(edge, session_id, 0, ErrorCode.UNAVAILABLE,
-                                    "no live worker has room for a new session; retry later")]
-            session = Session(edge=edge, worker=worker.identity)
-            self.sessions[key] = session
-            worker.sessions.add(key)
-            self._gauges()
-        return self._forward(session_id, session, MsgType.OPEN, 0, frames)
+                refusal = "no live worker has room for a new session; retry later"
+            else:
+                session = self.sessions[key] = Session(edge=peer.edge, worker=worker.identity, client=peer.client)
+                worker.sessions.add(key)
+                peer.sessions.add(key)
+                usage.sessions += 1
+                self._gauges()
+        if refusal is not None:
+            self.stats.unavailable_sent += 1
+            return [self._error(peer.edge, session_id, 0, ErrorCode.UNAVAILABLE, refusal)]
+        usage.tokens += extra_tokens
+        session.tokens = tokens
+        actions = self._forward(session_id, session, MsgType.OPEN, 0, frames)
+        if not session.in_flight and not session.booked:  # its OPEN was refused: nothing holds it
+            self._forget(key)
+        return actions
+
+    def _quota(self, usage: Usage, *, new_session: bool, extra_tokens: int) -> str | None:
+        """Why this client may not open (or grow) a session now, or None."""
+        lim = self.limits
+        if new_session and usage.sessions >= lim.max_sessions_per_client:
+            reason = f"this client already holds {usage.sessions} sessions (limit {lim.max_sessions_per_client})"
+        elif usage.tokens + extra_tokens > lim.max_prompt_tokens_per_client:
+            reason = (f"this client's open sessions would hold {usage.tokens + extra_tokens} prompt tokens "
+                      f"(limit {lim.max_prompt_tokens_per_client})")
+        else:
+            return None
+        self.stats.quota_refusals += 1
+        return reason + "; close sessions or retry later"
 
     def _least_loaded(self) -> Worker | None:
         """Fewest broker-assigned sessions; ties go to the earliest registered worker."""
@@ -149,12 +170,18 @@ class Router:
 
     def _forward(self, session_id: int, session: Session, msg_type: MsgType, seq: int,
                  frames: list[bytes]) -> list[Action]:
-        if len(session.in_flight) >= self.max_in_flight:
-            self.stats.unavailable_sent += 1
-            return [self._error(session.edge, session_id, seq, ErrorCode.UNAVAILABLE,
-                                f"session {session_id} already has {self.max_in_flight} requests in flight")]
-        session.in_flight.append((msg_type, seq))
-        return [self._to_worker(session.worker, session.edge, frames[1:])]
+        usage = self.usage[session.client]
+        if len(session.in_flight) >= self.limits.max_in_flight_per_session:
+            reason = f"session {session_id} already has {len(session.in_flight)} requests in flight"
+        elif usage.in_flight >= self.limits.max_in_flight_per_client:
+            self.stats.quota_refusals += 1
+            reason = f"this client already has {usage.in_flight} requests in flight"
+        else:
+            session.in_flight.append((msg_type, seq))
+            usage.in_flight += 1
+            return [self._to_worker(session.worker, session.edge, frames[1:])]
+        self.stats.unavailable_sent += 1
+        return [self._error(session.edge, session_id, seq, ErrorCode.UNAVAILABLE, reason + "; retry later")]
 
     # ---- worker side -----------------------------------------------------------------------------
 
@@ -211,36 +238,53 @@ class Router:
         self.stats.unknown_worker_messages += 1
         if msg_type == MsgType.DISCONNECT:
             return []
-        log.info("message from unknown worker dropped", worker=worker_id.hex(), type=msg_type.name)
+        limited.info("message from unknown worker dropped", worker=worker_id.hex(), type=msg_type.name)
         return [self._disconnect(worker_id, "unknown worker: send READY to register")]
 
     def _reply(self, worker: Worker, msg_type: MsgType, frames: list[bytes]) -> list[Action]:
-        """VERDICT / RESAMPLED / ERROR: settle the request it answers and pass the frames to the edge."""
+        """VERDICT / RESAMPLED / ERROR for a session this worker holds: settle the request it answers, book or
+        free the session, pass the frames to the edge. Anything else is dropped."""
         client = frames[1]
         if not client:
             return self._bad_worker(worker.identity, f"{msg_type.name} without the edge's id in frame 1")
         try:
             session_id, seq = read_head(msg_type, frames[3])
+            code = protocol.decode(frames[2:]).code if msg_type == MsgType.ERROR else None
         except InvalidRequest as exc:
             return self._bad_worker(worker.identity, str(exc))
-        session = self.sessions.get((client, session_id))
-        if session is not None and session.worker == worker.identity:
-            session.settle(msg_type, seq)
+        key = (client, session_id)
+        session = self.sessions.get(key)
+        if session is None or session.worker != worker.identity:
+            self.stats.foreign_replies += 1
+            limited.warning("reply for a session this worker does not hold dropped", worker=worker.identity.hex(),
+                            session=session_id, type=msg_type.name)
+            return []
+        before = len(session.in_flight)
+        session.settle(msg_type, seq)
+        self.usage[session.client].in_flight -= before - len(session.in_flight)
+        if code is None:
+            session.booked = True
+        elif seq == 0 or code in _FORGET_ON:  # it refused the OPEN, or no longer holds the session
+            self.stats.rejected_opens += not session.booked
+            self._forget(key)
         return [self._to_edge(client, frames[2:])]
 
     def _bad_worker(self, worker_id: bytes, reason: str) -> list[Action]:
         self.stats.bad_worker_messages += 1
-        log.warning("bad worker message dropped", worker=worker_id.hex(), reason=reason)
+        limited.warning("bad worker message dropped", worker=worker_id.hex(), reason=reason)
         return []
 
     # ---- time and failures -----------------------------------------------------------------------
 
     def tick(self, now: float) -> list[Action]:
-        """Expire silent workers (WORKER_LOST for their in-flight requests) and, once per interval,
-        heartbeat every live worker; the heartbeat's load is the sessions the broker assigned to it."""
+        """Expire silent workers (WORKER_LOST for their in-flight requests) and silent edges (CLOSE their
+        sessions), and, once per interval, heartbeat every live worker (load: the sessions assigned to it)."""
         actions: list[Action] = []
         for worker_id in [w.identity for w in self.workers.values() if now >= w.expires]:
             actions += self._lose_worker(worker_id, "heartbeat expired", tell_worker=True)
+        for edge in [p.edge for p in self.peers.values() if now >= p.expires]:
+            self.stats.edges_expired += 1
+            actions += self._edge_gone(edge)
         if self._next_heartbeat is None or now >= self._next_heartbeat:
             self._next_heartbeat = now + self.heartbeat_interval
             actions += [self._to_worker(w.identity, b"", protocol.encode(protocol.Heartbeat(load=len(w.sessions))))
@@ -248,8 +292,8 @@ class Router:
         return actions
 
     def next_deadline(self) -> float | None:
-        """When `tick` next has work: the next heartbeat or the earliest worker expiry."""
-        times = [w.expires for w in self.workers.values()]
+        """When `tick` next has work: the next heartbeat or the earliest worker or edge expiry."""
+        times = [w.expires for w in self.workers.values()] + [p.expires for p in self.peers.values()]
         if self._next_heartbeat is not None:
             times.append(self._next_heartbeat)
         return min(times, default=None)
@@ -259,7 +303,7 @@ class Router:
         Otherwise the peer's queue is full (EAGAIN): a request to a worker is answered UNAVAILABLE."""
         self.stats.unroutable += 1
         peer = frames[0]
-        log.warning("send failed", socket=socket_name, peer=peer.hex(), peer_gone=peer_gone)
+        limited.warning("send failed", socket=socket_name, peer=peer.hex(), peer_gone=peer_gone)
         if socket_name == FRONTEND:
             return self._edge_gone(peer) if peer_gone else []
         if peer_gone:
@@ -274,18 +318,19 @@ class Router:
             return []  # a heartbeat or a CLOSE: nobody waits for an answer
         session_id, seq = read_head(msg_type, frames[3])
         session = self.sessions.get((edge, session_id))
-        if session is not None:
-            session.unsettle(msg_type, seq)
+        if session is not None and session.unsettle(msg_type, seq):
+            self.usage[session.client].in_flight -= 1
         self.stats.unavailable_sent += 1
         return [self._error(edge, session_id, seq, ErrorCode.UNAVAILABLE, "the worker's queue is full; retry later")]
 
     def _edge_gone(self, edge: bytes) -> list[Action]:
-        """The edge disconnected: close its sessions on their workers so they free the memory."""
-        gone = [key for key in self.sessions if key[0] == edge]
+        """The edge disconnected or went silent: close its sessions on their workers so they free the memory."""
+        peer = self.peers.pop(edge, None)
+        self.stats.live_edges = len(self.peers)
         actions = []
-        for key in gone:
-            session, session_id = self._forget(key), key[1]
-            actions.append(self._to_worker(session.worker, edge, protocol.encode(protocol.Close(session=session_id))))
+        for key in sorted(peer.sessions) if peer is not None else []:
+            session = self._forget(key)
+            actions.append(self._to_worker(session.worker, edge, protocol.encode(protocol.Close(session=key[1]))))
         return actions
 
     def _lose_worker(self, worker_id: bytes, reason: str, *, tell_worker: bool) -> list[Action]:
@@ -308,10 +353,20 @@ class Router:
     # ---- helpers ---------------------------------------------------------------------------------
 
     def _forget(self, key: SessionKey) -> Session:
+        """Drop a session and give its quota back."""
         session = self.sessions.pop(key)
         worker = self.workers.get(session.worker)
         if worker is not None:
             worker.sessions.discard(key)
+        peer = self.peers.get(key[0])
+        if peer is not None:
+            peer.sessions.discard(key)
+        usage = self.usage[session.client]
+        usage.sessions -= 1
+        usage.tokens -= session.tokens
+        usage.in_flight -= len(session.in_flight)
+        if usage.sessions == 0:
+            del self.usage[session.client]
         self._gauges()
         return session
 
@@ -334,7 +389,11 @@ class Router:
         return self._to_edge(edge, protocol.encode(protocol.Error(session=session_id, seq=seq, code=code,
                                                                   message=message)))
 
-    def _bad_request(self, edge: bytes, session_id: int, seq: int, message: str) -> Action:
+    def _bad_request(self, peer: Peer, session_id: int, message: str, now: float) -> list[Action]:
+        """BAD_REQUEST, counted always, answered while the edge's budget lasts (a flood gets silence)."""
         self.stats.bad_requests += 1
-        log.info("bad request", edge=edge.hex(), session=session_id, reason=message)
-        return self._error(edge, session_id, seq, ErrorCode.BAD_REQUEST, message)
+        limited.info("bad request", edge=peer.edge.hex(), session=session_id, reason=message)
+        if not peer.bad_replies.take(now):
+            self.stats.bad_requests_unanswered += 1
+            return []
+        return [self._error(peer.edge, session_id, 0, ErrorCode.BAD_REQUEST, message)]

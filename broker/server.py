@@ -19,12 +19,15 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from specrelay.common import health, transport
+from specrelay.common import auth, health, transport
+from specrelay.common.errors import FatalError
 
 from .routing import BACKEND, FRONTEND, HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, Action, Router
+from .table import Limits
 
 DEFAULT_LINGER_MS = 200
-GAUGES = ("sessions_open", "live_workers")
+GAUGES = ("sessions_open", "live_workers", "live_edges", "loop_lag_s")
+MAX_LOOP_LAG_S = 1.0  # /readyz fails while the event loop runs this late (a flood it cannot keep up with)
 
 log = structlog.get_logger("specrelay.broker")
 
@@ -35,18 +38,30 @@ class Broker(transport.Service):
     Use `async with Broker(...) as broker:` (serves in a background task), or `await start()` then
     `await run()` (serves until `stop()` or cancellation). After start(), `frontend`/`backend` hold the
     bound endpoints, so `tcp://127.0.0.1:0` (or `:*`) gets a free port.
+
+    With `curve_secret`, both sockets are CURVE servers: edges must present a key listed in `edge_keys`, workers
+    one listed in `worker_keys` (directories of NAME.key files, re-read by `reload_keys()` / SIGHUP). Without
+    keys, binding anything but loopback needs `insecure=True`.
     """
 
     name = "broker"
 
     def __init__(self, frontend: str, backend: str, *, heartbeat_interval: float = HEARTBEAT_INTERVAL,
                  liveness: int = HEARTBEAT_LIVENESS, linger_ms: int = DEFAULT_LINGER_MS,
-                 health_port: int | None = None, health_host: str = "127.0.0.1",
-                 context: zmq.asyncio.Context | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 health_port: int | None = None, health_host: str = "127.0.0.1", limits: Limits | None = None,
+                 curve_secret: str | None = None, edge_keys: str | None = None, worker_keys: str | None = None,
+                 insecure: bool = False, context: zmq.asyncio.Context | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
         if not 0 <= linger_ms <= 5000:
             raise ValueError(f"linger_ms must be in [0, 5000] so shutdown cannot hang, got {linger_ms}")
-        self.router = Router(heartbeat_interval=heartbeat_interval, liveness=liveness)
+        if curve_secret is not None and (edge_keys is None or worker_keys is None):
+            raise FatalError("--curve-secret needs both --edge-keys DIR and --worker-keys DIR")
+        self.router = Router(heartbeat_interval=heartbeat_interval, liveness=liveness, limits=limits)
+        self._keys = (curve_secret, edge_keys, worker_keys) if curve_secret is not None else None
+        self._insecure = insecure
+        self._allowlists: auth.Allowlists | None = None
+        self.loop_lag_s = 0.0
         self.frontend, self.backend = frontend, backend
         self.health_port, self.health_host = health_port, health_host
         self._linger_ms = linger_ms
@@ -58,13 +73,20 @@ class Broker(transport.Service):
 
     @property
     def stats(self) -> dict[str, int]:
-        return self.router.stats.as_dict()
+        return self.router.stats.as_dict() | {"loop_lag_s": round(self.loop_lag_s, 4)}
 
     async def _open(self) -> None:
-        """Bind both sockets (and the health port)."""
+        """Start the ZAP authenticator (keys) before binding both sockets, then the health port."""
+        auth.check_insecure_bind([self.frontend, self.backend], keys=self._keys is not None, insecure=self._insecure)
+        curves = {FRONTEND: None, BACKEND: None}
+        if self._keys is not None:
+            secret, edge_keys, worker_keys = self._keys
+            curves = {FRONTEND: auth.server(secret, auth.EDGE_DOMAIN), BACKEND: auth.server(secret, auth.WORKER_DOMAIN)}
+            self._allowlists = auth.Allowlists(self._ctx, edge_keys, worker_keys)
+            self._allowlists.start()
         for name, endpoint in ((FRONTEND, self.frontend), (BACKEND, self.backend)):
             sock = transport.make_socket(self._ctx, zmq.ROUTER, linger_ms=self._linger_ms, mandatory=True,
-                                         heartbeat_s=self.router.heartbeat_interval)
+                                         heartbeat_s=self.router.heartbeat_interval, curve=curves[name])
             self._sockets[name] = sock
             setattr(self, name, transport.bind(sock, endpoint, f"broker {name}"))
         self._log = log.bind(frontend=self.frontend, backend=self.backend)
@@ -73,8 +95,13 @@ class Broker(transport.Service):
                                          health.registry_for("specrelay_broker_", lambda: self.stats, GAUGES))
             self._health = await health.start_http(self.health_host, self.health_port, endpoints)
             self.health_port = self._health.sockets[0].getsockname()[1]
-        self._log.info("broker listening", health_port=self.health_port,
+        self._log.info("broker listening", health_port=self.health_port, curve=self._keys is not None,
                        heartbeat_interval=self.router.heartbeat_interval)
+
+    def reload_keys(self) -> None:
+        """Re-read the edge and worker key directories (SIGHUP)."""
+        if self._allowlists is not None:
+            self._allowlists.reload()
 
     def _loops(self):
         return [self._pump(FRONTEND), self._pump(BACKEND), self._ticker()]
@@ -82,6 +109,8 @@ class Broker(transport.Service):
     async def _close(self) -> None:
         if self._health is not None:
             self._health.close()
+        if self._allowlists is not None:
+            self._allowlists.stop()
         for sock in self._sockets.values():
             sock.close(linger=self._linger_ms)
         if self._sockets:
@@ -91,22 +120,28 @@ class Broker(transport.Service):
     # ---- the three loops ---------------------------------------------------------------------------
 
     async def _pump(self, name: str) -> None:
-        """Read one socket forever; each message becomes Router actions, sent at once."""
-        handle = self.router.from_edge if name == FRONTEND else self.router.from_worker
-
-        def on_message(frames: list[bytes], n_frames: int) -> None:
-            self._send(self._route(handle, frames, self._clock(), n_frames))
-
-        await transport.receive_forever(self._sockets[name], on_message)
+        """Read one socket forever; each message becomes Router actions, sent at once. On the frontend with
+        keys, each message carries the edge's authenticated key (its User-Id)."""
+        if name == FRONTEND:
+            def on_message(frames: list[bytes], n_frames: int, user: str | None = None) -> None:
+                self._send(self._route(self.router.from_edge, frames, self._clock(), n_frames, user))
+        else:
+            def on_message(frames: list[bytes], n_frames: int) -> None:
+                self._send(self._route(self.router.from_worker, frames, self._clock(), n_frames))
+        with_user = name == FRONTEND and self._keys is not None
+        await transport.receive_forever(self._sockets[name], on_message, with_user=with_user)
 
     async def _ticker(self) -> None:
-        """Heartbeats and expiry: sleep until the Router's next deadline (at most one interval)."""
-        interval = self.router.heartbeat_interval
+        """Heartbeats and expiry: sleep until the Router's next deadline (at most a tenth of an interval, so
+        the loop's lag is measured often)."""
+        step = self.router.heartbeat_interval / 10
         while True:
             self._send(self._route(self.router.tick, self._clock()))
             deadline = self.router.next_deadline()
-            delay = interval if deadline is None else deadline - self._clock()
-            await asyncio.sleep(min(max(delay, 0.001), interval))
+            delay = min(max(step if deadline is None else deadline - self._clock(), 0.001), step)
+            due = self._clock() + delay
+            await asyncio.sleep(delay)
+            self.loop_lag_s = max(0.0, self._clock() - due)
 
     def _send(self, actions: list[Action]) -> None:
         """Send non-blocking; failures go back to the Router, whose answers join the queue."""
@@ -136,13 +171,23 @@ class Broker(transport.Service):
         return True, self._summary()
 
     def _readyz(self) -> tuple[bool, dict]:
-        return self.router.stats.live_workers > 0, self._summary()
+        """Ready while a worker is registered and the loop keeps time."""
+        return self.router.stats.live_workers > 0 and self.loop_lag_s < MAX_LOOP_LAG_S, self._summary()
 
     def _summary(self) -> dict:
-        return {"live_workers": self.router.stats.live_workers, "sessions_open": self.router.stats.sessions_open}
+        return {"live_workers": self.router.stats.live_workers, "sessions_open": self.router.stats.sessions_open,
+                "loop_lag_s": round(self.loop_lag_s, 4)}
 
 
 async def serve(frontend: str, backend: str, **options: object) -> None:
-    """Run a broker until SIGTERM / SIGINT: the body of `specrelay broker --frontend ... --backend ...`.
-    options: the other keyword arguments of `Broker` (health_port, heartbeat_interval, liveness, ...)."""
-    await transport.serve_until_signalled(Broker(frontend, backend, **options))
+    """Run a broker until SIGTERM / SIGINT (SIGHUP re-reads the key directories): the body of
+    `specrelay broker`. options: the other keyword arguments of `Broker` (health_port, keys, limits, ...)."""
+    import signal
+
+    broker = Broker(frontend, backend, **options)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGHUP, broker.reload_keys)
+    try:
+        await transport.serve_until_signalled(broker)
+    finally:
+        loop.remove_signal_handler(signal.SIGHUP)

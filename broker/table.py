@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from specrelay.common.protocol import MsgType, SessionKey
+from specrelay.common.ratelimit import TokenBucket
 
 
 # which requests a reply can answer (ERROR answers any of them)
@@ -31,10 +32,14 @@ class Worker:
 
 @dataclass
 class Session:
-    """One open session, keyed in `Router.sessions` by (edge, the edge's session id)."""
+    """One open session, keyed in `Router.sessions` by (edge, the edge's session id). `booked` once its
+    worker has accepted it (its first VERDICT); until then an ERROR for it frees it again."""
 
     edge: bytes
     worker: bytes
+    client: object                 # whose quota it counts against (`Peer.client`)
+    tokens: int = 0                # prompt tokens of its OPEN, counted against the client's token quota
+    booked: bool = False
     in_flight: list[tuple[MsgType, int]] = field(default_factory=list)  # (request type, seq), oldest first
 
     def settle(self, reply: MsgType, seq: int) -> None:
@@ -47,12 +52,13 @@ class Session:
         earlier = [r for r in self.in_flight[:end] if r[0] != MsgType.OPEN]
         self.in_flight = earlier + (self.in_flight[end + 1:] if match is not None else [])
 
-    def unsettle(self, msg_type: MsgType, seq: int) -> None:
-        """Forget the newest record of a request that never reached its worker."""
+    def unsettle(self, msg_type: MsgType, seq: int) -> bool:
+        """Forget the newest record of a request that never reached its worker (False: there was none)."""
         for i in range(len(self.in_flight) - 1, -1, -1):
             if self.in_flight[i] == (msg_type, seq):
                 del self.in_flight[i]
-                return
+                return True
+        return False
 
     def lost_seqs(self) -> list[int]:
         """The seqs to answer WORKER_LOST: each VERIFY/RESAMPLE in flight, else 0 for an unanswered OPEN
@@ -64,8 +70,52 @@ class Session:
 
 
 @dataclass
+class Limits:
+    """What one client (an edge key; without keys, one edge connection) may hold at once, and how long an edge
+    may stay silent before its sessions are closed for it."""
+
+    max_sessions_per_client: int = 256
+    max_in_flight_per_client: int = 1024
+    max_prompt_tokens_per_client: int = 1 << 20
+    max_in_flight_per_session: int = 64
+    edge_ttl: float = 10.0             # seconds without a message (edges heartbeat every second)
+    bad_replies_per_s: float = 50.0    # BAD_REQUEST answers per edge per second; past it they are only counted
+
+    def __post_init__(self) -> None:
+        if min(self.max_sessions_per_client, self.max_in_flight_per_client, self.max_prompt_tokens_per_client,
+               self.max_in_flight_per_session) < 1 or self.edge_ttl <= 0 or self.bad_replies_per_s < 0:
+            raise ValueError("broker limits must be >= 1, edge_ttl > 0 and bad_replies_per_s >= 0")
+
+
+@dataclass
+class Usage:
+    """What one client holds now."""
+
+    sessions: int = 0
+    in_flight: int = 0
+    tokens: int = 0
+
+
+@dataclass
+class Peer:
+    """An edge connection on the frontend: its routing id, the key it authenticated with (None without CURVE),
+    when it expires without a message, and a token bucket for answering its bad requests."""
+
+    edge: bytes
+    user: str | None
+    expires: float
+    bad_replies: TokenBucket
+    sessions: set[SessionKey] = field(default_factory=set)
+
+    @property
+    def client(self) -> object:
+        """Quota owner: the key with CURVE (all connections of one key share it), else this connection."""
+        return self.user if self.user is not None else self.edge
+
+
+@dataclass
 class Stats:
-    """Counters since start, plus two gauges (sessions_open, live_workers)."""
+    """Counters since start, plus three gauges (sessions_open, live_workers, live_edges)."""
 
     frontend_in: int = 0
     frontend_out: int = 0
@@ -79,9 +129,15 @@ class Stats:
     unavailable_sent: int = 0
     unroutable: int = 0               # sends that failed: peer gone or its queue full
     workers_lost: int = 0
+    foreign_replies: int = 0          # worker replies for sessions that worker does not hold, dropped
+    rejected_opens: int = 0           # OPENs a worker refused: the session was never booked, freed again
+    quota_refusals: int = 0           # requests refused by a per-client limit (UNAVAILABLE)
+    edges_expired: int = 0            # edges silent past edge_ttl: their sessions closed for them
+    bad_requests_unanswered: int = 0  # past an edge's BAD_REQUEST budget: counted, not answered
     internal_errors: int = 0          # bugs caught by the shell; the message was dropped
     sessions_open: int = 0
     live_workers: int = 0
+    live_edges: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)

@@ -7,7 +7,9 @@ intervals or says DISCONNECT.
     out: [client_id, header, body]   a reply to that edge;  [b"", header, body]  READY, HEARTBEAT, DISCONNECT
 
 Every (re)connect starts a new *generation*: what came in on an older one is stale (the broker has answered it
-WORKER_LOST and forgotten its sessions), and `on_reset` tells the worker to forget it too.
+WORKER_LOST and forgotten its sessions), and `on_reset` tells the worker to forget it too. A socket monitor
+sends a heartbeat the moment a dropped TCP connection comes back (a restarted broker answers an unknown worker
+with DISCONNECT, so the worker registers again at once), and turns a refused CURVE key into a fatal error.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import zmq.asyncio
 
 from ..common import protocol as P
 from ..common import transport
-from ..common.errors import InvalidRequest
+from ..common.errors import AuthenticationFailed, InvalidRequest
 from .config import WorkerConfig, WorkerStats
 
 log = structlog.get_logger("specrelay.cloud")
@@ -42,6 +44,9 @@ class BrokerConnection:
         self._lost = asyncio.Event()
         self._lost_reason = ""
         self._quick = False       # the broker asked us to register again: reconnect at once
+        self._monitor: transport.Monitor | None = None
+        self._dropped = False     # the TCP connection dropped since the last handshake
+        self._fatal: Exception | None = None
         self._log = log.bind(broker=endpoint)
 
     @property
@@ -55,8 +60,9 @@ class BrokerConnection:
         c = self.config
         sock = transport.make_socket(self._ctx, zmq.DEALER, linger_ms=c.linger_ms, identity=c.identity,
                                      curve=self._curve)
+        self._monitor = transport.Monitor(sock, self._on_event)
         transport.connect(sock, self.endpoint, "cloud worker")
-        self.sock, self.generation = sock, self.generation + 1
+        self.sock, self.generation, self._dropped = sock, self.generation + 1, False
         self.heard, self.answered, self._lost_reason = self._clock(), False, ""
         self._lost.clear()
         self.send(b"", self._ready())
@@ -66,15 +72,19 @@ class BrokerConnection:
         delay = self.config.heartbeat_interval / 2
         while True:
             receiver = asyncio.create_task(transport.receive_forever(self.sock, self._receive))
+            monitor = asyncio.create_task(self._monitor.run())
             lost = asyncio.create_task(self._lost.wait())
             try:
-                await asyncio.wait({receiver, lost}, return_when=asyncio.FIRST_COMPLETED)
-                if receiver.done():
-                    receiver.result()  # a receive loop only ends by raising
+                await asyncio.wait({receiver, monitor, lost}, return_when=asyncio.FIRST_COMPLETED)
+                for task in (receiver, monitor):
+                    if task.done():
+                        task.result()  # these loops only end by raising
             finally:
-                for task in (receiver, lost):
+                for task in (receiver, monitor, lost):
                     task.cancel()
-                await asyncio.gather(receiver, lost, return_exceptions=True)
+                await asyncio.gather(receiver, monitor, lost, return_exceptions=True)
+            if self._fatal is not None:
+                raise self._fatal
             if self._quick:
                 delay = 0.0
             elif self.answered:
@@ -89,10 +99,22 @@ class BrokerConnection:
     def _drop(self) -> None:
         sock, self.sock = self.sock, None
         if sock is not None:
+            self._monitor.close()
             sock.close(linger=0)
         self.stats.reconnects += 1
         self._quick = False
         self._on_reset()
+
+    def _on_event(self, event: int) -> None:
+        if event == zmq.EVENT_DISCONNECTED:
+            self._dropped = True
+        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and self._dropped:
+            self._dropped = False
+            self.heartbeat()  # back on a (maybe restarted) broker: an unknown worker is told at once
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            self._fatal = AuthenticationFailed(
+                f"authentication failed: the broker at {self.endpoint} refused this worker's CURVE key")
+            self.lose("authentication failed")
 
     def lose(self, reason: str, *, quick: bool = False) -> None:
         if not self._lost.is_set():
@@ -146,5 +168,6 @@ class BrokerConnection:
         """DISCONNECT (so the broker answers our queued requests WORKER_LOST at once) and close."""
         if self.sock is not None:
             self.send(b"", P.Disconnect(reason=reason))
+            self._monitor.close()
             self.sock.close(linger=self.config.linger_ms)
             self.sock = None

@@ -6,6 +6,7 @@
     │   ├── UnknownSession      no live state for this (peer, session): re-OPEN       -> UNKNOWN_SESSION
     │   ├── WorkerLost          the worker holding the session vanished (retryable)   -> WORKER_LOST
     │   ├── Overloaded          no live worker / a limit reached (retryable)          -> UNAVAILABLE
+    │   ├── ConnectionLost      the link to the broker dropped mid-request (local)    -> UNAVAILABLE
     │   ├── GenerationTimeout   the client gave up waiting                            -> TIMEOUT
     │   └── Unauthorized        the peer's key may not do this                        -> UNAUTHORIZED
     └── FatalError              the component cannot go on (model failed to load, socket gone)
@@ -59,6 +60,13 @@ class WorkerLost(RequestError):
 
 
 class Overloaded(RequestError):
+    code = ErrorCode.UNAVAILABLE
+    retryable = True
+
+
+class ConnectionLost(RequestError):
+    """The edge's connection to the broker dropped while a request was in flight: retry (re-OPEN)."""
+
     code = ErrorCode.UNAVAILABLE
     retryable = True
 

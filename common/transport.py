@@ -94,7 +94,22 @@ def connect(sock: zmq.asyncio.Socket, endpoint: str, what: str) -> None:
 async def recv_capped(sock: zmq.asyncio.Socket, cap: int = FRAME_CAP) -> tuple[list[bytes], int]:
     """One multipart message, keeping at most `cap` frames (MAXMSGSIZE bounds each frame, not their
     number). Returns the frames kept and the real frame count."""
-    frames = [await sock.recv()]
+    return await _recv_rest(sock, [await sock.recv()], cap)
+
+
+async def recv_capped_user(sock: zmq.asyncio.Socket, cap: int = FRAME_CAP) -> tuple[list[bytes], int, str | None]:
+    """`recv_capped` plus the peer's authenticated User-Id (the z85 CURVE key the ZAP handler accepted; None
+    on a socket without CURVE)."""
+    first = await sock.recv(copy=False)
+    try:
+        user = first.get("User-Id")
+    except zmq.ZMQError:
+        user = None
+    frames, n_frames = await _recv_rest(sock, [first.bytes], cap)
+    return frames, n_frames, user
+
+
+async def _recv_rest(sock: zmq.asyncio.Socket, frames: list[bytes], cap: int) -> tuple[list[bytes], int]:
     n_frames = 1
     while sock.getsockopt(zmq.RCVMORE):
         frame = await sock.recv(flags=zmq.NOBLOCK)  # the rest of a message arrives with its first frame
@@ -104,20 +119,49 @@ async def recv_capped(sock: zmq.asyncio.Socket, cap: int = FRAME_CAP) -> tuple[l
     return frames, n_frames
 
 
-async def receive_forever(sock: zmq.asyncio.Socket, handle: Callable[[list[bytes], int], Awaitable[None] | None],
-                          *, cap: int = FRAME_CAP, burst: int = RECV_BURST) -> None:
-    """Read `sock` forever, `handle(frames, n_frames)` per message (awaited when it returns an awaitable).
-    pyzmq returns a queued message without yielding, so the loop yields every `burst` messages: a flood can
-    never starve heartbeats, timers or the health port."""
+async def receive_forever(sock: zmq.asyncio.Socket, handle: Callable[..., Awaitable[None] | None], *,
+                          cap: int = FRAME_CAP, burst: int = RECV_BURST, with_user: bool = False) -> None:
+    """Read `sock` forever, `handle(frames, n_frames)` per message (`handle(frames, n_frames, user_id)` with
+    `with_user`), awaited when it returns an awaitable. pyzmq returns a queued message without yielding, so the
+    loop yields every `burst` messages: a flood can never starve heartbeats, timers or the health port."""
     n = 0
     while True:
-        frames, n_frames = await recv_capped(sock, cap)
-        result = handle(frames, n_frames)
+        if with_user:
+            result = handle(*await recv_capped_user(sock, cap))
+        else:
+            result = handle(*await recv_capped(sock, cap))
         if result is not None:
             await result
         n += 1
         if n % burst == 0:
             await asyncio.sleep(0)
+
+
+class Monitor:
+    """A socket's monitor events (zmq.EVENT_*) fed to `on_event`: how a client learns that the broker refused its
+    key (EVENT_HANDSHAKE_FAILED_AUTH), or that a connection dropped or came back. Create it before connecting
+    (so it sees every event), run `run()` as a loop, and `close()` it with its socket."""
+
+    def __init__(self, sock: zmq.asyncio.Socket, on_event: Callable[[int], None],
+                 events: int = zmq.EVENT_ALL) -> None:
+        self._sock, self._on_event = sock, on_event
+        self._monitor = sock.get_monitor_socket(events)
+
+    async def run(self) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        while True:
+            self._on_event(parse_monitor_message(await self._monitor.recv_multipart())["event"])
+
+    def close(self) -> None:
+        """Before closing the monitored socket."""
+        if self._monitor.closed:
+            return
+        try:
+            self._sock.disable_monitor()
+        except zmq.ZMQError:
+            pass  # the socket is already closed
+        self._monitor.close(linger=0)
 
 
 def send_nowait(sock: zmq.asyncio.Socket, frames: list[bytes]) -> zmq.ZMQError | None:

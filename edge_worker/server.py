@@ -1,10 +1,13 @@
 """The edge worker process: drives `EdgeSession`s over one DEALER to the broker (and serves local clients
 through `frontend.ClientFrontend` when `EdgeConfig.listen` is set).
 
-One zmq.asyncio DEALER with a fixed identity, so a reconnect keeps the broker's session table valid. A receiver
-loop hands each VERDICT / RESAMPLED / ERROR to the session waiting on it. Sessions are numbered from a per-edge
-counter (1, 2, ...): the broker and the workers key them by (this edge's peer id, session), so ids stay small
-(1 byte in MessagePack below 128, at most 3 below SID_WRAP) in every message.
+One zmq.asyncio DEALER (CURVE when keys are configured). Its routing id is chosen by the broker's ROUTER, so no
+other edge can claim it; a session belongs to this connection and its key. A receiver loop hands each VERDICT /
+RESAMPLED / ERROR to the session waiting on it; a heartbeat loop tells the broker this edge is alive (it closes
+the sessions of a silent edge); a monitor loop notices a refused key (fatal: AuthenticationFailed) and a dropped
+connection (the requests in flight are retried at once instead of after their timeout). Sessions are numbered
+from a per-edge counter (1, 2, ...): the broker and the workers key them by (this edge's peer id, session), so
+ids stay small (1 byte in MessagePack below 128, at most 3 below SID_WRAP) in every message.
 
 Drafting runs in ONE worker thread (the draft model is shared by every session, `DraftBatcher`), so the event
 loop keeps moving bytes while a block is drafted. Recovery never loses or repeats a committed token: a retry
@@ -16,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -28,7 +30,8 @@ import zmq.asyncio
 
 from ..common import protocol as P
 from ..common import transport
-from ..common.errors import FatalError, GenerationTimeout, InvalidRequest, Overloaded, RequestError, UnknownSession
+from ..common.errors import (AuthenticationFailed, ConnectionLost, FatalError, GenerationTimeout, InvalidRequest,
+                             Overloaded, RequestError, UnknownSession)
 from ..common.protocol import DEFAULT_STRATEGY, Strategy
 from .batcher import DraftBatcher
 from .drafter import Drafter
@@ -77,10 +80,14 @@ class _Route:
         self.expect: type[P.Base] = P.Verdict
         self.waiter: asyncio.Future | None = None
         self.stash: P.Error | None = None  # an OPEN's ERROR (seq 0) that arrived while nothing waited
+        self.failure: BaseException | None = None  # a link failure that came while nothing waited (drafting)
 
     def wait_for(self, seq: int, expect: type[P.Base]) -> asyncio.Future:
         self.seq, self.expect = seq, expect
         self.waiter = asyncio.get_running_loop().create_future()
+        if self.failure is not None:
+            self.waiter.set_exception(self.failure)
+            self.failure = None
         return self.waiter
 
     def deliver(self, msg: P.Base, nbytes: int) -> None:
@@ -98,6 +105,8 @@ class _Route:
     def fail(self, exc: BaseException) -> None:
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_exception(exc)
+        else:
+            self.failure = exc
 
 
 class EdgeWorker(transport.Service):
@@ -113,7 +122,9 @@ class EdgeWorker(transport.Service):
         super().__init__()
         self.broker, self.drafter, self.tokenizer = broker, drafter, tokenizer
         self.config = config or EdgeConfig()
-        self.identity = identity or b"edge-" + os.urandom(8).hex().encode()
+        self.identity = identity  # None: the broker's ROUTER picks one (the safe default)
+        self.connected = asyncio.Event()  # set while the broker connection is up (handshake done)
+        self.auth_error: AuthenticationFailed | None = None
         self.ctx = context or zmq.asyncio.Context.instance()
         self.frontend = None  # frontend.ClientFrontend when config.listen is set
         self._curve = curve
@@ -137,14 +148,16 @@ class EdgeWorker(transport.Service):
         self._sock = transport.make_socket(self.ctx, zmq.DEALER, linger_ms=self.config.linger_ms,
                                            identity=self.identity, curve=self._curve,
                                            heartbeat_s=self.config.heartbeat_s)
+        self._monitor = transport.Monitor(self._sock, self._on_event)  # before connect: sees every event
         transport.connect(self._sock, self.broker, "edge worker")
         if self.config.listen:
             self.frontend = ClientFrontend(self, self.config.listen)
             self.frontend.open()
-        self._log.info("edge worker started", listen=self.endpoint, identity=self.identity.decode(errors="replace"))
+        self._log.info("edge worker started", listen=self.endpoint, curve=self._curve is not None)
 
     def _loops(self):
-        return [self._receive()] + ([self.frontend.serve()] if self.frontend is not None else [])
+        loops = [self._receive(), self._heartbeat(), self._monitor.run()]
+        return loops + ([self.frontend.serve()] if self.frontend is not None else [])
 
     async def _close(self) -> None:
         """Cancel client generations (each CLOSEs its session), fail library callers, close the sockets."""
@@ -158,6 +171,7 @@ class EdgeWorker(transport.Service):
         if self.frontend is not None:
             self.frontend.close()
         if self._sock is not None:
+            self._monitor.close()
             self._sock.close()
             self._sock = None
         if self._pool is not None:
@@ -173,6 +187,8 @@ class EdgeWorker(transport.Service):
         `on_tokens(new_ids)` (sync or async) sees every committed chunk, in order, exactly once."""
         if self._sock is None:
             raise FatalError("the edge worker is not started")
+        if self.auth_error is not None:
+            raise self.auth_error
         if len(prompt_ids) + config.max_new_tokens > P.MAX_CONTEXT:
             raise InvalidRequest(f"prompt ({len(prompt_ids)} tokens) plus max_new_tokens exceeds the "
                                  f"{P.MAX_CONTEXT}-token context limit", field="prompt")
@@ -244,7 +260,7 @@ class EdgeWorker(transport.Service):
         if not isinstance(exc, UnknownSession):
             c = self.config
             await asyncio.sleep(min(c.retry_backoff_s * 2 ** min(attempt - 1, 16), c.max_backoff_s))
-        route.stash = None
+        route.stash = route.failure = None
         self._send(session, session.open_message())
 
     def _send(self, session: EdgeSession, msg: P.Base) -> None:
@@ -256,6 +272,30 @@ class EdgeWorker(transport.Service):
         error = transport.send_nowait(self._sock, frames)
         if error is not None:
             self._log.warning("send to the broker failed", session=session.sid, error=str(error))
+
+    async def _heartbeat(self) -> None:
+        """Tell the broker this edge is alive (it closes the sessions of an edge silent past its edge TTL)."""
+        beat = P.encode(P.Heartbeat())
+        while True:
+            transport.send_nowait(self._sock, beat)
+            await asyncio.sleep(self.config.heartbeat_s)
+
+    def _on_event(self, event: int) -> None:
+        """Socket monitor: a refused key is fatal; a dropped connection fails the requests in flight with a
+        retryable error, so they re-OPEN as soon as the link is back instead of waiting for their timeout."""
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.connected.set()
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            self.auth_error = AuthenticationFailed(
+                f"authentication failed: the broker at {self.broker} refused this edge's CURVE key")
+            self._log.error("authentication failed", broker=self.broker)
+            for route in self._routes.values():
+                route.fail(self.auth_error)
+        elif event == zmq.EVENT_DISCONNECTED and self.connected.is_set():
+            self.connected.clear()
+            self._log.warning("broker connection lost; requests in flight are retried", broker=self.broker)
+            for route in self._routes.values():
+                route.fail(ConnectionLost(f"the connection to the broker at {self.broker} dropped"))
 
     async def _receive(self) -> None:
         """Broker -> the session waiting for it. Undecodable or unexpected replies are logged and dropped."""

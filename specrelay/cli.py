@@ -21,9 +21,32 @@ STRATEGIES = ("full", "hr", "srdv")
 
 # ------------------------------------------------------------------------------------------ servers
 
+def client_curve(args):
+    """--curve-secret / --broker-key -> the client side of CURVE, or None (both or neither)."""
+    if (args.curve_secret is None) != (args.broker_key is None):
+        raise SystemExit("specrelay: error: --curve-secret and --broker-key go together")
+    if args.curve_secret is None:
+        return None
+    from .common import auth
+    return auth.client(args.curve_secret, args.broker_key)
+
+
+def cmd_keys(args) -> int:
+    from .common import auth
+    public, secret = auth.generate(args.dir, args.name)
+    print(f"wrote {public} (public: list it in the broker's --edge-keys or --worker-keys directory, or pass it "
+          f"as --broker-key)\nwrote {secret} (secret, mode 0600: this process's --curve-secret)")
+    return 0
+
+
 def cmd_broker(args) -> int:
     from .broker.server import serve
-    run_async(serve(args.frontend, args.backend, health_port=args.health_port, health_host=args.health_host))
+    from .broker.table import Limits
+    limits = Limits(max_sessions_per_client=args.max_sessions_per_client,
+                    max_prompt_tokens_per_client=args.max_prompt_tokens_per_client, edge_ttl=args.edge_ttl)
+    run_async(serve(args.frontend, args.backend, health_port=args.health_port, health_host=args.health_host,
+                    limits=limits, curve_secret=args.curve_secret, edge_keys=args.edge_keys,
+                    worker_keys=args.worker_keys, insecure=args.insecure))
     return 0
 
 
@@ -32,14 +55,16 @@ def cmd_cloud_worker(args) -> int:
     from .cloud_worker.server import serve
     run_async(serve(args.broker, args.model, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
                     max_wait_ms=args.max_wait_ms, health_port=args.health_port, health_host=args.health_host,
-                    max_cache_bytes=int(args.max_cache_mb * 2**20)))
+                    max_cache_bytes=int(args.max_cache_mb * 2**20), curve=client_curve(args)))
     return 0
 
 
 def cmd_edge_worker(args) -> int:
     set_threads()
     from .edge_worker.loading import serve
-    run_async(serve(args.broker, args.draft_model, args.listen, args.target_tokenizer, device=args.device))
+    from .edge_worker.server import EdgeConfig
+    run_async(serve(args.broker, args.draft_model, args.listen, args.target_tokenizer, device=args.device,
+                    config=EdgeConfig(retry_budget_s=args.retry_budget), curve=client_curve(args)))
     return 0
 
 
@@ -82,11 +107,14 @@ async def generate_all(args, prompts: list[str], emit) -> int:
     """Generate every prompt (at most `--concurrency` at once); `emit(i, result)` runs for each prompt in input
     order, as soon as it and all earlier ones are done. A failed prompt is a result with an `error` field.
     Returns the number of failed prompts."""
+    from .common.errors import AuthenticationFailed
     from .edge_worker.loading import load_edge
+    from .edge_worker.server import EdgeConfig
 
     if args.concurrency < 1:
         raise SystemExit("--concurrency must be >= 1")
-    edge = await load_edge(args.broker, args.draft_model, args.target_tokenizer, device=args.device)
+    edge = await load_edge(args.broker, args.draft_model, args.target_tokenizer, device=args.device,
+                           config=EdgeConfig(retry_budget_s=args.retry_budget), curve=client_curve(args))
     config = session_config(args)
     gate = asyncio.Semaphore(args.concurrency)
 
@@ -95,6 +123,8 @@ async def generate_all(args, prompts: list[str], emit) -> int:
             try:
                 ids = edge.tokenizer(prompt).input_ids
                 generated, stats = await edge.generate(ids, config)
+            except AuthenticationFailed:
+                raise  # nothing will work: one line, exit 1
             except Exception as exc:  # reported as this prompt's result; the others go on
                 return {"prompt": prompt, "error": f"{type(exc).__name__}: {exc}"}
             return {"prompt": prompt, "text": edge.tokenizer.decode(generated), "token_ids": generated,
@@ -102,12 +132,16 @@ async def generate_all(args, prompts: list[str], emit) -> int:
 
     async with edge:
         tasks = [asyncio.create_task(one(p)) for p in prompts]
-        failed = 0
-        for i, task in enumerate(tasks):
-            result = await task
-            failed += "error" in result
-            emit(i, result)
-        return failed
+        try:
+            failed = 0
+            for i, task in enumerate(tasks):
+                result = await task
+                failed += "error" in result
+                emit(i, result)
+            return failed
+        finally:
+            for task in tasks:
+                task.cancel()
 
 
 def print_result(args, result: dict) -> None:
@@ -141,6 +175,18 @@ def cmd_bench(args) -> int:
 
 # ------------------------------------------------------------------------------------------ parser
 
+def add_client_keys(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--curve-secret", default=None, metavar="FILE",
+                   help="this process's CURVE key pair (NAME.key_secret from `specrelay keys generate`)")
+    p.add_argument("--broker-key", default=None, metavar="FILE", help="the broker's public key (BROKER.key)")
+
+
+def add_retry_budget(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--retry-budget", type=float, default=30.0, metavar="SECONDS",
+                   help="how long a generation keeps retrying through consecutive failures (broker restart, "
+                        "no live worker) before it fails")
+
+
 def add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -167,6 +213,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="tcp://127.0.0.1:5556", help="endpoint cloud workers connect to")
     p.add_argument("--health-port", type=int, default=None, help="HTTP /healthz, /readyz and /metrics port")
     p.add_argument("--health-host", default="127.0.0.1", help="address the health port binds (0.0.0.0 in a pod)")
+    p.add_argument("--curve-secret", default=None, metavar="FILE", help="the broker's CURVE key pair "
+                   "(NAME.key_secret); with it both sockets require keys")
+    p.add_argument("--edge-keys", default=None, metavar="DIR", help="public keys (NAME.key) edges may use "
+                   "(re-read on SIGHUP)")
+    p.add_argument("--worker-keys", default=None, metavar="DIR", help="public keys cloud workers may use "
+                   "(re-read on SIGHUP)")
+    p.add_argument("--insecure", action="store_true", help="allow binding a non-loopback address without keys")
+    p.add_argument("--max-sessions-per-client", type=int, default=256, help="open sessions per edge key")
+    p.add_argument("--max-prompt-tokens-per-client", type=int, default=1 << 20,
+                   help="prompt tokens held by one edge key's open sessions")
+    p.add_argument("--edge-ttl", type=float, default=10.0, help="seconds an edge may stay silent before its "
+                   "sessions are closed for it")
     p.set_defaults(fn=cmd_broker)
 
     p = sub.add_parser("cloud-worker", help="hold the target model and verify drafts in batches")
@@ -179,6 +237,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-cache-mb", type=float, default=2048, help="KV cache cap; LRU sessions evicted past it")
     p.add_argument("--health-port", type=int, default=None, help="HTTP /healthz, /readyz and /metrics port")
     p.add_argument("--health-host", default="127.0.0.1", help="address the health port binds (0.0.0.0 in a pod)")
+    add_client_keys(p)
     p.set_defaults(fn=cmd_cloud_worker)
 
     p = sub.add_parser("edge-worker", help="hold the draft model and serve local clients")
@@ -187,6 +246,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--target-tokenizer", default=None, help="the target's tokenizer when it differs from the draft's")
     p.add_argument("--listen", default="ipc:///tmp/specrelay-edge.sock", help="endpoint clients connect to")
     p.add_argument("--device", default="cpu")
+    add_client_keys(p)
+    add_retry_budget(p)
     p.set_defaults(fn=cmd_edge_worker)
 
     p = sub.add_parser("generate", help="generate through the broker with an in-process edge")
@@ -200,7 +261,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=8, help="sessions in flight at once")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")
+    add_client_keys(p)
+    add_retry_budget(p)
     p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("keys", help="CURVE key pairs for the broker, cloud workers and edges")
+    keys = p.add_subparsers(dest="keys_command", required=True)
+    k = keys.add_parser("generate", help="write DIR/NAME.key (public) and DIR/NAME.key_secret (secret, 0600)")
+    k.add_argument("dir")
+    k.add_argument("--name", required=True)
+    k.set_defaults(fn=cmd_keys)
 
     p = sub.add_parser("demo", help="broker + cloud worker + edge on localhost with the demo pair")
     p.add_argument("--max-new-tokens", type=int, default=48)
@@ -216,10 +286,15 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logs.configure(args.log_level)
+    from .common.errors import FatalError
+
     try:
         return args.fn(args) or 0
     except KeyboardInterrupt:
         return 130
+    except FatalError as exc:  # a component cannot go on (bad key, refused key, cannot bind, ...): one line
+        print(f"specrelay: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specrelay.broker.routing import BACKEND, FRONTEND, HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, Router
-from specrelay.broker.table import Session
+from specrelay.broker.table import Limits, Session
 from specrelay.common import protocol
 from specrelay.common.errors import ErrorCode
 from specrelay.common.protocol import MsgType
@@ -130,8 +130,8 @@ def test_session_ids_are_scoped_by_edge(router):
     assert only(worker_send(router, W2, verdict, client=EDGE2)) == (FRONTEND, [EDGE2, *protocol.encode(verdict)])
     assert router.sessions[(EDGE2, 1)].in_flight == []
     assert router.sessions[(EDGE, 1)].in_flight == [(MsgType.OPEN, 0), (MsgType.VERIFY, 7)]
-    # a reply from the wrong worker for this edge's session settles nothing (but is still passed on)
-    worker_send(router, W2, verdict, client=EDGE)
+    # a reply from the wrong worker for this edge's session settles nothing and is dropped
+    assert worker_send(router, W2, verdict, client=EDGE) == []
     assert router.sessions[(EDGE, 1)].in_flight == [(MsgType.OPEN, 0), (MsgType.VERIFY, 7)]
     worker_send(router, W1, verdict, client=EDGE)
     assert router.sessions[(EDGE, 1)].in_flight == []
@@ -259,7 +259,7 @@ def test_bad_worker_input_is_counted_and_dropped(router, frames):
 
 
 def test_in_flight_cap():
-    router = Router(max_in_flight=2)
+    router = Router(limits=Limits(max_in_flight_per_session=2))
     ready(router, W1)
     edge_send(router, open_(1))
     edge_send(router, verify(1, 1))
@@ -302,7 +302,7 @@ def test_gone_edge_closes_only_its_own_sessions(router):
 
 
 def test_replies_settle_the_request_they_answer():
-    session = Session(edge=EDGE, worker=W1, in_flight=[
+    session = Session(edge=EDGE, worker=W1, client=EDGE, in_flight=[
         (MsgType.OPEN, 0), (MsgType.VERIFY, 1), (MsgType.VERIFY, 2), (MsgType.RESAMPLE, 1)])
     session.settle(MsgType.VERDICT, 2)  # out of order; the OPEN before it was handled too
     assert session.in_flight == [(MsgType.VERIFY, 1), (MsgType.RESAMPLE, 1)]

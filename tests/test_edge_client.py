@@ -56,11 +56,16 @@ class FakeCloud:
         self.delay = 0.0                          # seconds before answering each VERIFY
         self.slow: dict[int, float] = {}          # {n: seconds} for the n-th VERIFY only
         self.verifies = 0
+        self.heartbeats = 0
 
     async def run(self) -> None:
         while True:
             edge, *frames = await self.sock.recv_multipart()
-            reply = await self.handle(P.decode(frames), edge)
+            msg = P.decode(frames)
+            if isinstance(msg, P.Heartbeat):  # the edge's liveness signal to its broker
+                self.heartbeats += 1
+                continue
+            reply = await self.handle(msg, edge)
             if reply is not None:
                 await self.sock.send_multipart([edge, *P.encode(reply)])
 

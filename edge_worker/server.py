@@ -288,7 +288,7 @@ class EdgeWorker(transport.Service):
         elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             self.auth_error = AuthenticationFailed(
                 f"authentication failed: the broker at {self.broker} refused this edge's CURVE key")
-            self._log.error("authentication failed", broker=self.broker)
+            self._log.warning("authentication failed", broker=self.broker)
             for route in self._routes.values():
                 route.fail(self.auth_error)
         elif event == zmq.EVENT_DISCONNECTED and self.connected.is_set():

@@ -22,12 +22,17 @@ class LocalCluster:
     waits until every worker answers /healthz, and stops them all (SIGTERM, then SIGKILL) on exit."""
 
     def __init__(self, target_model: str, workers: int = 1, max_batch: int = 32, threads: int | None = None,
-                 extra_worker_args: tuple[str, ...] = (), startup_timeout: float = 120.0) -> None:
+                 extra_worker_args: tuple[str, ...] = (), startup_timeout: float = 120.0,
+                 extra_broker_args: tuple[str, ...] = ()) -> None:
         self.target_model, self.workers, self.max_batch = target_model, workers, max_batch
         self.threads, self.extra, self.startup_timeout = threads, extra_worker_args, startup_timeout
+        self.broker_extra = extra_broker_args
         self.frontend = f"tcp://127.0.0.1:{free_port()}"
         self.backend = f"tcp://127.0.0.1:{free_port()}"
+        self.broker_health_port = free_port()
         self.procs: list[subprocess.Popen] = []
+        self.broker: subprocess.Popen | None = None
+        self.worker_procs: list[subprocess.Popen] = []
         self.health_ports: list[int] = []
 
     def _spawn(self, *args: str) -> subprocess.Popen:
@@ -45,14 +50,39 @@ class LocalCluster:
         self.health_ports.append(port)
         proc = self._spawn("cloud-worker", "--broker", self.backend, "--model", self.target_model,
                            "--max-batch", str(self.max_batch), "--health-port", str(port), *self.extra)
-        self._wait_healthy(port, proc)
+        self._wait_healthy(port, proc, "cloud worker")
+        self.worker_procs.append(proc)
         return proc
 
-    def _wait_healthy(self, port: int, proc: subprocess.Popen) -> None:
+    def start_broker(self) -> subprocess.Popen:
+        """The broker on this cluster's fixed endpoints (so a restarted broker is found by everyone)."""
+        self.broker = self._spawn("broker", "--frontend", self.frontend, "--backend", self.backend,
+                                  "--health-port", str(self.broker_health_port), *self.broker_extra)
+        self._wait_healthy(self.broker_health_port, self.broker, "broker")
+        return self.broker
+
+    def kill(self, proc: subprocess.Popen) -> None:
+        """SIGKILL: no goodbye, no drain (a crash or a lost node)."""
+        proc.kill()
+        proc.wait()
+
+    def metrics(self, port: int) -> dict[str, float]:
+        """A process's /metrics as {name: value} (labelled samples summed under their bare name)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        values: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                name = name.split("{", 1)[0]
+                values[name] = values.get(name, 0.0) + float(value)
+        return values
+
+    def _wait_healthy(self, port: int, proc: subprocess.Popen, what: str) -> None:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"cloud worker exited with code {proc.returncode} during start-up")
+                raise RuntimeError(f"{what} exited with code {proc.returncode} during start-up")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
                     if r.status == 200:
@@ -60,11 +90,11 @@ class LocalCluster:
             except OSError:
                 pass
             time.sleep(0.2)
-        raise TimeoutError(f"cloud worker not healthy after {self.startup_timeout:.0f}s")
+        raise TimeoutError(f"{what} not healthy after {self.startup_timeout:.0f}s")
 
     def __enter__(self) -> "LocalCluster":
         try:
-            self._spawn("broker", "--frontend", self.frontend, "--backend", self.backend)
+            self.start_broker()
             for _ in range(self.workers):
                 self.start_worker()
         except BaseException:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,10 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
 
 torch.set_num_threads(1)
+# child processes (LocalCluster, CLI runs) too: idle OpenMP threads spin, and oversubscribed cores make every
+# timing in the suite erratic
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("SPECRELAY_THREADS", "1")
 
 
 @pytest.fixture(scope="session")

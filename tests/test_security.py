@@ -165,3 +165,34 @@ def test_generated_secret_is_private_and_loadable(tmp_path):
         auth.generate(tmp_path, "me")
     assert auth.is_loopback("tcp://127.0.0.1:5555") and auth.is_loopback("ipc:///tmp/x")
     assert not auth.is_loopback("tcp://0.0.0.0:5555") and not auth.is_loopback("tcp://*:5555")
+
+
+def test_cli_generate_with_a_refused_key_fails_fast_with_one_line(keys, tiny_pair):
+    """`specrelay generate` with an unlisted key: exit 1 with one line that says authentication failed. The
+    refusal itself is noticed in milliseconds (test above: < 5 s from `generate`); the whole command takes about
+    5 s on an idle 2-core machine, model loading included. The bound here only has to tell "noticed" from
+    "hung": unnoticed, the request would wait 30 s per attempt for the whole 30 s retry budget."""
+    import subprocess
+    import sys
+
+    from specrelay.cluster import free_port
+
+    secrets, edges, workers = keys
+    frontend, backend = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    broker = subprocess.Popen([sys.executable, "-m", "specrelay.cli", "broker", "--frontend", frontend, "--backend",
+                               backend, "--curve-secret", str(secrets / "broker.key_secret"), "--edge-keys",
+                               str(edges), "--worker-keys", str(workers)], stderr=subprocess.DEVNULL)
+    try:
+        t0 = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", "specrelay.cli", "--log-level", "error", "generate",
+                              "--broker", frontend, "--draft-model", str(tiny_pair[1]), "--prompt", "def f():",
+                              "--curve-secret", str(secrets / "rogue.key_secret"),
+                              "--broker-key", str(secrets / "broker.key")], capture_output=True, text=True, timeout=60)
+        elapsed = time.monotonic() - t0
+    finally:
+        broker.terminate()
+        broker.wait(10)
+    lines = [line for line in out.stderr.splitlines() if line.strip() and "Loading weights" not in line]
+    assert out.returncode == 1 and out.stdout == ""
+    assert len(lines) == 1 and "authentication failed" in lines[0], out.stderr
+    assert elapsed < 50, elapsed

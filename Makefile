@@ -32,6 +32,8 @@ train-models: venv
 	$(BIN)/python scripts/train_demo_models.py target --minutes 55
 	$(BIN)/python scripts/train_demo_models.py draft --minutes 25
 	$(BIN)/python scripts/train_demo_models.py draft-xv --minutes 25
+	$(BIN)/python scripts/train_demo_models.py teacher-data --teacher-texts 4000
+	$(BIN)/python scripts/train_demo_models.py distill-xv --minutes 75
 	$(BIN)/python scripts/train_demo_models.py eval
 
 clean:

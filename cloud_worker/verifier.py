@@ -208,7 +208,8 @@ class Verifier:
         u = torch.tensor([uniform(s.seed, pos + j, Purpose.ACCEPT) for j in range(d)], dtype=torch.float64)  # [d]
         outcome = verify.sampled(draft, p, q, u, uniform(s.seed, pos + d, Purpose.BONUS))
         if outcome.token is None:
-            s.pending = resample.Pending(req.seq, pos + outcome.n_accepted, p[outcome.n_accepted])
+            n = outcome.n_accepted
+            s.pending = resample.Pending(req.seq, pos + n, p[n], req.draft[n])
         return outcome
 
     def resample(self, key: SessionKey, req: P.Resample) -> P.Resampled:

@@ -154,19 +154,20 @@ class Verify(Base):
 
 class Verdict(Base):
     """The cloud's answer to VERIFY. n_accepted: accepted draft prefix. next_token: recovered or bonus
-    token (-1: the edge resolves the rejection itself from the fields below). p: float32 target
-    probabilities at the rejected position over the shared vocabulary (resample full | hr). theta_o: mass of
-    p outside the shared vocabulary (hr). candidates: SR-DV draws z ~ p in draw order (repeats kept);
-    cand_p: float32 p(z) once per distinct candidate, in order of first appearance."""
+    token (-1: the edge resolves the rejection itself from the fields below). candidates: SR-DV draws z in
+    draw order (repeats kept); cand_p: float32 p(z) once per distinct candidate, in order of first appearance.
+    p: float32 target probabilities at the rejected position over the shared vocabulary (resample full | hr);
+    theta_o: mass of p outside the shared vocabulary (hr). Fields are ordered so each verdict kind leaves the
+    others' defaults off the end (a greedy verdict is 4 numbers, an SR-DV one carries no empty p / theta_o)."""
 
     session: U63
     seq: U63
     n_accepted: Count
     next_token: int = -1
-    p: bytes = b""
-    theta_o: float = 0.0
     candidates: list[TokenId] = []
     cand_p: bytes = b""
+    p: bytes = b""
+    theta_o: float = 0.0
 
 
 class Resample(Base):

@@ -9,7 +9,9 @@ Strategies (what travels down after a rejection):
         else asks the cloud for one draw from p restricted to V_o.
   srdv  candidate-first (X-CoSD-E): the cloud sends K candidates z ~ p with p(z); the edge accepts z with
         probability max(0, p(z) - q'(z)) / p(z) (always when z in V_o); rejection sampling under the envelope p,
-        so an accepted z is an exact residual draw. After MAX_ROUNDS rounds it falls back to hr.
+        so an accepted z is an exact residual draw. Each candidate passes with probability TV(p, q'), so a good
+        draft (small TV) needs more of them: round r sends K * 2^r candidates, and only after MAX_ROUNDS rounds
+        (K * (2^MAX_ROUNDS - 1) candidates, still a few KB) does it fall back to hr (p on V_c: 4 bytes a token).
 With the same vocabulary V_c is everything: hr sends what full sends, with theta_o = 0.
 Every draw uses counter-based uniforms at the rejected position, so a replay gives the same token.
 """
@@ -26,8 +28,13 @@ from .protocol import ResampleKind, Strategy
 from .rng import Purpose, sample_index, uniform, uniforms
 from .verify import residual
 
-SRDV_CANDIDATES = 4   # per round; chosen by measurement (docs/exactness.md, bench xvocab)
-SRDV_MAX_ROUNDS = 4
+SRDV_CANDIDATES = 4   # in the first round, doubled each round; chosen by measurement (bench srdv_k)
+SRDV_MAX_ROUNDS = 6   # 4 + 8 + ... + 128 = 252 candidates before the hr fallback
+
+
+def candidate_slots(round_: int) -> tuple[int, int]:
+    """(first index, count) of round `round_`'s candidates in the position's CANDIDATE stream."""
+    return SRDV_CANDIDATES * ((1 << round_) - 1), SRDV_CANDIDATES << round_
 
 
 # ---------------------------------------------------------------------------------------------- cloud side
@@ -35,11 +42,12 @@ SRDV_MAX_ROUNDS = 4
 @dataclass(frozen=True)
 class Pending:
     """A sampled rejection the edge has not resolved yet: the verdict's seq, the absolute position of the
-    rejected token, and the target distribution there."""
+    rejected token, the target distribution there, and the rejected draft token x."""
 
     seq: int
     position: int
     p: torch.Tensor  # [V_target] float32
+    rejected: int
 
 
 def _shared_ids(mask: torch.Tensor | None, v: int) -> torch.Tensor:  # -> [V_c] sorted target ids
@@ -52,11 +60,20 @@ def _hr_payload(p: torch.Tensor, mask: torch.Tensor | None) -> tuple[bytes, floa
     return P.f32(p[mask]), float(p.double()[~mask].sum())
 
 
-def _candidates(seed: int, position: int, p: torch.Tensor, round_: int) -> tuple[list[int], bytes]:
-    """K draws z ~ p, and p(z) once per DISTINCT candidate, in order of first appearance (a peaked p repeats
-    tokens; their probabilities need not travel twice)."""
-    u = uniforms(seed, position, Purpose.CANDIDATE, SRDV_CANDIDATES * (round_ + 1))[-SRDV_CANDIDATES:]
-    z = [sample_index(p, float(x)) for x in u]
+def _candidates(seed: int, position: int, p: torch.Tensor, round_: int, rejected: int) -> tuple[list[int], bytes]:
+    """Draws z from the envelope p without the rejected token x, and p(z) once per DISTINCT candidate, in
+    order of first appearance (a peaked p repeats tokens; their probabilities need not travel twice).
+
+    x was rejected, so q'(x) > p(x) and the residual max(0, p - q') is 0 at x: leaving x out of the envelope
+    keeps the rejection sampling exact (accepted z ∝ p(z) * max(0, p(z) - q'(z)) / p(z) on z != x) and raises
+    each candidate's chance from TV(p, q') to TV(p, q') / (1 - p(x))."""
+    first, count = candidate_slots(round_)
+    u = uniforms(seed, position, Purpose.CANDIDATE, first + count)[first:]
+    envelope = p.double().clone()  # [V_target]
+    envelope[rejected] = 0.0
+    if not envelope.sum() > 0:  # float round-off only: a rejection needs mass outside x
+        envelope = p.double()
+    z = [sample_index(envelope, float(x)) for x in u]
     return z, P.f32(p[list(dict.fromkeys(z))])
 
 
@@ -70,7 +87,7 @@ def rejection_verdict(session: int, n_accepted: int, pending: Pending, strategy:
     elif strategy == Strategy.HR:
         v.p, v.theta_o = _hr_payload(pending.p, shared)
     else:
-        v.candidates, v.cand_p = _candidates(seed, pending.position, pending.p, 0)
+        v.candidates, v.cand_p = _candidates(seed, pending.position, pending.p, 0, pending.rejected)
     return v
 
 
@@ -85,7 +102,7 @@ def serve_resample(req: P.Resample, pending: Pending, shared: torch.Tensor | Non
     elif req.kind == ResampleKind.CANDIDATES:
         if not 1 <= req.round < SRDV_MAX_ROUNDS:
             raise InvalidRequest(f"round must be in [1, {SRDV_MAX_ROUNDS})", field="round")
-        out.candidates, out.cand_p = _candidates(seed, pending.position, pending.p, req.round)
+        out.candidates, out.cand_p = _candidates(seed, pending.position, pending.p, req.round, pending.rejected)
     else:
         out.p, out.theta_o = _hr_payload(pending.p, shared)
     return out
@@ -120,7 +137,7 @@ class Rejection:
         return self._from_p(reply)
 
     def _try_candidates(self, z: list[int], p_of: dict[int, float]) -> int | None:
-        base = SRDV_CANDIDATES * self.round
+        base, _ = candidate_slots(self.round)
         for k, token in enumerate(z):
             p_z = p_of[token]
             u = uniform(self.seed, self.position, Purpose.CANDIDATE_ACCEPT, base + k)

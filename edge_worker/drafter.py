@@ -53,6 +53,7 @@ class DraftBlock:
     ids: list[int] = field(default_factory=list)               # x_1..x_d as target ids
     q_tok: list[float] = field(default_factory=list)           # q'(x_i) (sample mode)
     q_rows: list[torch.Tensor] = field(default_factory=list)   # q' over the target vocabulary, [V_target] each
+    drafted: list[int] = field(default_factory=list)          # draft-vocabulary ids, when `finish` converts them
 
 
 class Drafter:
@@ -108,16 +109,21 @@ class Drafter:
         live = [i for i, j in enumerate(jobs) if j.d > 0]
         while live:
             self._advance([jobs[i].state for i in live], [contexts[i] for i in live])
-            still = []
-            for i in live:
-                job, block = jobs[i], blocks[i]
-                x = self.choose(job.state.last_logits, job, job.position + len(block.ids), block)
-                block.ids.append(x)
-                contexts[i].append(self.to_draft(x))
-                if len(block.ids) < job.d and x not in self.eos_ids:
-                    still.append(i)
-            live = still
+            live = [i for i in live if self.step(jobs[i], blocks[i], contexts[i])]
+        for job, block in zip(jobs, blocks):
+            self.finish(job, block)
         return blocks
+
+    def step(self, job: DraftJob, block: DraftBlock, context: list[int]) -> bool:
+        """One draft token from `job.state.last_logits`: record it, extend `context` (draft ids). Returns whether
+        the job wants another token."""
+        x = self.choose(job.state.last_logits, job, job.position + len(block.ids), block)
+        block.ids.append(x)
+        context.append(self.to_draft(x))
+        return len(block.ids) < job.d and x not in self.eos_ids
+
+    def finish(self, job: DraftJob, block: DraftBlock) -> None:
+        """Turn what `step` drafted into the block that travels (nothing to do with one vocabulary)."""
 
     def _advance(self, states: list[DraftState], contexts: list[list[int]]) -> None:
         """Bring each state's cache up to its context and refresh last_logits (one batched forward)."""

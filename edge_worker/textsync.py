@@ -45,9 +45,9 @@ def incremental_backoff(draft_tokenizer) -> int | None:
     return None
 
 
-def _text_encoder(draft_tokenizer) -> Tokenizer:
+def _text_encoder(tokenizer) -> Tokenizer:
     """A private copy of the backend that treats special-token strings as plain text, never truncates/pads."""
-    enc = Tokenizer.from_str(draft_tokenizer.backend_tokenizer.to_str())
+    enc = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
     enc.encode_special_tokens = True
     enc.no_truncation()
     enc.no_padding()
@@ -55,6 +55,11 @@ def _text_encoder(draft_tokenizer) -> Tokenizer:
 
 
 _ENCODERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> (encoder, backoff)
+
+
+def text_encoder(tokenizer) -> Tokenizer:
+    """The tokenizer's text encoder (specials are text), built once per tokenizer."""
+    return _encoder_and_backoff(tokenizer)[0]
 
 
 def _encoder_and_backoff(draft_tokenizer) -> tuple[Tokenizer, int | None]:

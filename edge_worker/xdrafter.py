@@ -1,9 +1,16 @@
 """Cross-vocabulary drafting (X-CoSD TLI): the draft model has its own tokenizer.
 
-The draft samples from q' = q restricted to the shared vocabulary V_c (tokens of both vocabularies that spell
-the same bytes) and renormalised; its tokens travel as target ids. The committed target tokens become bytes
-(the target tokenizer's decode table — the edge loads the target TOKENIZER, never the target model) and only
-the affected tail of the text is re-tokenised in the draft vocabulary (edge_worker.textsync.DraftContext).
+Sampled modes: the draft samples from q' = q restricted to the shared vocabulary V_c (tokens of both
+vocabularies that spell the same bytes) and renormalised; its tokens travel as target ids, with q'(x) for the
+acceptance test. Greedy mode needs no q', so the draft writes freely in its own vocabulary and the drafted TEXT
+is re-tokenised with the target tokenizer: the block lands on the target's own token boundaries (a draft that
+spells '\n    def' as '\n', ' ', ' ', ' ', ' def' proposes the target's '\n   ', ' def', which the target can
+accept; TLI could only propose tokens the target never emits there). Any proposal is exact in greedy mode: the
+cloud accepts a token only if it is the target's argmax.
+
+Both: the committed target tokens become bytes (the target tokenizer's decode table — the edge loads the target
+TOKENIZER, never the target model) and only the affected tail of the text is re-tokenised in the draft
+vocabulary (edge_worker.textsync.DraftContext).
 """
 
 from __future__ import annotations
@@ -13,10 +20,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+import codecs
+
+from ..common.protocol import Mode
 from ..common.runner import ModelRunner
-from .textsync import DraftContext
-from .vocab import build_shared_vocab, target_bytes_table
-from .drafter import Drafter, DraftState
+from .drafter import DraftBlock, Drafter, DraftJob, DraftState
+from .textsync import DraftContext, text_encoder
+from .vocab import build_shared_vocab, target_bytes_table, token_bytes
 
 
 @dataclass
@@ -26,7 +36,11 @@ class CrossVocabState(DraftState):
 
 
 class CrossVocabDrafter(Drafter):
-    def __init__(self, runner: ModelRunner, target_tokenizer, target_vocab_size: int | None = None) -> None:
+    """retokenize: greedy blocks are drafted as text and re-tokenised with the target tokenizer (default);
+    False drafts greedy blocks on V_c like the sampled modes (TLI)."""
+
+    def __init__(self, runner: ModelRunner, target_tokenizer, target_vocab_size: int | None = None,
+                 retokenize: bool = True) -> None:
         n_target = target_vocab_size or len(target_tokenizer)
         super().__init__(runner, n_target)
         self.target_tokenizer = target_tokenizer
@@ -40,6 +54,10 @@ class CrossVocabDrafter(Drafter):
         self._shared_t = vocab.shared_target_ids                   # [V_c] target ids
         self._shared_d = vocab.shared_draft_ids                    # [V_c] draft ids, aligned
         self._bitmap = np.packbits(self.shared_mask.numpy(), bitorder="little").tobytes()
+        self.retokenize = retokenize
+        self._draft_table = token_bytes(runner.tokenizer)
+        self._draft_eos = runner.eos_ids
+        self._target_encoder = text_encoder(target_tokenizer)
 
     def shared_bitmap(self) -> bytes:
         return self._bitmap
@@ -66,3 +84,35 @@ class CrossVocabDrafter(Drafter):
 
     def to_draft(self, target_id: int) -> int:
         return int(self.vocab.target_to_draft[target_id])
+
+    # ------------------------------------------------------------------ greedy: draft text, target segmentation
+    def step(self, job: DraftJob, block: DraftBlock, context: list[int]) -> bool:
+        if job.mode != Mode.GREEDY or not self.retokenize:
+            return super().step(job, block, context)
+        token = int(job.state.last_logits.argmax())  # the draft's own argmax, over its whole vocabulary
+        block.drafted.append(token)
+        context.append(token)
+        if token in self._draft_eos or len(block.drafted) >= 3 * job.d + 3:
+            return False
+        return len(self._retokenized(block.drafted)) <= job.d  # one more than needed: the last may still grow
+
+    def finish(self, job: DraftJob, block: DraftBlock) -> None:
+        if not block.drafted:
+            return
+        ended = block.drafted[-1] in self._draft_eos
+        ids = self._retokenized(block.drafted)
+        if not ended:
+            ids = ids[:-1]  # the text may continue this token: not final yet
+        block.ids = ids[:job.d]
+        if ended and len(block.ids) < job.d:
+            block.ids += sorted(self.eos_ids)[:1]
+
+    def _retokenized(self, drafted: list[int]) -> list[int]:
+        """Target ids of the drafted text: complete UTF-8 characters up to the first invalid byte."""
+        data = b"".join(self._draft_table[t] or b"" for t in drafted if t not in self._draft_eos)
+        decoder = codecs.getincrementaldecoder("utf-8")("strict")
+        try:
+            text = decoder.decode(data)  # an incomplete last character is held back
+        except UnicodeDecodeError as exc:
+            text = data[:exc.start].decode("utf-8", "ignore")
+        return self._target_encoder.encode(text, add_special_tokens=False).ids if text else []

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import sys
 import sysconfig
@@ -28,7 +27,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # xv_distill
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # trainlib, xv_distill
+
+import trainlib  # noqa: E402
+from trainlib import log  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
@@ -40,10 +42,6 @@ SEQ_LEN = 256
 
 TARGET_CFG = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=8)
 DRAFT_CFG = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=3, num_attention_heads=4)
-
-
-def log(*parts) -> None:
-    print(time.strftime("%H:%M:%S"), *parts, flush=True)
 
 
 # ----------------------------------------------------------------------------- data
@@ -199,30 +197,12 @@ def heldout_loss(model, name: str) -> float:
 
 def train_loop(model, name: str, minutes: float, loss_fn, lr: float, batch: int, out: Path, tok,
                seed: int = SEED) -> dict:
-    """AdamW with warmup and a cosine decay over the wall-time budget; saves to `out` on the way."""
+    """`trainlib.fit` on random windows of the `name` corpus; saves to `out` on the way."""
     data = torch.load(WORK / f"{name}.train.pt")
     gen = torch.Generator().manual_seed(seed)  # a resumed run draws different windows
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    t0, step, budget = time.time(), 0, minutes * 60
-    model.train()
-    for x in batches(data, batch, gen):
-        frac = (time.time() - t0) / budget
-        if frac >= 1:
-            break
-        scale = min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-        for group in opt.param_groups:
-            group["lr"] = lr * scale
-        loss = loss_fn(model, x)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        step += 1
-        if step % 50 == 0:
-            log(f"{out.name} step {step} loss {loss.item():.3f} lr {lr * scale:.2e} {time.time() - t0:.0f}s")
-        if step % 100 == 0:
-            save(model, tok, out)
-    save(model, tok, out)
+    t0 = time.time()
+    step = trainlib.fit(model, batches(data, batch, gen), loss_fn, lr=lr, minutes=minutes, warmup=50,
+                        name=out.name, save=lambda: save(model, tok, out))
     stats = {"steps": step, "tokens_seen": step * batch * SEQ_LEN, "wall_minutes": round((time.time() - t0) / 60, 1),
              "params": n_params(model), "heldout_loss": round(heldout_loss(model, name), 4)}
     (out / "training.json").write_text(json.dumps(stats, indent=1))
@@ -286,7 +266,8 @@ def cmd_distill_xv(args) -> None:
     draft = AutoModelForCausalLM.from_pretrained(MODELS / "demo-draft-xv")
     t_tok, d_tok = load_tok("demo-target"), load_tok("demo-draft-xv")
     vocab = build_shared_vocab(d_tok, t_tok)
-    texts = xv_distill.load_texts(WORK / "teacher.jsonl") + corpus_texts(args.corpus_texts)
+    teacher = xv_distill.load_texts(WORK / "teacher.jsonl")
+    texts = teacher + corpus_texts(args.corpus_texts)
     windows = xv_distill.build_windows(texts, t_tok, d_tok)
     previous = json.loads((MODELS / "demo-draft-xv" / "training.json").read_text())
     stats = xv_distill.train(draft, target, windows, vocab.shared_target_ids, vocab.shared_draft_ids,
@@ -294,7 +275,7 @@ def cmd_distill_xv(args) -> None:
                              seed=SEED + 3, save=lambda: save(draft, d_tok, out))
     stats |= {"method": "cross-tokenizer distillation: LM loss on target-generated text (half greedy, half T=1) "
                         "and corpus windows + KL(p_c || q'_c) on V_c at shared token boundaries",
-              "kl_weight": args.kl_weight, "lr": args.lr, "batch": args.batch, "teacher_texts": args.teacher_texts,
+              "kl_weight": args.kl_weight, "lr": args.lr, "batch": args.batch, "teacher_texts": len(teacher),
               "corpus_texts": args.corpus_texts, "params": n_params(draft),
               "heldout_loss": round(heldout_loss(draft, "demo-draft-xv"), 4)}
     phases = previous.get("phases", [previous]) + [stats]

@@ -22,12 +22,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import trainlib
+from trainlib import log
 
 DRAFT_LEN = 256  # draft tokens per training window
-
-
-def log(*parts) -> None:
-    print(time.strftime("%H:%M:%S"), *parts, flush=True)
 
 
 @torch.no_grad()
@@ -117,33 +115,23 @@ def distill_loss(draft, target, batch: list[dict], shared_t: torch.Tensor, share
 
 def train(draft, target, windows: list[dict], shared_t, shared_d, *, minutes: float, lr: float, batch: int,
           kl_weight: float, seed: int, save) -> dict:
-    """AdamW, warm-up then cosine over the wall-time budget; `save()` every 100 steps and at the end."""
-    import math
-
+    """`trainlib.fit` over shuffled epochs of the aligned windows."""
     rng = random.Random(seed)
-    opt = torch.optim.AdamW(draft.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    t0, step, budget = time.time(), 0, minutes * 60
-    draft.train()
-    order: list[int] = []
-    while (frac := (time.time() - t0) / budget) < 1:
-        if len(order) < batch:
-            order += rng.sample(range(len(windows)), len(windows))
-        picked, order = [windows[i] for i in order[:batch]], order[batch:]
-        scale = min(1.0, (step + 1) / 30) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-        for group in opt.param_groups:
-            group["lr"] = lr * scale
-        loss, lm, kl = distill_loss(draft, target, picked, shared_t, shared_d, kl_weight)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        opt.step()
-        step += 1
-        if step % 25 == 0:
-            log(f"distill-xv step {step} lm {lm:.3f} kl {kl:.3f} lr {lr * scale:.2e} {time.time() - t0:.0f}s")
-        if step % 100 == 0:
-            save()
-    save()
-    return {"steps": step, "windows": len(windows), "wall_minutes": round((time.time() - t0) / 60, 1)}
+
+    def epochs():
+        while True:
+            order = rng.sample(range(len(windows)), len(windows))
+            for i in range(0, len(order) - batch + 1, batch):
+                yield [windows[j] for j in order[i:i + batch]]
+
+    def loss_fn(model, picked):
+        loss, lm, kl = distill_loss(model, target, picked, shared_t, shared_d, kl_weight)
+        return loss, {"lm": lm, "kl": kl}
+
+    t0 = time.time()
+    steps = trainlib.fit(draft, epochs(), loss_fn, lr=lr, minutes=minutes, warmup=30, name="distill-xv",
+                         save=save, log_every=25)
+    return {"steps": steps, "windows": len(windows), "wall_minutes": round((time.time() - t0) / 60, 1)}
 
 
 def save_texts(path: Path, texts: list[str]) -> None:

@@ -136,6 +136,11 @@ class EdgeWorker(transport.Service):
         self._log = log.bind(broker=broker)
 
     @property
+    def sessions_open(self) -> int:
+        """Generations in progress on this edge."""
+        return len(self._routes)
+
+    @property
     def endpoint(self) -> str | None:
         """The bound client endpoint (after start), when serving local clients."""
         return self.frontend.endpoint if self.frontend is not None else None
@@ -184,7 +189,8 @@ class EdgeWorker(transport.Service):
     async def generate(self, prompt_ids: Sequence[int], config: SessionConfig,
                        on_tokens: OnTokens | None = None) -> tuple[list[int], dict[str, float]]:
         """Generate with the cloud's verification; returns (generated target ids, stats).
-        `on_tokens(new_ids)` (sync or async) sees every committed chunk, in order, exactly once."""
+        `on_tokens(new_ids)` (sync or async) sees every committed chunk, in order, exactly once; returning False
+        ends the generation after that chunk (the session is CLOSEd as usual)."""
         if self._sock is None:
             raise FatalError("the edge worker is not started")
         if self.auth_error is not None:
@@ -214,7 +220,9 @@ class EdgeWorker(transport.Service):
                 if new and on_tokens is not None:
                     result = on_tokens(new)
                     if inspect.isawaitable(result):
-                        await result
+                        result = await result
+                    if result is False:  # the caller has what it wants (a stop string): end here
+                        break
         finally:
             self._routes.pop(session.sid, None)
             self._send(session, session.close_message())  # also on cancellation: free the cloud's KV

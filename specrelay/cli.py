@@ -77,6 +77,7 @@ def cmd_edge_worker(args) -> int:
     from .runtime import run_async, set_threads
 
     check_edge_models(args)
+    check_ports(args)
     set_threads()
     from .edge_worker.loading import serve
     from .edge_worker.probe import warn_if_unreachable
@@ -98,11 +99,29 @@ def cmd_serve(args) -> int:
 
     check_model(args.model, "--model")
     check_edge_models(args)
+    check_ports(args)
     set_threads()
     from .onebox import serve
 
     run_async(serve(args))
     return 0
+
+
+def check_ports(args) -> None:
+    """An HTTP or health port that is taken fails now, not after the models have loaded."""
+    import socket
+
+    from .common.errors import ConfigError
+
+    wanted = [("--http", *args.http)] if getattr(args, "http", None) else []
+    wanted += [("--health-port", args.health_host, args.health_port)] if args.health_port else []
+    for flag, host, number in wanted:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, number))
+            except OSError as exc:
+                raise ConfigError(f"{flag}: cannot listen on {host}:{number}: {exc.strerror or exc}") from None
 
 
 def check_edge_models(args) -> None:

@@ -1,16 +1,19 @@
-"""deploy/: systemd units and Kubernetes manifests, checked against the real CLI and health code.
+"""deploy/: systemd units, Kubernetes manifests (kustomize base + cpu/gpu overlays) and the Dockerfile, checked
+against the real CLI and health code.
 
-Every `specrelay ...` command line is parsed by `specrelay.cli.parser()` (systemd `ExecStart=` after the
-unit's own variable and specifier expansion; container `command` + `args`), every probe must hit its
-container's `--health-port` (never a ZeroMQ port), the exec probe command is run against the real health
-servers, and Services, `--broker` endpoints, volumes and grace periods must agree with each other and with
-the code's own timeouts. Optional: `systemd-analyze verify` and `kubectl kustomize` when installed.
+Every `specrelay ...` command line is parsed the way the process will parse it: `specrelay.cli.parser()` plus
+the SPECRELAY_* variables the unit (Environment=, EnvironmentFile=) or the container (`env`) gives it. Every probe
+is an httpGet on the container's resolved --health-port (never a ZeroMQ port) with --health-host 0.0.0.0, the
+Prometheus annotations name that port, and Services, `--broker` endpoints, volumes and grace periods agree with
+each other and with the code's own timeouts. Every rendered object of every overlay passes the Kubernetes
+schema (kubernetes-validate, strict); the units pass `systemd-analyze verify`; the Dockerfile passes hadolint.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import io
 import re
 import shlex
@@ -22,6 +25,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from specrelay import cliargs
 from specrelay.cli import parser
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is not installed (it normally comes in with transformers)")
@@ -30,6 +34,9 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 SYSTEMD = DEPLOY / "systemd"
 KUBE = DEPLOY / "kubernetes"
+BASE = KUBE / "base"
+OVERLAYS = {"cpu": KUBE / "overlays" / "cpu", "gpu": KUBE / "overlays" / "gpu"}
+DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
 UNITS = {  # unit file -> the subcommand its ExecStart must run
     "specrelay-broker.service": "broker",
     "specrelay-cloud-worker@.service": "cloud-worker",
@@ -38,19 +45,19 @@ UNITS = {  # unit file -> the subcommand its ExecStart must run
 PACKAGE_DIR = {"broker": ROOT / "broker", "cloud-worker": ROOT / "cloud_worker", "edge-worker": ROOT / "edge_worker"}
 WORKLOADS = {"Deployment", "DaemonSet", "StatefulSet"}
 PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
-LOCAL_URL = re.compile(r"http://(?:127\.0\.0\.1|localhost):(\d+)(/[\w/]*)")
 
 
 # ------------------------------------------------------------------------------------------ helpers
 
-def parse_cli(argv: list[str]):
-    """The real argparse parser; a rejected command line fails the test with argparse's own message."""
+def parse_cli(argv: list[str], env: dict[str, str] | None = None):
+    """The real parser and the process's SPECRELAY_* environment; a rejected command line fails the test with
+    the CLI's own message."""
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            return parser().parse_args(argv)
+            return cliargs.parse(parser(), argv, env or {})
     except SystemExit as exc:
-        pytest.fail(f"specrelay rejects {argv}: exit {exc.code}: {err.getvalue().strip()}")
+        pytest.fail(f"specrelay rejects {argv} (env {env}): exit {exc.code}: {err.getvalue().strip()}")
 
 
 def zmq_port(endpoint: str) -> int | None:
@@ -73,8 +80,10 @@ def yaml_files() -> list[Path]:
 def test_deploy_tree_exists():
     for name in UNITS:
         assert (SYSTEMD / name).is_file(), name
-    for name in ("broker.yaml", "cloud-worker.yaml", "edge-worker.yaml", "kustomization.yaml"):
-        assert (KUBE / name).is_file(), name
+    for name in ("broker.yaml", "cloud-worker.yaml", "edge-worker.yaml", "models-job.yaml", "kustomization.yaml"):
+        assert (BASE / name).is_file(), name
+    for overlay in OVERLAYS.values():
+        assert (overlay / "kustomization.yaml").is_file(), overlay
     assert (DEPLOY / "README.md").is_file()
 
 
@@ -178,9 +187,10 @@ def exec_start_argv(unit: dict, instance: str = "0") -> list[str]:
 
 
 def unit_args(name: str, instance: str = "0"):
-    argv = exec_start_argv(read_unit(SYSTEMD / name), instance)
+    unit = read_unit(SYSTEMD / name)
+    argv = exec_start_argv(unit, instance)
     assert Path(argv[0]).is_absolute() and Path(argv[0]).name == "specrelay", argv[0]
-    return parse_cli(argv[1:])
+    return parse_cli(argv[1:], unit_environment(unit, instance))
 
 
 def sends(package: str, state: str) -> bool:
@@ -227,8 +237,12 @@ def test_unit_exec_start_parses_with_the_real_cli(name):
     if UNITS[name] == "broker":
         assert args.health_port is not None
     if UNITS[name] == "cloud-worker":
-        assert args.health_port is not None and args.device == "cuda:0"
+        assert args.health_port is not None and args.device == "cuda:0" and args.dtype == "bfloat16"
         assert unit_args(name, "3").device == "cuda:3"
+        assert args.broker.endswith(":5556") and args.model.startswith("/")
+    if UNITS[name] == "edge-worker":
+        assert args.health_port is not None and args.http == ("127.0.0.1", 8000)
+        assert args.broker.endswith(":5555") and args.listen.startswith("ipc:///run/")
 
 
 @pytest.mark.parametrize("name", sorted(UNITS))
@@ -260,7 +274,8 @@ def test_cloud_worker_unit_timing_matches_the_code():
 
 
 def test_unit_health_ports_do_not_collide():
-    ports = {"broker": unit_args("specrelay-broker.service").health_port}
+    ports = {"broker": unit_args("specrelay-broker.service").health_port,
+             "edge-worker": unit_args("specrelay-edge-worker.service").health_port}
     for i in range(8):
         ports[f"cloud-worker@{i}"] = unit_args("specrelay-cloud-worker@.service", str(i)).health_port
     assert len(set(ports.values())) == len(ports), ports
@@ -295,18 +310,44 @@ def test_systemd_analyze_verify(name, tmp_path):
 
 # ------------------------------------------------------------------------------------------ Kubernetes
 
-def kube_docs() -> list[dict]:
-    kustomization = yaml.safe_load((KUBE / "kustomization.yaml").read_text())
+def base_docs() -> list[dict]:
+    """The base's resources as written (no kustomize needed)."""
+    kustomization = yaml.safe_load((BASE / "kustomization.yaml").read_text())
     docs = []
     for resource in kustomization["resources"]:
-        docs += [d for d in yaml.safe_load_all((KUBE / resource).read_text()) if d is not None]
+        docs += [d for d in yaml.safe_load_all((BASE / resource).read_text()) if d is not None]
     return docs
 
 
-def containers() -> list[tuple[dict, dict]]:
+def kustomize(path: Path) -> list[dict]:
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed (kustomize renders the overlays)")
+    proc = subprocess.run(["kubectl", "kustomize", str(path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+@functools.lru_cache(maxsize=None)
+def rendered() -> dict[str, list[dict]]:
+    """What each overlay deploys (the base's files when kubectl is missing, for the checks that need no kustomize)."""
+    if shutil.which("kubectl") is None:
+        return {"base": base_docs()}
+    return {name: kustomize(path) for name, path in OVERLAYS.items()}
+
+
+def env_of(c: dict) -> dict[str, str]:
+    env = {}
+    for item in c.get("env", []):
+        assert "value" in item or "valueFrom" in item, item
+        if "value" in item:
+            env[item["name"]] = item["value"]
+    return env
+
+
+def containers(docs: list[dict]) -> list[tuple[dict, dict]]:
     """(workload, container) for every container that runs `specrelay`."""
     found = []
-    for doc in kube_docs():
+    for doc in docs:
         if doc["kind"] in WORKLOADS:
             for c in doc["spec"]["template"]["spec"]["containers"]:
                 if Path((c.get("command") or ["?"])[0]).name == "specrelay":
@@ -318,197 +359,306 @@ def container_args(c: dict):
     argv = [*c["command"][1:], *c.get("args", [])]
     assert all(isinstance(a, str) for a in argv), f"{c['name']}: quote every argument: {argv}"
     assert not any("$(" in a for a in argv), f"{c['name']}: $(VAR) expansion is not checked here"
-    return parse_cli(argv)
+    return parse_cli(argv, env_of(c))
 
 
-def by_command() -> dict[str, tuple[dict, dict, object]]:
+def by_command(docs: list[dict]) -> dict[str, tuple[dict, dict, object]]:
     out = {}
-    for workload, c in containers():
+    for workload, c in containers(docs):
         args = container_args(c)
         assert args.command not in out, f"two workloads run {args.command}"
         out[args.command] = (workload, c, args)
     return out
 
 
-def probe_target(probe: dict, c: dict) -> tuple[int, str]:
-    """(port, path) an HTTP probe hits; TCP and gRPC probes fail the test (never probe a ZeroMQ port)."""
-    assert "tcpSocket" not in probe and "grpc" not in probe, f"{c['name']}: only HTTP health probes"
-    if "httpGet" in probe:
-        port = probe["httpGet"]["port"]
-        if isinstance(port, str):
-            port = next(p["containerPort"] for p in c.get("ports", []) if p.get("name") == port)
-        return int(port), probe["httpGet"]["path"]
-    command = " ".join(probe["exec"]["command"])
-    urls = LOCAL_URL.findall(command)
-    assert len(urls) == 1, f"{c['name']}: an exec probe must GET exactly one local URL: {command}"
-    return int(urls[0][0]), urls[0][1]
+def every_overlay():
+    return pytest.mark.parametrize("overlay", sorted(rendered()) if shutil.which("kubectl") is None
+                                   else sorted(OVERLAYS))
 
 
-def test_kustomization_lists_every_manifest():
-    kustomization = yaml.safe_load((KUBE / "kustomization.yaml").read_text())
-    listed = set(kustomization["resources"])
-    present = {p.name for p in KUBE.glob("*.yaml")} - {"kustomization.yaml"}
-    assert listed == present
+def named_port(c: dict, port) -> int:
+    if isinstance(port, int):
+        return port
+    return next(p["containerPort"] for p in c.get("ports", []) if p.get("name") == port)
 
 
-def test_every_container_command_parses_with_the_real_cli():
-    commands = by_command()
+def test_base_lists_every_manifest():
+    kustomization = yaml.safe_load((BASE / "kustomization.yaml").read_text())
+    present = {p.name for p in BASE.glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(kustomization["resources"]) == present
+
+
+@every_overlay()
+def test_every_rendered_object_passes_the_kubernetes_schema(overlay):
+    validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed")
+    docs = rendered()[overlay]
+    assert {d["kind"] for d in docs} >= {"Deployment", "Service", "Job", "PersistentVolumeClaim", "ConfigMap"}
+    for doc in docs:
+        validate.validate(doc, validate.latest_version(), strict=True)  # raises ValidationError
+
+
+@every_overlay()
+def test_every_container_command_parses_with_the_real_cli(overlay):
+    commands = by_command(rendered()[overlay])
     assert set(commands) == {"broker", "cloud-worker", "edge-worker"}
 
 
-def test_probes_hit_the_health_port_never_zmq():
-    for command, (workload, c, args) in by_command().items():
+@every_overlay()
+def test_probes_are_http_gets_on_the_health_port(overlay):
+    for command, (workload, c, args) in by_command(rendered()[overlay]).items():
+        assert args.health_port is not None and args.health_host == "0.0.0.0", f"{command}: probes reach the pod IP"
         probes = {kind: c[kind] for kind in PROBES if kind in c}
-        if getattr(args, "health_port", None) is None:
-            assert not probes, f"{command} has no --health-port, so nothing to probe: {sorted(probes)}"
-            continue
         assert {"livenessProbe", "readinessProbe"} <= set(probes), f"{command}: liveness and readiness"
         for kind, probe in probes.items():
-            port, path = probe_target(probe, c)
+            assert set(probe) & {"httpGet", "exec", "tcpSocket", "grpc"} == {"httpGet"}, f"{command} {kind}"
+            port = named_port(c, probe["httpGet"]["port"])
             assert port == args.health_port, f"{command} {kind} probes {port}, --health-port is {args.health_port}"
             assert port not in zmq_ports(args), f"{command} {kind} probes a ZeroMQ port"
-            assert path in ("/healthz", "/readyz"), f"{command} {kind}: {path}"
+            assert probe["httpGet"]["path"] in ("/healthz", "/readyz"), f"{command} {kind}"
+
+
+@every_overlay()
+def test_metrics_are_exposed_for_scraping(overlay):
+    for command, (workload, c, args) in by_command(rendered()[overlay]).items():
+        annotations = workload["spec"]["template"]["metadata"].get("annotations", {})
+        assert annotations.get("prometheus.io/scrape") == "true", command
+        assert int(annotations["prometheus.io/port"]) == args.health_port and annotations["prometheus.io/path"] == "/metrics"
+        assert args.health_port in {p["containerPort"] for p in c["ports"]}, f"{command}: declare the health port"
 
 
 def test_probe_paths():
-    commands = by_command()
+    commands = by_command(base_docs())
     _, cloud, _ = commands["cloud-worker"]
-    assert probe_target(cloud["startupProbe"], cloud)[1] == "/healthz", "startup = model loaded"
-    assert probe_target(cloud["livenessProbe"], cloud)[1] == "/healthz"
-    assert probe_target(cloud["readinessProbe"], cloud)[1] == "/readyz"
+    assert cloud["startupProbe"]["httpGet"]["path"] == "/healthz", "startup = model loaded"
+    assert cloud["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert cloud["readinessProbe"]["httpGet"]["path"] == "/readyz"
     _, broker, _ = commands["broker"]
     # /readyz is 503 until a worker registers, and workers reach the broker through its Service
-    assert probe_target(broker["readinessProbe"], broker)[1] == "/healthz"
+    assert broker["readinessProbe"]["httpGet"]["path"] == "/healthz"
 
 
-def test_exec_probes_pass_on_200_and_fail_on_503():
-    """Run the manifests' exec probe commands against the real health servers."""
+def test_health_endpoints_answer_the_probe_paths():
+    """The paths the probes GET exist on the real health server: 200 when healthy, 503 when not."""
+    import urllib.error
+    import urllib.request
+
     from prometheus_client import CollectorRegistry
 
     from specrelay.common import health
 
-    probes = []
-    for command, (_, c, _) in by_command().items():
-        for kind in PROBES:
-            if kind in c and "exec" in c[kind]:
-                probes.append((command, kind, c[kind]["exec"]["command"]))
-    assert probes
-
-    async def run_probe(argv: list[str], port: int) -> int:
-        argv = [re.sub(r"(http://(?:127\.0\.0\.1|localhost)):\d+", rf"\g<1>:{port}", a) for a in argv]
-        if argv[0] in ("python3", "python"):
-            argv[0] = sys.executable
-        proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.DEVNULL,
-                                                    stderr=asyncio.subprocess.DEVNULL)
-        return await asyncio.wait_for(proc.wait(), 30)
-
     async def main() -> None:
-        stats = {"live_workers": 0, "sessions_open": 0}
-        up = {"ok": True}
-        broker = health.Endpoints(lambda: (True, stats), lambda: (stats["live_workers"] > 0, stats),
-                                  CollectorRegistry())
-        cloud = health.Endpoints(lambda: (up["ok"], {}), lambda: (up["ok"], {}), CollectorRegistry())
-        servers = {"broker": await health.start_http("127.0.0.1", 0, broker),
-                   "cloud-worker": await health.start_http("127.0.0.1", 0, cloud)}
+        state = {"ok": True}
+        endpoints = health.Endpoints(lambda: (state["ok"], {}), lambda: (state["ok"], {}), CollectorRegistry())
+        server = await health.start_http("0.0.0.0", 0, endpoints)
+        port = server.sockets[0].getsockname()[1]
+
+        def get(path: str) -> int:
+            try:
+                return urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5).status
+            except urllib.error.HTTPError as exc:
+                return exc.code
         try:
-            for command, kind, argv in probes:
-                port = servers[command].sockets[0].getsockname()[1]
-                stats["live_workers"], up["ok"] = 1, True
-                assert await run_probe(argv, port) == 0, f"{command} {kind} fails against a healthy server"
-                stats["live_workers"], up["ok"] = 0, False
-                path = LOCAL_URL.search(" ".join(argv)).group(2)
-                if command == "cloud-worker" or path == "/readyz":
-                    assert await run_probe(argv, port) != 0, f"{command} {kind} passes on a 503"
+            for path in ("/healthz", "/readyz", "/metrics"):
+                assert await asyncio.to_thread(get, path) == 200
+            state["ok"] = False
+            assert await asyncio.to_thread(get, "/healthz") == 503
+            assert await asyncio.to_thread(get, "/readyz") == 503
         finally:
-            for server in servers.values():
-                server.close()
-                await server.wait_closed()
+            server.close()
+            await server.wait_closed()
 
     asyncio.run(main())
 
 
-def services() -> list[dict]:
-    return [d for d in kube_docs() if d["kind"] == "Service"]
+def services(docs: list[dict]) -> list[dict]:
+    return [d for d in docs if d["kind"] == "Service"]
 
 
-def service_for(workload: dict) -> dict | None:
+def service_for(workload: dict, docs: list[dict]) -> dict | None:
     labels = workload["spec"]["template"]["metadata"]["labels"]
-    matching = [s for s in services() if s["spec"]["selector"].items() <= labels.items()]
+    matching = [s for s in services(docs) if s["spec"]["selector"].items() <= labels.items()]
     assert len(matching) <= 1
     return matching[0] if matching else None
 
 
-def container_port(c: dict, target) -> int:
-    if isinstance(target, int):
-        return target
-    return next(p["containerPort"] for p in c.get("ports", []) if p.get("name") == target)
-
-
-def test_services_reach_the_bound_zmq_ports():
-    for command, (workload, c, args) in by_command().items():
-        svc = service_for(workload)
-        binds = {"broker": lambda: [args.frontend, args.backend], "edge-worker": lambda: [args.listen]}
-        binds = binds[command]() if command in binds else []
+@every_overlay()
+def test_services_reach_the_bound_ports(overlay):
+    docs = rendered()[overlay]
+    for command, (workload, c, args) in by_command(docs).items():
+        svc = service_for(workload, docs)
         if command == "cloud-worker":
             assert svc is None, "cloud workers dial the broker; they need no Service"
             continue
         assert svc is not None, f"no Service selects {command}"
-        targets = {container_port(c, p.get("targetPort", p["port"])) for p in svc["spec"]["ports"]}
+        targets = {named_port(c, p.get("targetPort", p["port"])) for p in svc["spec"]["ports"]}
+        binds = [args.frontend, args.backend] if command == "broker" else [args.listen]
         for endpoint in binds:
             host = urlsplit(endpoint).hostname
             assert endpoint.startswith("tcp://") and host in ("0.0.0.0", "*", None), \
                 f"{command} binds {endpoint}: unreachable from other pods"
             assert zmq_port(endpoint) in targets, f"{command} binds {endpoint}; Service targets {targets}"
-            assert zmq_port(endpoint) in {p["containerPort"] for p in c.get("ports", [])}
-        assert getattr(args, "health_port", None) is None or args.health_port not in targets, \
-            "the health server listens on 127.0.0.1: a Service port for it would reach nothing"
+        if command == "edge-worker":
+            assert args.http is not None and args.http[0] == "0.0.0.0" and args.http[1] in targets, "HTTP API"
 
 
-def test_broker_endpoints_point_at_the_broker_service():
-    commands = by_command()
+@every_overlay()
+def test_broker_endpoints_point_at_the_broker_service(overlay):
+    docs = rendered()[overlay]
+    commands = by_command(docs)
     broker_workload, broker_c, broker_args = commands["broker"]
-    svc = service_for(broker_workload)
-    name = svc["metadata"]["name"]
+    name = service_for(broker_workload, docs)["metadata"]["name"]
+    svc = service_for(broker_workload, docs)
     for command, side in (("cloud-worker", broker_args.backend), ("edge-worker", broker_args.frontend)):
         _, _, args = commands[command]
         url = urlsplit(args.broker)
         assert url.scheme == "tcp" and url.hostname.split(".")[0] == name, f"{command} --broker {args.broker}"
         port = next(p for p in svc["spec"]["ports"] if p["port"] == url.port)
-        assert container_port(broker_c, port.get("targetPort", port["port"])) == zmq_port(side), \
+        assert named_port(broker_c, port.get("targetPort", port["port"])) == zmq_port(side), \
             f"{command} reaches the broker's port {port}, not {side}"
 
 
-def test_model_paths_are_mounted():
-    for command, (workload, c, args) in by_command().items():
-        mounts = [Path(m["mountPath"]) for m in c.get("volumeMounts", [])]
+@every_overlay()
+def test_model_paths_are_mounted_and_filled_by_the_job(overlay):
+    docs = rendered()[overlay]
+    claims = set()
+    for command, (workload, c, args) in by_command(docs).items():
+        mounts = {m["name"]: m for m in c.get("volumeMounts", [])}
+        volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"].get("volumes", [])}
         for attr in ("model", "draft_model", "target_tokenizer"):
             value = getattr(args, attr, None)
             if value and value.startswith("/"):
-                assert any(Path(value).is_relative_to(m) for m in mounts), f"{command} --{attr} {value} unmounted"
+                mount = next((m for m in mounts.values() if Path(value).is_relative_to(m["mountPath"])), None)
+                assert mount is not None, f"{command} --{attr} {value} is not mounted"
+                assert mount.get("readOnly"), f"{command} mounts its models read-only"
+                claims.add(volumes[mount["name"]]["persistentVolumeClaim"]["claimName"])
+    (job,) = [d for d in docs if d["kind"] == "Job"]
+    spec = job["spec"]["template"]["spec"]
+    writes = {v["persistentVolumeClaim"]["claimName"] for v in spec["volumes"] if "persistentVolumeClaim" in v
+              for c in spec["containers"] for m in c["volumeMounts"] if m["name"] == v["name"] and not m.get("readOnly")}
+    assert claims and claims <= writes, f"the Job fills {writes}, the workers read {claims}"
+    script = " ".join(spec["containers"][0]["args"])
+    assert "/models/target" in script and "/models/draft" in script
+
+
+def test_gpu_overlay_runs_cuda_bfloat16_on_one_gpu_per_pod():
+    docs = kustomize(OVERLAYS["gpu"])
+    workload, c, args = by_command(docs)["cloud-worker"]
+    assert args.device == "cuda" and args.dtype == "bfloat16"
+    assert str(c["resources"]["limits"]["nvidia.com/gpu"]) == "1"
+    assert any(t["key"] == "nvidia.com/gpu" for t in workload["spec"]["template"]["spec"]["tolerations"])
+    _, _, cpu_args = by_command(kustomize(OVERLAYS["cpu"]))["cloud-worker"]
+    assert cpu_args.device == "cpu" and cpu_args.dtype == "float32"
+    for other in ("broker", "edge-worker"):  # only the cloud workers need GPUs
+        assert "nvidia.com/gpu" not in str(by_command(docs)[other][1].get("resources"))
 
 
 def test_cloud_worker_drains_within_the_grace_period():
     from specrelay.cloud_worker.server import WorkerConfig
 
-    workload, c, _ = by_command()["cloud-worker"]
-    pre_stop = c["lifecycle"]["preStop"]["exec"]["command"]
-    sleep = float(pre_stop[1]) if pre_stop[0] == "sleep" else 0.0
+    workload, c, _ = by_command(base_docs())["cloud-worker"]
+    pre_stop = c["lifecycle"]["preStop"]
+    sleep = float(pre_stop["sleep"]["seconds"]) if "sleep" in pre_stop else 0.0
     grace = workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert grace >= sleep + WorkerConfig().drain_timeout_s + 5, "SIGKILL would cut the drain short"
-    assert "startupProbe" in c
     startup = c["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 300, "model loading needs minutes"
 
 
-def test_broker_is_a_single_replica():
-    workload, _, _ = by_command()["broker"]
+def test_broker_is_a_single_replica_on_the_slim_image():
+    workload, c, _ = by_command(base_docs())["broker"]
     assert workload["kind"] == "Deployment" and workload["spec"]["replicas"] == 1
     assert workload["spec"]["strategy"]["type"] == "Recreate", "a rolling update would run two brokers"
+    assert c["image"].split(":")[0].endswith("-broker"), "the broker runs the image without torch"
+    for command in ("cloud-worker", "edge-worker"):
+        assert not by_command(base_docs())[command][1]["image"].split(":")[0].endswith("-broker")
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
-def test_kubectl_kustomize_renders():
-    proc = subprocess.run(["kubectl", "kustomize", str(KUBE)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    kinds = sorted(d["kind"] for d in yaml.safe_load_all(proc.stdout) if d)
-    assert kinds == sorted(d["kind"] for d in kube_docs())
+# ------------------------------------------------------------------------------------------ Dockerfile
+
+def dockerfile_stages() -> dict[str, str]:
+    stages, name = {}, None
+    for line in DOCKERFILE.read_text().splitlines():
+        m = re.match(r"FROM\s+\S+\s+AS\s+(\S+)", line, re.I)
+        if m:
+            name = m.group(1)
+            stages[name] = ""
+        elif name:
+            stages[name] += line + "\n"
+    return stages
+
+
+def broker_deps() -> list[str]:
+    m = re.search(r'ARG BROKER_DEPS="([^"]+)"', DOCKERFILE.read_text())
+    return [re.split(r"[<>=!]", spec)[0] for spec in m.group(1).split()]
+
+
+def test_dockerfile_has_a_slim_broker_and_non_root_role_images():
+    stages = dockerfile_stages()
+    assert {"wheel", "broker", "worker"} <= set(stages)
+    assert "--no-deps" in stages["broker"] and "torch" not in stages["broker"], "the broker image has no torch"
+    for role in ("broker", "worker"):
+        user = re.findall(r"^USER\s+(\S+)", stages[role], re.M)
+        assert user and user[-1].split(":")[0] not in ("root", "0"), f"{role} runs as non-root"
+        assert 'ENTRYPOINT ["specrelay"]' in stages[role]
+    images = {c["image"].split(":")[0] for _, c in containers(base_docs())}
+    comments = DOCKERFILE.read_text()
+    assert all(f"-t {image}:" in comments for image in images), "every image the manifests run is built here"
+
+
+@pytest.mark.skipif(shutil.which("hadolint") is None and not (Path(sys.executable).parent / "hadolint").exists(),
+                    reason="hadolint is not installed")
+def test_hadolint():
+    binary = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    proc = subprocess.run([binary, str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.timeout(180)
+def test_broker_runs_with_only_the_slim_images_packages(built_wheel, tmp_path):
+    """The broker image installs specrelay --no-deps plus BROKER_DEPS: the same here, and `specrelay broker`
+    serves /healthz while torch cannot even be imported."""
+    import importlib.util
+    import time
+    import urllib.request
+    import venv
+
+    from specrelay.cluster import free_port
+
+    deps = tmp_path / "deps"
+    deps.mkdir()
+    for dist in broker_deps():
+        module = {"pyzmq": "zmq"}.get(dist, dist)
+        spec = importlib.util.find_spec(module)
+        if spec is None:
+            continue  # an optional speed-up (uvloop) that this venv lacks
+        origin = Path(spec.submodule_search_locations[0]) if spec.submodule_search_locations else Path(spec.origin)
+        (deps / origin.name).symlink_to(origin)
+        for libs in origin.parent.glob(f"{dist}.libs"):  # manylinux wheels' vendored shared libraries
+            (deps / libs.name).symlink_to(libs)
+    home = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=False).create(home)
+    python = home / "bin" / "python"
+    site = subprocess.check_output([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                   text=True).strip()
+    (Path(site) / "deps.pth").write_text(f"{deps}\n")
+    proc = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
+                           str(built_wheel)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert subprocess.run([python, "-c", "import torch"], capture_output=True).returncode != 0
+    port = free_port()
+    broker = subprocess.Popen([home / "bin" / "specrelay", "broker", "--frontend", f"tcp://127.0.0.1:{free_port()}",
+                               "--backend", f"tcp://127.0.0.1:{free_port()}", "--health-port", str(port)],
+                              stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert broker.poll() is None, broker.stderr.read()[-2000:]
+            try:
+                assert urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1).status == 200
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the slim broker never answered /healthz"
+                time.sleep(0.2)
+    finally:
+        broker.terminate()
+        broker.wait(timeout=20)

@@ -9,7 +9,6 @@ run this venv's editable-install hook, so `import specrelay` can only find the w
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -23,16 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("dist")
-    source = tmp_path_factory.mktemp("src") / "specrelay"  # a clean copy: no stale build/ leaks into the wheel
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "__pycache__",
-                                                                ".train", ".pytest_cache", "bench_results", "dist"))
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                           "-w", str(out), str(source)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    (path,) = out.glob("specrelay-*.whl")
-    return path
+def wheel(built_wheel) -> Path:
+    return built_wheel
 
 
 @pytest.fixture(scope="module")

@@ -30,9 +30,8 @@ import zmq.asyncio
 
 from ..common import protocol as P
 from ..common import transport
-from ..common.errors import (AuthenticationFailed, ConnectionLost, FatalError, GenerationTimeout, InvalidRequest,
-                             Overloaded, RequestError, UnknownSession)
-from ..common.protocol import DEFAULT_STRATEGY, Strategy
+from ..common.errors import FatalError, GenerationTimeout, InvalidRequest, Overloaded, RequestError, UnknownSession
+from ..common.protocol import DEFAULT_STRATEGY, Mode, Strategy
 from .batcher import DraftBatcher
 from .drafter import Drafter
 from .frontend import ClientFrontend
@@ -57,6 +56,9 @@ class EdgeConfig:
     retry_backoff_s: float = 0.1      # doubled per consecutive failure, capped at max_backoff_s
     max_backoff_s: float = 1.0
     default_resample: Strategy = DEFAULT_STRATEGY
+    # the mode at temperature > 0 when a request names none: coupled sends the fewest bytes both ways, needs no
+    # RESAMPLE round trips and is exact (its output is target-alone's with the same seed); docs/benchmarks.md
+    sampling_mode: Mode = Mode.COUPLED
     default_draft_len: int | None = None  # None = auto
     linger_ms: int = 100
     heartbeat_s: float = 1.0          # ZMTP heartbeats on the broker connection (drop a dead TCP peer)
@@ -69,6 +71,8 @@ class EdgeConfig:
         if not 0 <= self.linger_ms <= 5000:
             raise ValueError("linger_ms must be in [0, 5000] so shutdown cannot hang")
         SessionConfig(resample=self.default_resample, draft_len=self.default_draft_len)  # validates both
+        if self.sampling_mode == Mode.GREEDY:
+            raise ValueError("sampling_mode is the mode at temperature > 0: sample or coupled")
 
 
 class _Route:

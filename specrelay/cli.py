@@ -200,9 +200,10 @@ def add_sampling(p) -> None:
     p.add_argument("--draft-len", type=cliargs.draft_len, default="auto",
                    help="tokens drafted per cloud call, or auto (adaptive); 0 = target alone through the same path")
     p.add_argument("--mode", choices=MODES, default=None,
-                   help="greedy at temperature 0, else sample; coupled = shared Gumbel noise")
+                   help="greedy at temperature 0, else coupled (shared Gumbel noise: the fewest bytes); sample = "
+                   "rejection sampling, its rejections resolved by --resample")
     p.add_argument("--resample", choices=(*STRATEGIES, "coupled"), default=DEFAULT_STRATEGY.name.lower(),
-                   help="what a rejection sends down in sample mode: srdv (fewest bytes) | hr | full")
+                   help="what a rejection sends down in --mode sample: srdv (fewest bytes) | hr | full")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -261,10 +262,15 @@ def parser() -> argparse.ArgumentParser:
     p = command("demo", "broker + cloud worker + edge on 127.0.0.1 with the demo pair", cmd_demo, CLIENT_LOG_LEVEL)
     p.add_argument("--models-dir", default=None, help="directory holding demo-target/ and demo-draft/ "
                    "(default: the copy inside the package, else ./models)")
+    p.add_argument("--draft", default="demo-draft", choices=("demo-draft", "demo-draft-xv"),
+                   help="the draft in the models directory (demo-draft-xv: a different vocabulary)")
     p.add_argument("--max-new-tokens", type=cliargs.positive_int, default=48, help="tokens per prompt")
     p.add_argument("--temperature", type=cliargs.nonneg_float, default=0.0, help="0 = greedy")
     p.add_argument("--prompts", default=None, help='JSON lines file, {"prompt": ...} per line (default: 4 built in)')
     p.add_argument("--limit", type=cliargs.positive_int, default=None, help="use the first N prompts")
+    p.add_argument("--mode", choices=MODES, default=None, help="as for generate (default: the edge's)")
+    p.add_argument("--resample", choices=STRATEGIES, default=None,
+                   help="what a rejection sends down in sample mode (default: the edge's)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the numbers to FILE as JSON")
 
     p = command("bench", "benchmarks (python -m specrelay.bench --help)", cmd_bench, CLIENT_LOG_LEVEL)

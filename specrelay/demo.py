@@ -25,7 +25,8 @@ PROMPTS = [
     "    def __repr__(self):\n",
 ]
 THREADS = 1  # torch threads per process: the edge (here) and the worker share the cores; more oversubscribes
-TOTALS = ("generated_tokens", "draft_tokens", "accepted_tokens", "cloud_calls", "uplink_bytes", "downlink_bytes")
+TOTALS = ("generated_tokens", "draft_tokens", "accepted_tokens", "cloud_calls", "resample_calls", "uplink_bytes",
+          "downlink_bytes")
 
 
 class Progress:
@@ -58,6 +59,7 @@ def totals(results: list[dict], wall: float) -> dict:
     n = max(1, total["generated_tokens"])
     return total | {"wall_s": wall, "tokens_per_s": total["generated_tokens"] / wall,
                     "cloud_calls_per_token": total["cloud_calls"] / n,
+                    "round_trips_per_token": (total["cloud_calls"] + total["resample_calls"]) / n,
                     "acceptance_rate": total["accepted_tokens"] / max(1, total["draft_tokens"]),
                     "uplink_bits_per_token": 8 * total["uplink_bytes"] / n,
                     "downlink_bits_per_token": 8 * total["downlink_bytes"] / n}
@@ -79,8 +81,10 @@ def summary(spec: dict, alone: dict, sessions: int) -> list[str]:
 
 
 async def run_demo(frontend: str, draft: Path, prompts: list[str], max_new_tokens: int,
-                   temperature: float) -> dict:
+                   temperature: float, resample: str | None = None, mode: str | None = None) -> dict:
+    from .common import protocol as P
     from .common.sampling import SamplingParams
+    from .edge_worker.frontend import default_mode
     from .edge_worker.loading import load_edge
     from .edge_worker.session import SessionConfig
 
@@ -88,8 +92,11 @@ async def run_demo(frontend: str, draft: Path, prompts: list[str], max_new_token
         import torch
 
         torch.set_num_threads(THREADS)
-        edge = await load_edge(frontend, str(draft))
-    config = SessionConfig(max_new_tokens=max_new_tokens, params=SamplingParams(temperature), seed=1)
+        target_tokenizer = None if draft.name == "demo-draft" else str(draft.parent / "demo-target")
+        edge = await load_edge(frontend, str(draft), target_tokenizer)
+    mode = default_mode(edge.config, temperature, P.enum_value(P.Mode, mode, "mode"))
+    config = SessionConfig(max_new_tokens=max_new_tokens, params=SamplingParams(temperature), seed=1, mode=mode,
+                           resample=resample or edge.config.default_resample)
     async with edge:
         tok = edge.tokenizer
         ids = [tok(p).input_ids for p in prompts]
@@ -102,13 +109,16 @@ async def run_demo(frontend: str, draft: Path, prompts: list[str], max_new_token
             return outs, time.perf_counter() - t0
 
         alone, alone_wall = await run("target alone (--draft-len 0)", SessionConfig(
-            max_new_tokens=max_new_tokens, params=SamplingParams(temperature), seed=1, draft_len=0))
+            max_new_tokens=max_new_tokens, params=SamplingParams(temperature), seed=1, mode=mode, draft_len=0,
+            resample=config.resample))
         spec, spec_wall = await run("speculative", config)
     results = [{"prompt": p, "text": tok.decode(out), "token_ids": out, "stats": stats}
                for p, (out, stats) in zip(prompts, spec)]
     return {"results": results, "speculative": totals(results, spec_wall),
             "target_alone": totals([{"stats": s} for _, s in alone], alone_wall),
-            "identical": [a for a, _ in alone] == [s for s, _ in spec] if temperature == 0 else None}
+            "mode": mode.name.lower() if mode is not None else "greedy",
+            # greedy and coupled outputs are target-alone's exactly; sample mode matches it in distribution only
+            "identical": [a for a, _ in alone] == [s for s, _ in spec] if mode != P.Mode.SAMPLE else None}
 
 
 def load_prompts(args) -> list[str]:
@@ -130,8 +140,8 @@ def main(args) -> int:
         cluster = LocalCluster(str(target), threads=THREADS,
                                env={"SPECRELAY_LOG_LEVEL": args.log_level or "warning"}).__enter__()
     try:
-        out = run_async(run_demo(cluster.frontend, models / "demo-draft", prompts, args.max_new_tokens,
-                                 args.temperature))
+        out = run_async(run_demo(cluster.frontend, models / args.draft, prompts, args.max_new_tokens,
+                                 args.temperature, args.resample, args.mode))
     finally:
         cluster.stop()
     for r in out["results"]:
@@ -140,10 +150,12 @@ def main(args) -> int:
     print("=" * 72)
     print("\n".join(summary(out["speculative"], out["target_alone"], len(prompts))))
     if out["identical"] is not None:
-        print(f"greedy output          {'identical' if out['identical'] else 'DIFFERENT'} to target alone")
+        print(f"{out['mode']} output{' ' * (16 - len(out['mode']))}{'identical' if out['identical'] else 'DIFFERENT'} "
+              "to target alone")
     if args.json:
         record = {k: v for k, v in out.items() if k != "results"} | {
-            "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
+            "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+            "draft": args.draft, "resample": args.resample or "default"}
         Path(args.json).write_text(json.dumps(record, indent=1))
         print(f"-> {args.json}", file=sys.stderr)
     return 0 if out["identical"] in (None, True) else 1

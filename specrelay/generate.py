@@ -54,6 +54,8 @@ def session_config(args, max_new_tokens: int | None = None):
     coupled mode, with a deprecation warning."""
     from .common.protocol import Mode, Strategy
     from .common.sampling import SamplingParams
+    from .edge_worker.frontend import default_mode
+    from .edge_worker.server import EdgeConfig
     from .edge_worker.session import SessionConfig
 
     mode, resample = args.mode, args.resample
@@ -63,7 +65,8 @@ def session_config(args, max_new_tokens: int | None = None):
         mode, resample = "coupled", "srdv"
     config = SessionConfig(max_new_tokens=max_new_tokens or args.max_new_tokens,
                            params=SamplingParams(args.temperature, args.top_k, args.top_p),
-                           mode=Mode[mode.upper()] if mode else None, seed=args.seed,
+                           mode=default_mode(EdgeConfig(), args.temperature, Mode[mode.upper()] if mode else None),
+                           seed=args.seed,
                            draft_len=None if args.draft_len == "auto" else int(args.draft_len),
                            resample=Strategy[resample.upper()])
     config.resolved_mode()  # greedy vs temperature, checked now

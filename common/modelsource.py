@@ -4,7 +4,8 @@ must be asked about).
 A model argument is a local directory or a Hugging Face hub id ("gpt2", "Qwen/Qwen2.5-0.5B"). A
 path-looking argument (absolute, relative with ./ or ../, ~, more than one slash, an existing file, or a first
 component that is a local folder, as in "models/demo-targt") is NEVER sent to the hub: a typo must not turn into
-a minute of download retries. A local directory must hold a config, weights and tokenizer files.
+a minute of download retries. A local directory must hold a config, weights and tokenizer files. A hub id must be
+in the local cache or on a hub that answers within seconds.
 """
 
 from __future__ import annotations
@@ -12,13 +13,16 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import socket
 from importlib import metadata
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from .errors import ConfigError
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 WEIGHTS = ("*.safetensors", "pytorch_model*.bin", "model*.bin", "*.pt")
+HUB_TIMEOUT_S = 3.0  # to open a connection to the hub
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
@@ -30,9 +34,10 @@ def looks_like_path(name: str) -> bool:
 
 
 def check_model(name: str, what: str = "model", *, weights: bool = True, tokenizer: bool = True) -> str:
-    """`name` itself for a hub id; for a path, the directory after checking it holds what is needed.
-    Raises ConfigError naming `what` (a flag, or "model") and the fix."""
+    """`name` itself for a hub id (after `check_hub`); for a path, the directory after checking it holds what is
+    needed. Raises ConfigError naming `what` (a flag, or "model") and the fix."""
     if not looks_like_path(name):
+        check_hub(name, what)
         return name
     path = Path(name).expanduser()
     if not path.exists():
@@ -48,6 +53,26 @@ def check_model(name: str, what: str = "model", *, weights: bool = True, tokeniz
         raise ConfigError(f"{what}: {name} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...): "
                           "copy the model's tokenizer into that directory")
     return str(path)
+
+
+def check_hub(name: str, what: str = "model", timeout: float = HUB_TIMEOUT_S) -> None:
+    """A hub id must be reachable: in the local cache, or on a hub this machine can reach. Offline, transformers
+    retries for about a minute before failing; here an unreachable hub takes at most `timeout` seconds, and a
+    cached model is then loaded with HF_HUB_OFFLINE=1 (no retries)."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return
+    host = urlsplit(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+    except OSError as exc:
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            os.environ["HF_HUB_OFFLINE"] = "1"  # cached: load it without asking the hub
+            return
+        raise ConfigError(f"{what}: {name!r} is not a local directory, it is not in the Hugging Face cache, and the "
+                          f"hub ({host}) cannot be reached from here ({exc.strerror or exc}); give the model's "
+                          "directory") from None
 
 
 def _did_you_mean(path: Path) -> str:

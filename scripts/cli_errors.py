@@ -114,6 +114,8 @@ CASES = [
     Case("not a model directory", lambda t: plain(gen("--draft-model", str(t))), 2, "no config.json"),
     Case("target tokenizer missing", lambda t: plain(gen("--target-tokenizer", str(t / "tok"))), 2,
          "--target-tokenizer"),
+    Case("hub id, hub unreachable", lambda t: plain(gen("--draft-model", "specrelay-test/no-such-model"),
+                                                    {"HF_ENDPOINT": "https://hub.invalid"}), 2, "cannot be reached"),
     Case("cloud worker model missing", lambda t: plain(["cloud-worker", "--model", str(t / "target")]), 2,
          "--model"),
     Case("--device cuda without CUDA", lambda t: plain(gen("--device", "cuda")), 2, "cuda"),

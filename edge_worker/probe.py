@@ -10,7 +10,6 @@ while no worker is registered). Needs no model and no torch.
 from __future__ import annotations
 
 import asyncio
-import os
 from urllib.parse import urlsplit
 
 import zmq
@@ -34,8 +33,7 @@ async def probe_broker(endpoint: str, timeout: float, *, worker: bool = True, cu
     """Return once the broker at `endpoint` completed a handshake (and, with `worker`, answered a VERIFY through a
     live cloud worker); otherwise raise FatalError within `timeout` seconds, naming the endpoint and the fix."""
     ctx = context or zmq.asyncio.Context.instance()
-    sock = transport.make_socket(ctx, zmq.DEALER, linger_ms=0, curve=curve,
-                                 identity=b"probe-" + os.urandom(6).hex().encode())
+    sock = transport.make_socket(ctx, zmq.DEALER, linger_ms=0, curve=curve)  # the broker assigns its identity
     monitor = sock.get_monitor_socket()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout

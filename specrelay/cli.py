@@ -29,11 +29,16 @@ Exit codes: 0 ok, 1 failed (broker or worker unreachable, a generation failed), 
 def client_curve(args):
     """--curve-secret / --broker-key -> the client side of CURVE, or None (both or neither)."""
     if (args.curve_secret is None) != (args.broker_key is None):
-        raise SystemExit("specrelay: error: --curve-secret and --broker-key go together")
+        raise UsageError("--curve-secret and --broker-key go together")
     if args.curve_secret is None:
         return None
     from .common import auth
-    return auth.client(args.curve_secret, args.broker_key)
+    from .common.errors import FatalError
+
+    try:
+        return auth.client(args.curve_secret, args.broker_key)
+    except FatalError as exc:  # a key file that is not there or not a key: the flag is wrong
+        raise UsageError(f"--curve-secret / --broker-key: {exc}") from None
 
 
 def cmd_keys(args) -> int:
@@ -46,9 +51,14 @@ def cmd_keys(args) -> int:
 
 def cmd_broker(args) -> int:
     from .broker.server import serve
+    from .broker.table import Limits
     from .runtime import run_async
 
-    run_async(serve(args.frontend, args.backend, health_port=args.health_port, health_host=args.health_host))
+    limits = Limits(max_sessions_per_client=args.max_sessions_per_client,
+                    max_prompt_tokens_per_client=args.max_prompt_tokens_per_client, edge_ttl=args.edge_ttl)
+    run_async(serve(args.frontend, args.backend, health_port=args.health_port, health_host=args.health_host,
+                    limits=limits, curve_secret=args.curve_secret, edge_keys=args.edge_keys,
+                    worker_keys=args.worker_keys, insecure=args.insecure))
     return 0
 
 
@@ -58,15 +68,16 @@ def cmd_cloud_worker(args) -> int:
 
     check_model(args.model, "--model")
     check_device(args.device)
+    curve = client_curve(args)
     set_threads()
     from .cloud_worker.server import serve
     from .edge_worker.probe import warn_if_unreachable
 
     async def main() -> None:
-        warning = warn_if_unreachable(args.broker, args.connect_timeout, worker=False)
+        warning = warn_if_unreachable(args.broker, args.connect_timeout, worker=False, curve=curve)
         await serve(args.broker, args.model, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
                     max_wait_ms=args.max_wait_ms, health_port=args.health_port, health_host=args.health_host,
-                    max_cache_bytes=int(args.max_cache_mb * 2**20))
+                    max_cache_bytes=int(args.max_cache_mb * 2**20), curve=curve)
         warning.cancel()
 
     run_async(main())
@@ -78,15 +89,18 @@ def cmd_edge_worker(args) -> int:
 
     check_edge_models(args)
     check_ports(args)
+    curve = client_curve(args)
     set_threads()
     from .edge_worker.loading import serve
     from .edge_worker.probe import warn_if_unreachable
+    from .edge_worker.server import EdgeConfig
 
     async def main() -> None:
-        warning = warn_if_unreachable(args.broker, args.connect_timeout)
+        warning = warn_if_unreachable(args.broker, args.connect_timeout, curve=curve)
         await serve(args.broker, args.draft_model, args.listen, args.target_tokenizer, device=args.device,
-                    dtype=args.dtype, http=args.http, served_model_name=args.served_model_name,
-                    health_port=args.health_port, health_host=args.health_host)
+                    dtype=args.dtype, config=EdgeConfig(retry_budget_s=args.retry_budget), curve=curve,
+                    http=args.http, served_model_name=args.served_model_name, health_port=args.health_port,
+                    health_host=args.health_host)
         warning.cancel()
 
     run_async(main())
@@ -162,6 +176,18 @@ def add_broker(p, default: str, what: str) -> None:
                    help="seconds to wait for the broker (and a live cloud worker) before saying so")
 
 
+def add_client_keys(p) -> None:
+    p.add_argument("--curve-secret", default=None, metavar="FILE",
+                   help="this process's CURVE key pair (NAME.key_secret from `specrelay keys generate`)")
+    p.add_argument("--broker-key", default=None, metavar="FILE", help="the broker's public key (BROKER.key)")
+
+
+def add_retry_budget(p) -> None:
+    p.add_argument("--retry-budget", type=cliargs.nonneg_float, default=30.0, metavar="SECONDS",
+                   help="how long a generation keeps retrying through consecutive failures (broker restart, "
+                        "no live worker) before it fails")
+
+
 def add_health(p) -> None:
     p.add_argument("--health-port", type=cliargs.port, default=None,
                    help="HTTP port for /healthz, /readyz and /metrics (0 = any free port)")
@@ -224,6 +250,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--frontend", default=defaults.BROKER_FRONTEND, help="endpoint edges connect to")
     p.add_argument("--backend", default=defaults.BROKER_BACKEND, help="endpoint cloud workers connect to")
     add_health(p)
+    p.add_argument("--curve-secret", default=None, metavar="FILE", help="the broker's CURVE key pair "
+                   "(NAME.key_secret); with it both sockets require keys")
+    p.add_argument("--edge-keys", default=None, metavar="DIR", help="public keys (NAME.key) edges may use "
+                   "(re-read on SIGHUP)")
+    p.add_argument("--worker-keys", default=None, metavar="DIR", help="public keys cloud workers may use "
+                   "(re-read on SIGHUP)")
+    p.add_argument("--insecure", action="store_true", help="allow binding a non-loopback address without keys")
+    p.add_argument("--max-sessions-per-client", type=cliargs.positive_int, default=256,
+                   help="open sessions per edge key")
+    p.add_argument("--max-prompt-tokens-per-client", type=cliargs.positive_int, default=1 << 20,
+                   help="prompt tokens held by one edge key's open sessions")
+    p.add_argument("--edge-ttl", type=cliargs.seconds, default=10.0,
+                   help="seconds an edge may stay silent before its sessions are closed for it")
 
     p = command("cloud-worker", "hold the target model and verify drafts in batches", cmd_cloud_worker)
     add_broker(p, defaults.BROKER_BACKEND, "backend")
@@ -233,6 +272,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-cache-mb", type=cliargs.nonneg_float, default=2048,
                    help="KV cache cap; least recently used sessions are evicted past it")
     add_health(p)
+    add_client_keys(p)
 
     p = command("edge-worker", "hold the draft model and serve clients (ZeroMQ, and HTTP with --http)",
                 cmd_edge_worker)
@@ -241,6 +281,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default=defaults.EDGE_ENDPOINT, help="ZeroMQ endpoint specrelay.Client connects to")
     add_http(p, None)
     add_health(p)
+    add_client_keys(p)
+    add_retry_budget(p)
 
     p = command("serve", "one box: broker, cloud worker and edge in one process behind the OpenAI HTTP API",
                 cmd_serve)
@@ -258,6 +300,16 @@ def parser() -> argparse.ArgumentParser:
     add_sampling(p)
     p.add_argument("--concurrency", type=cliargs.positive_int, default=8, help="sessions in flight at once")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")
+    add_client_keys(p)
+    add_retry_budget(p)
+
+    p = command("keys", "CURVE key pairs for the broker, cloud workers and edges", None, CLIENT_LOG_LEVEL)
+    keys = p.add_subparsers(dest="keys_command", required=True, metavar="COMMAND")
+    k = keys.add_parser("generate", help="write DIR/NAME.key (public) and DIR/NAME.key_secret (secret, 0600)",
+                        formatter_class=cliargs.HelpFormatter)
+    k.add_argument("dir", help="where the two files go")
+    k.add_argument("--name", required=True, help="the key's name (NAME.key, NAME.key_secret)")
+    k.set_defaults(fn=cmd_keys)
 
     p = command("demo", "broker + cloud worker + edge on 127.0.0.1 with the demo pair", cmd_demo, CLIENT_LOG_LEVEL)
     p.add_argument("--models-dir", default=None, help="directory holding demo-target/ and demo-draft/ "

@@ -77,10 +77,14 @@ async def generate_all(args, prompts: list[str], emit) -> int:
     """Generate every prompt (at most `--concurrency` at once); `emit(i, result)` runs for each prompt in input
     order, as soon as it and all earlier ones are done. A failed prompt is a result with an `error` field.
     Returns the number of failed prompts."""
+    from .cli import client_curve
+    from .common.errors import AuthenticationFailed
     from .edge_worker.loading import load_edge
+    from .edge_worker.server import EdgeConfig
 
     edge = await load_edge(args.broker, args.draft_model, args.target_tokenizer, device=args.device,
-                           dtype=args.dtype)
+                           dtype=args.dtype, config=EdgeConfig(retry_budget_s=args.retry_budget),
+                           curve=client_curve(args))
     config = session_config(args)
     gate = asyncio.Semaphore(args.concurrency)
 
@@ -89,6 +93,8 @@ async def generate_all(args, prompts: list[str], emit) -> int:
             try:
                 ids = edge.tokenizer(prompt).input_ids
                 generated, stats = await edge.generate(ids, config)
+            except AuthenticationFailed:
+                raise  # nothing will work: one line, exit 1
             except Exception as exc:  # reported as this prompt's result; the others go on
                 return {"prompt": prompt, "error": f"{type(exc).__name__}: {exc}"}
             return {"prompt": prompt, "text": edge.tokenizer.decode(generated), "token_ids": generated,
@@ -96,12 +102,16 @@ async def generate_all(args, prompts: list[str], emit) -> int:
 
     async with edge:
         tasks = [asyncio.create_task(one(p)) for p in prompts]
-        failed = 0
-        for i, task in enumerate(tasks):
-            result = await task
-            failed += "error" in result
-            emit(i, result)
-        return failed
+        try:
+            failed = 0
+            for i, task in enumerate(tasks):
+                result = await task
+                failed += "error" in result
+                emit(i, result)
+            return failed
+        finally:
+            for task in tasks:
+                task.cancel()
 
 
 def print_result(args, result: dict) -> None:
@@ -125,8 +135,12 @@ def main(args) -> int:
     check_sampling(args)
     check_edge_models(args)
 
+    from .cli import client_curve
+
+    curve = client_curve(args)
+
     async def run() -> int:
-        await probe_broker(args.broker, args.connect_timeout)
+        await probe_broker(args.broker, args.connect_timeout, curve=curve)
         set_threads()
         return await generate_all(args, prompts, lambda i, result: print_result(args, result))
 

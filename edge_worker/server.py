@@ -30,7 +30,8 @@ import zmq.asyncio
 
 from ..common import protocol as P
 from ..common import transport
-from ..common.errors import FatalError, GenerationTimeout, InvalidRequest, Overloaded, RequestError, UnknownSession
+from ..common.errors import (AuthenticationFailed, ConnectionLost, FatalError, GenerationTimeout, InvalidRequest,
+                             Overloaded, RequestError, UnknownSession)
 from ..common.protocol import DEFAULT_STRATEGY, Mode, Strategy
 from .batcher import DraftBatcher
 from .drafter import Drafter

@@ -232,21 +232,7 @@ def add_sampling(p) -> None:
                    help="what a rejection sends down in --mode sample: srdv (fewest bytes) | hr | full")
 
 
-def parser() -> argparse.ArgumentParser:
-    ap = Parser(prog="specrelay", description="Edge-cloud speculative decoding over ZeroMQ.", epilog=EPILOG,
-                formatter_class=cliargs.HelpFormatter)
-    ap.add_argument("--version", action="version", version=f"specrelay {__version__}")
-    ap.add_argument("--log-level", choices=logs.LEVELS, default=None,
-                    help=f"{SERVER_LOG_LEVEL} for servers, {CLIENT_LOG_LEVEL} for generate and demo")
-    ap.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    def command(name: str, help: str, fn, log_level: str = SERVER_LOG_LEVEL) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help, epilog=EPILOG, formatter_class=cliargs.HelpFormatter)
-        p.set_defaults(fn=fn, log_default=log_level)
-        return p
-
-    p = command("broker", "route edges to cloud workers", cmd_broker)
+def broker_flags(p) -> None:
     p.add_argument("--frontend", default=defaults.BROKER_FRONTEND, help="endpoint edges connect to")
     p.add_argument("--backend", default=defaults.BROKER_BACKEND, help="endpoint cloud workers connect to")
     add_health(p)
@@ -264,7 +250,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--edge-ttl", type=cliargs.seconds, default=10.0,
                    help="seconds an edge may stay silent before its sessions are closed for it")
 
-    p = command("cloud-worker", "hold the target model and verify drafts in batches", cmd_cloud_worker)
+
+def cloud_worker_flags(p) -> None:
     add_broker(p, defaults.BROKER_BACKEND, "backend")
     add_target(p)
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
@@ -274,8 +261,8 @@ def parser() -> argparse.ArgumentParser:
     add_health(p)
     add_client_keys(p)
 
-    p = command("edge-worker", "hold the draft model and serve clients (ZeroMQ, and HTTP with --http)",
-                cmd_edge_worker)
+
+def edge_worker_flags(p) -> None:
     add_broker(p, defaults.BROKER_FRONTEND, "frontend")
     add_edge(p)
     p.add_argument("--listen", default=defaults.EDGE_ENDPOINT, help="ZeroMQ endpoint specrelay.Client connects to")
@@ -284,14 +271,15 @@ def parser() -> argparse.ArgumentParser:
     add_client_keys(p)
     add_retry_budget(p)
 
-    p = command("serve", "one box: broker, cloud worker and edge in one process behind the OpenAI HTTP API",
-                cmd_serve)
+
+def serve_flags(p) -> None:
     add_target(p)
     add_edge(p)
     add_http(p, defaults.HTTP)
     add_health(p)
 
-    p = command("generate", "generate through the broker with an in-process edge", cmd_generate, CLIENT_LOG_LEVEL)
+
+def generate_flags(p) -> None:
     add_broker(p, defaults.BROKER_FRONTEND, "frontend")
     add_edge(p)
     group = p.add_mutually_exclusive_group(required=True)
@@ -303,7 +291,8 @@ def parser() -> argparse.ArgumentParser:
     add_client_keys(p)
     add_retry_budget(p)
 
-    p = command("keys", "CURVE key pairs for the broker, cloud workers and edges", None, CLIENT_LOG_LEVEL)
+
+def keys_flags(p) -> None:
     keys = p.add_subparsers(dest="keys_command", required=True, metavar="COMMAND")
     k = keys.add_parser("generate", help="write DIR/NAME.key (public) and DIR/NAME.key_secret (secret, 0600)",
                         formatter_class=cliargs.HelpFormatter)
@@ -311,7 +300,8 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument("--name", required=True, help="the key's name (NAME.key, NAME.key_secret)")
     k.set_defaults(fn=cmd_keys)
 
-    p = command("demo", "broker + cloud worker + edge on 127.0.0.1 with the demo pair", cmd_demo, CLIENT_LOG_LEVEL)
+
+def demo_flags(p) -> None:
     p.add_argument("--models-dir", default=None, help="directory holding demo-target/ and demo-draft/ "
                    "(default: the copy inside the package, else ./models)")
     p.add_argument("--draft", default="demo-draft", choices=("demo-draft", "demo-draft-xv"),
@@ -325,8 +315,40 @@ def parser() -> argparse.ArgumentParser:
                    help="what a rejection sends down in sample mode (default: the edge's)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the numbers to FILE as JSON")
 
-    p = command("bench", "benchmarks (python -m specrelay.bench --help)", cmd_bench, CLIENT_LOG_LEVEL)
+
+def bench_flags(p) -> None:
     p.add_argument("rest", nargs=argparse.REMAINDER)
+
+
+COMMANDS = [  # name, help, what it runs, its default log level, its flags
+    ("broker", "route edges to cloud workers", cmd_broker, SERVER_LOG_LEVEL, broker_flags),
+    ("cloud-worker", "hold the target model and verify drafts in batches", cmd_cloud_worker, SERVER_LOG_LEVEL,
+     cloud_worker_flags),
+    ("edge-worker", "hold the draft model and serve clients (ZeroMQ, and HTTP with --http)", cmd_edge_worker,
+     SERVER_LOG_LEVEL, edge_worker_flags),
+    ("serve", "one box: broker, cloud worker and edge in one process behind the OpenAI HTTP API", cmd_serve,
+     SERVER_LOG_LEVEL, serve_flags),
+    ("generate", "generate through the broker with an in-process edge", cmd_generate, CLIENT_LOG_LEVEL,
+     generate_flags),
+    ("keys", "CURVE key pairs for the broker, cloud workers and edges", None, CLIENT_LOG_LEVEL, keys_flags),
+    ("demo", "broker + cloud worker + edge on 127.0.0.1 with the demo pair", cmd_demo, CLIENT_LOG_LEVEL,
+     demo_flags),
+    ("bench", "benchmarks (python -m specrelay.bench --help)", cmd_bench, CLIENT_LOG_LEVEL, bench_flags),
+]
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = Parser(prog="specrelay", description="Edge-cloud speculative decoding over ZeroMQ.", epilog=EPILOG,
+                formatter_class=cliargs.HelpFormatter)
+    ap.add_argument("--version", action="version", version=f"specrelay {__version__}")
+    ap.add_argument("--log-level", choices=logs.LEVELS, default=None,
+                    help=f"{SERVER_LOG_LEVEL} for servers, {CLIENT_LOG_LEVEL} for generate and demo")
+    ap.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, help, fn, log_level, flags in COMMANDS:
+        p = sub.add_parser(name, help=help, description=help, epilog=EPILOG, formatter_class=cliargs.HelpFormatter)
+        p.set_defaults(fn=fn, log_default=log_level)
+        flags(p)
     return cliargs.finish(ap, aliases={"models_dir": "SPECRELAY_MODELS"})
 
 

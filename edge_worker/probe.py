@@ -18,12 +18,14 @@ from zmq.utils.monitor import parse_monitor_message
 
 from ..common import protocol as P
 from ..common import transport
-from ..common.errors import ErrorCode, FatalError, InvalidRequest
+from ..common.errors import AuthenticationFailed, ErrorCode, FatalError, InvalidRequest
 
 HANDSHAKE_FAILED = {
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the broker refused this process's CURVE key",
-    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the peer there does not speak ZeroMQ's protocol (wrong port?)",
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the ZeroMQ handshake failed (CURVE keys, or not a ZeroMQ peer)",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication failed: the broker at {} refused this process's CURVE key "
+                                     "(is its public key in the broker's --edge-keys / --worker-keys directory?)",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the peer at {} does not speak ZeroMQ's protocol (wrong port?)",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the ZeroMQ handshake with {} failed (CURVE keys on one side only, or "
+                                          "not a ZeroMQ peer)",
 }
 RETRY_S = 0.25  # between worker checks while the broker answers UNAVAILABLE
 
@@ -72,8 +74,10 @@ async def _handshake(monitor: zmq.asyncio.Socket, endpoint: str, timeout: float,
         event = parse_monitor_message(frames)["event"]
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             return
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            raise AuthenticationFailed(HANDSHAKE_FAILED[event].format(endpoint))
         if event in HANDSHAKE_FAILED:
-            raise FatalError(f"the broker at {endpoint}: {HANDSHAKE_FAILED[event]}")
+            raise FatalError(HANDSHAKE_FAILED[event].format(endpoint))
         if event in (zmq.EVENT_CONNECT_RETRIED, zmq.EVENT_CONNECT_DELAYED, zmq.EVENT_CLOSED):
             why = "the connection was refused (nothing listens there)" if event != zmq.EVENT_CONNECT_DELAYED else why
         elif event in (zmq.EVENT_CONNECTED, zmq.EVENT_DISCONNECTED):

@@ -244,3 +244,23 @@ def test_disconnect_frees_the_cloud_session(stack, long_prompt, stream):
     assert metric(edge_health, "specrelay_edge_sessions_open") == 0
     # the edge still serves
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0).usage.completion_tokens
+
+
+@pytest.mark.timeout(180)
+def test_specrelay_serve_one_box(tiny_pair, reference, tiny_runners):
+    """`specrelay serve`: broker, cloud worker and edge in one process behind the same API; SIGTERM stops it."""
+    target, draft = tiny_pair
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "specrelay.cli", "serve", "--model", str(target), "--draft-model",
+                             str(draft), "--http", f"127.0.0.1:{port}", "--served-model-name", MODEL],
+                            env=dict(os.environ, SPECRELAY_THREADS="1"), stderr=subprocess.PIPE, text=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", proc)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        prompt = "def add(a, b):\n"
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=N_NEW, temperature=0)
+        assert out.choices[0].text == reference(tiny_runners[0].tokenizer(prompt).input_ids)
+        client.close()  # no idle keep-alive connection for the shutdown to wait on
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0, proc.stderr.read()[-2000:]

@@ -10,7 +10,9 @@
     │   ├── GenerationTimeout   the client gave up waiting                            -> TIMEOUT
     │   └── Unauthorized        the peer's key may not do this                        -> UNAUTHORIZED
     └── FatalError              the component cannot go on (model failed to load, socket gone)
-        └── AuthenticationFailed  the broker refused this process's CURVE key
+        ├── AuthenticationFailed  the broker refused this process's CURVE key
+        └── ConfigError           a setting names something that is not there (model directory, CUDA): the
+                                  CLI prints its one line and exits 2, like a bad flag
 
 A bad request fails that request, never the process. asyncio.CancelledError is never caught here.
 """
@@ -93,6 +95,11 @@ class FatalError(SpecRelayError):
 
 class AuthenticationFailed(FatalError):
     """The broker refused this process's CURVE key (not in its allowlist, or the wrong role)."""
+
+
+class ConfigError(FatalError):
+    """A setting is wrong for this machine: a model directory that does not exist, no tokenizer files, CUDA
+    asked for where there is none. The message names the setting and the fix."""
 
 
 _BY_CODE = {cls.code: cls for cls in (InvalidRequest, UnknownSession, WorkerLost, Overloaded, GenerationTimeout,

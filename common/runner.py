@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from .errors import FatalError
+from .modelsource import check_device, check_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (keys, values), each [kv_heads, seq, head_dim]
@@ -37,6 +38,8 @@ class ModelRunner:
     def load(cls, name_or_path: str, device: str = "cpu", dtype: str = "float32") -> "ModelRunner":
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        name_or_path = check_model(name_or_path)  # a path-looking name is never sent to the hub
+        check_device(device)
         try:
             tokenizer = AutoTokenizer.from_pretrained(name_or_path)
             model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype]).to(device)

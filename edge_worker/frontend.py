@@ -27,11 +27,16 @@ log = structlog.get_logger("specrelay.edge")
 Emit = Callable[[P.Base], Awaitable[None]]
 
 
+def default_mode(config, temperature: float, mode: P.Mode | None) -> P.Mode | None:
+    """The request's mode; if it names none, greedy at temperature 0 and the edge's sampling_mode above it."""
+    return mode if mode is not None or temperature == 0 else config.sampling_mode
+
+
 def session_config(edge, msg: P.Generate) -> SessionConfig:
     """A client's GENERATE -> the session's settings (the edge's defaults fill what the client left out)."""
     draft_len = edge.config.default_draft_len if msg.draft_len < 0 else msg.draft_len
     return SessionConfig(max_new_tokens=msg.max_new_tokens, params=SamplingParams(msg.temperature, msg.top_k, msg.top_p),
-                         mode=msg.mode, seed=msg.seed, draft_len=draft_len,
+                         mode=default_mode(edge.config, msg.temperature, msg.mode), seed=msg.seed, draft_len=draft_len,
                          resample=edge.config.default_resample if msg.resample is None else msg.resample)
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
+from ..common import transport
 from ..common.errors import FatalError
+from ..common.modelsource import check_model
 from ..common.runner import ModelRunner
 from .drafter import Drafter
 from .server import EdgeConfig, EdgeWorker
@@ -35,6 +37,7 @@ def load_target_tokenizer(name: str):
     the target's tokenizer files (its decode table), never its weights."""
     from transformers import AutoConfig, AutoTokenizer
 
+    name = check_model(name, "target tokenizer", weights=False)  # a path-looking name is never sent to the hub
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as exc:
@@ -56,15 +59,51 @@ async def load_edge(broker: str, draft_model: str, target_tokenizer: str | None 
     return EdgeWorker(broker, drafter, tokenizer, config, **options)
 
 
-async def serve(broker: str, draft_model: str, listen: str, target_tokenizer: str | None = None, *,
-                device: str = "cpu", dtype: str = "float32", config: EdgeConfig | None = None, **options) -> None:
+async def serve(broker: str, draft_model: str, listen: str | None, target_tokenizer: str | None = None, *,
+                device: str = "cpu", dtype: str = "float32", config: EdgeConfig | None = None,
+                http: tuple[str, int] | None = None, served_model_name: str = "specrelay",
+                health_port: int | None = None, health_host: str = "127.0.0.1", **options) -> None:
     """`specrelay edge-worker`: load the draft model, connect to the broker and serve clients on `listen`
-    until SIGTERM / SIGINT."""
+    (ZeroMQ), on `http` (the OpenAI-compatible API) and health / metrics on `health_port`, until SIGTERM / SIGINT."""
     from dataclasses import replace
 
-    from ..common import transport
+    from ..runtime import serve_all
+    from .http import HttpFrontend, HttpStats
 
     config = replace(config or EdgeConfig(), listen=listen)
     edge = await load_edge(broker, draft_model, target_tokenizer, device=device, dtype=dtype, config=config,
                            **options)
-    await transport.serve_until_signalled(edge)
+    stats = HttpStats()
+    services = [edge] + ([HttpFrontend(edge, *http, served_model_name, stats)] if http else [])
+    services += [EdgeHealth(edge, stats, health_host, health_port)] if health_port is not None else []
+    await serve_all(*services)
+
+
+class EdgeHealth(transport.Service):
+    """The edge worker's /healthz, /readyz (200 while it serves) and /metrics (sessions, HTTP counters)."""
+
+    name = "edge-health"
+    GAUGES = ("sessions_open", "http_in_flight")
+
+    def __init__(self, edge: EdgeWorker, stats, host: str, port: int) -> None:
+        super().__init__()
+        self.edge, self.stats, self.host, self.port = edge, stats, host, port
+        self._server = None
+
+    def snapshot(self) -> dict:
+        from dataclasses import asdict
+
+        return {"sessions_open": self.edge.sessions_open, **asdict(self.stats)}
+
+    async def _open(self) -> None:
+        from ..common import health
+
+        probe = lambda: (True, {"sessions_open": self.edge.sessions_open})  # noqa: E731  answers = the loop runs
+        endpoints = health.Endpoints(probe, probe, health.registry_for("specrelay_edge_", self.snapshot,
+                                                                       self.GAUGES))
+        self._server = await health.start_http(self.host, self.port, endpoints)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def _close(self) -> None:
+        if self._server is not None:
+            self._server.close()

@@ -32,7 +32,7 @@ from ..common import protocol as P
 from ..common import transport
 from ..common.errors import (AuthenticationFailed, ConnectionLost, FatalError, GenerationTimeout, InvalidRequest,
                              Overloaded, RequestError, UnknownSession)
-from ..common.protocol import DEFAULT_STRATEGY, Strategy
+from ..common.protocol import DEFAULT_STRATEGY, Mode, Strategy
 from .batcher import DraftBatcher
 from .drafter import Drafter
 from .frontend import ClientFrontend
@@ -57,6 +57,9 @@ class EdgeConfig:
     retry_backoff_s: float = 0.1      # doubled per consecutive failure, capped at max_backoff_s
     max_backoff_s: float = 1.0
     default_resample: Strategy = DEFAULT_STRATEGY
+    # the mode at temperature > 0 when a request names none: coupled sends the fewest bytes both ways, needs no
+    # RESAMPLE round trips and is exact (its output is target-alone's with the same seed); docs/benchmarks.md
+    sampling_mode: Mode = Mode.COUPLED
     default_draft_len: int | None = None  # None = auto
     linger_ms: int = 100
     heartbeat_s: float = 1.0          # ZMTP heartbeats on the broker connection (drop a dead TCP peer)
@@ -69,6 +72,8 @@ class EdgeConfig:
         if not 0 <= self.linger_ms <= 5000:
             raise ValueError("linger_ms must be in [0, 5000] so shutdown cannot hang")
         SessionConfig(resample=self.default_resample, draft_len=self.default_draft_len)  # validates both
+        if self.sampling_mode == Mode.GREEDY:
+            raise ValueError("sampling_mode is the mode at temperature > 0: sample or coupled")
 
 
 class _Route:
@@ -136,6 +141,11 @@ class EdgeWorker(transport.Service):
         self._log = log.bind(broker=broker)
 
     @property
+    def sessions_open(self) -> int:
+        """Generations in progress on this edge."""
+        return len(self._routes)
+
+    @property
     def endpoint(self) -> str | None:
         """The bound client endpoint (after start), when serving local clients."""
         return self.frontend.endpoint if self.frontend is not None else None
@@ -184,7 +194,8 @@ class EdgeWorker(transport.Service):
     async def generate(self, prompt_ids: Sequence[int], config: SessionConfig,
                        on_tokens: OnTokens | None = None) -> tuple[list[int], dict[str, float]]:
         """Generate with the cloud's verification; returns (generated target ids, stats).
-        `on_tokens(new_ids)` (sync or async) sees every committed chunk, in order, exactly once."""
+        `on_tokens(new_ids)` (sync or async) sees every committed chunk, in order, exactly once; returning False
+        ends the generation after that chunk (the session is CLOSEd as usual)."""
         if self._sock is None:
             raise FatalError("the edge worker is not started")
         if self.auth_error is not None:
@@ -214,7 +225,9 @@ class EdgeWorker(transport.Service):
                 if new and on_tokens is not None:
                     result = on_tokens(new)
                     if inspect.isawaitable(result):
-                        await result
+                        result = await result
+                    if result is False:  # the caller has what it wants (a stop string): end here
+                        break
         finally:
             self._routes.pop(session.sid, None)
             self._send(session, session.close_message())  # also on cancellation: free the cloud's KV

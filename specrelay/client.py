@@ -1,6 +1,6 @@
 """The public async client: talk to an edge worker (`Client(endpoint)`) or embed one (`Client.local(...)`).
 
-    async with Client("ipc:///tmp/specrelay-edge") as c:
+    async with Client() as c:                     # the edge worker's default --listen endpoint
         result = await c.generate("def add(a, b):", max_new_tokens=32)
         async for piece in c.stream("class Point:", temperature=0.8, seed=7):
             print(piece, end="")
@@ -21,6 +21,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from . import defaults
 from .common import protocol as P
 from .common import transport
 from .common.errors import FatalError, GenerationTimeout, InvalidRequest, from_wire
@@ -75,10 +76,11 @@ class _Call:
 
 
 class Client:
-    """`async with Client(endpoint, timeout=60) as c:`; `timeout` bounds the wait for each reply (seconds)."""
+    """`async with Client(endpoint, timeout=60) as c:`; `timeout` bounds the wait for each reply (seconds).
+    `endpoint` defaults to the edge worker's default `--listen` (specrelay.defaults.EDGE_ENDPOINT)."""
 
-    def __init__(self, endpoint: str, timeout: float = 60.0, *, context: zmq.asyncio.Context | None = None,
-                 linger_ms: int = 0) -> None:
+    def __init__(self, endpoint: str = defaults.EDGE_ENDPOINT, timeout: float = 60.0, *,
+                 context: zmq.asyncio.Context | None = None, linger_ms: int = 0) -> None:
         if not timeout > 0:
             raise ValueError("timeout must be > 0 seconds")
         self.endpoint, self.timeout = endpoint, timeout

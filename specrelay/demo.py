@@ -1,68 +1,162 @@
-"""`specrelay demo`: broker + cloud worker (child processes) + an in-process edge on localhost, demo pair."""
+"""`specrelay demo`: broker + cloud worker (child processes) + an in-process edge on 127.0.0.1, the demo pair.
+
+Shows progress while the models load, then generates the prompts twice through the same path: target alone
+(`--draft-len 0`, one cloud call per token) and speculative (the defaults), and prints tokens/s of both, the
+acceptance rate, cloud calls and bytes per token. `--json FILE` writes the same numbers.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
+import threading
 import time
 from pathlib import Path
 
 from .cluster import LocalCluster
+from .paths import models_dir
 from .runtime import run_async
 
-ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [
     "def fibonacci(n):\n",
     "import os\n\n\ndef list_files(path):\n",
     "class Stack:\n    def __init__(self):\n",
     "    def __repr__(self):\n",
 ]
+THREADS = 1  # torch threads per process: the edge (here) and the worker share the cores; more oversubscribes
+TOTALS = ("generated_tokens", "draft_tokens", "accepted_tokens", "cloud_calls", "resample_calls", "uplink_bytes",
+          "downlink_bytes")
 
 
-def summary(results: list[dict], wall: float) -> list[str]:
-    total = {k: sum(r["stats"][k] for r in results) for k in
-             ("generated_tokens", "draft_tokens", "accepted_tokens", "cloud_calls", "uplink_bytes", "downlink_bytes")}
+class Progress:
+    """`with Progress("loading ..."):` one line on stderr, with the elapsed seconds ticking on a terminal."""
+
+    def __init__(self, what: str) -> None:
+        self.what, self.tty = what, sys.stderr.isatty()
+        self._done = threading.Event()
+
+    def __enter__(self) -> "Progress":
+        self.t0 = time.perf_counter()
+        print(f"{self.what} ...", end="" if self.tty else "\n", file=sys.stderr, flush=True)
+        if self.tty:
+            threading.Thread(target=self._tick, daemon=True).start()
+        return self
+
+    def _tick(self) -> None:
+        while not self._done.wait(0.5):
+            print(f"\r{self.what} ... {time.perf_counter() - self.t0:.0f} s", end="", file=sys.stderr, flush=True)
+
+    def __exit__(self, exc_type, *_) -> None:
+        self._done.set()
+        status = "done" if exc_type is None else "failed"
+        print(f"{chr(13) if self.tty else ''}{self.what} ... {status} ({time.perf_counter() - self.t0:.1f} s)",
+              file=sys.stderr, flush=True)
+
+
+def totals(results: list[dict], wall: float) -> dict:
+    total = {k: sum(r["stats"][k] for r in results) for k in TOTALS}
     n = max(1, total["generated_tokens"])
+    return total | {"wall_s": wall, "tokens_per_s": total["generated_tokens"] / wall,
+                    "cloud_calls_per_token": total["cloud_calls"] / n,
+                    "round_trips_per_token": (total["cloud_calls"] + total["resample_calls"]) / n,
+                    "acceptance_rate": total["accepted_tokens"] / max(1, total["draft_tokens"]),
+                    "uplink_bits_per_token": 8 * total["uplink_bytes"] / n,
+                    "downlink_bits_per_token": 8 * total["downlink_bytes"] / n}
+
+
+def summary(spec: dict, alone: dict, sessions: int) -> list[str]:
     return [
-        f"acceptance rate        {total['accepted_tokens'] / max(1, total['draft_tokens']):.1%} "
-        f"({total['accepted_tokens']}/{total['draft_tokens']} drafted tokens accepted)",
-        f"cloud calls            {total['cloud_calls']} vs {total['generated_tokens']} target-alone "
-        f"({1 - total['cloud_calls'] / n:.0%} fewer, {total['cloud_calls'] / n:.2f} per token)",
-        f"bytes per token        up {total['uplink_bytes'] / n:.1f}, down {total['downlink_bytes'] / n:.1f}",
-        f"throughput             {total['generated_tokens'] / wall:.1f} tokens/s "
-        f"({len(results)} sessions in flight, {wall:.2f}s)",
+        f"acceptance rate        {spec['acceptance_rate']:.1%} "
+        f"({spec['accepted_tokens']}/{spec['draft_tokens']} drafted tokens accepted)",
+        f"cloud calls            {spec['cloud_calls']} vs {alone['cloud_calls']} target alone "
+        f"({spec['cloud_calls_per_token']:.2f} per token)",
+        f"bytes per token        up {spec['uplink_bytes'] / max(1, spec['generated_tokens']):.1f}, down "
+        f"{spec['downlink_bytes'] / max(1, spec['generated_tokens']):.1f} "
+        f"({spec['downlink_bits_per_token']:.0f} bits down)",
+        f"throughput             speculative {spec['tokens_per_s']:.1f} tokens/s, target alone "
+        f"{alone['tokens_per_s']:.1f} tokens/s ({spec['tokens_per_s'] / max(1e-9, alone['tokens_per_s']):.2f}x; "
+        f"{sessions} sessions in flight)",
     ]
 
 
-async def run_demo(frontend: str, max_new_tokens: int, temperature: float) -> tuple[list[dict], float]:
+async def run_demo(frontend: str, draft: Path, prompts: list[str], max_new_tokens: int,
+                   temperature: float, resample: str | None = None, mode: str | None = None) -> dict:
+    from .common import protocol as P
     from .common.sampling import SamplingParams
+    from .edge_worker.frontend import default_mode
     from .edge_worker.loading import load_edge
     from .edge_worker.session import SessionConfig
 
-    config = SessionConfig(max_new_tokens=max_new_tokens, params=SamplingParams(temperature), seed=1)
-    async with await load_edge(frontend, str(ROOT / "models" / "demo-draft")) as edge:
+    with Progress(f"loading the draft model ({draft.name})"):
+        import torch
+
+        torch.set_num_threads(THREADS)
+        target_tokenizer = None if draft.name == "demo-draft" else str(draft.parent / "demo-target")
+        edge = await load_edge(frontend, str(draft), target_tokenizer)
+    mode = default_mode(edge.config, temperature, P.enum_value(P.Mode, mode, "mode"))
+    config = SessionConfig(max_new_tokens=max_new_tokens, params=SamplingParams(temperature), seed=1, mode=mode,
+                           resample=resample or edge.config.default_resample)
+    async with edge:
         tok = edge.tokenizer
-        t0 = time.perf_counter()
-        outs = await asyncio.gather(*(edge.generate(tok(p).input_ids, config) for p in PROMPTS))
-        wall = time.perf_counter() - t0
-    return [{"prompt": p, "text": tok.decode(ids), "token_ids": ids, "stats": stats}
-            for p, (ids, stats) in zip(PROMPTS, outs)], wall
+        ids = [tok(p).input_ids for p in prompts]
+        await edge.generate(ids[0], SessionConfig(max_new_tokens=2))  # warm-up: first-call costs on both sides
+
+        async def run(what: str, cfg: SessionConfig) -> tuple[list, float]:
+            with Progress(f"generating {len(prompts)} prompts, {what}"):
+                t0 = time.perf_counter()
+                outs = await asyncio.gather(*(edge.generate(i, cfg) for i in ids))
+            return outs, time.perf_counter() - t0
+
+        alone, alone_wall = await run("target alone (--draft-len 0)", SessionConfig(
+            max_new_tokens=max_new_tokens, params=SamplingParams(temperature), seed=1, mode=mode, draft_len=0,
+            resample=config.resample))
+        spec, spec_wall = await run("speculative", config)
+    results = [{"prompt": p, "text": tok.decode(out), "token_ids": out, "stats": stats}
+               for p, (out, stats) in zip(prompts, spec)]
+    return {"results": results, "speculative": totals(results, spec_wall),
+            "target_alone": totals([{"stats": s} for _, s in alone], alone_wall),
+            "mode": mode.name.lower() if mode is not None else "greedy",
+            # greedy and coupled outputs are target-alone's exactly; sample mode matches it in distribution only
+            "identical": [a for a, _ in alone] == [s for s, _ in spec] if mode != P.Mode.SAMPLE else None}
+
+
+def load_prompts(args) -> list[str]:
+    if not args.prompts:
+        prompts = PROMPTS
+    else:
+        from .generate import read_prompts
+
+        prompts = read_prompts(type("Args", (), {"prompt": None, "prompts": args.prompts}))
+    return prompts[:args.limit] if args.limit else prompts
 
 
 def main(args) -> int:
-    target = ROOT / "models" / "demo-target"
-    if not (target / "config.json").exists():
-        print("demo models are missing: train them with `make train-models` (see models/README.md)", file=sys.stderr)
-        return 2
-    print(f"starting broker + cloud worker ({target.name}) on 127.0.0.1 ...", file=sys.stderr)
-    with LocalCluster(str(target)) as cluster:
-        out = run_async(run_demo(cluster.frontend, args.max_new_tokens, args.temperature))
-    if not isinstance(out, tuple):
-        return 1
-    results, wall = out
-    for r in results:
+    models = models_dir(args.models_dir)
+    prompts = load_prompts(args)
+    target = models / "demo-target"
+    print(f"demo pair in {models}", file=sys.stderr)
+    with Progress(f"starting a broker and a cloud worker on 127.0.0.1 (loads {target.name})"):
+        cluster = LocalCluster(str(target), threads=THREADS,
+                               env={"SPECRELAY_LOG_LEVEL": args.log_level or "warning"}).__enter__()
+    try:
+        out = run_async(run_demo(cluster.frontend, models / args.draft, prompts, args.max_new_tokens,
+                                 args.temperature, args.resample, args.mode))
+    finally:
+        cluster.stop()
+    for r in out["results"]:
         print("=" * 72)
         print(r["prompt"] + r["text"])
     print("=" * 72)
-    print("\n".join(summary(results, wall)))
-    return 0
+    print("\n".join(summary(out["speculative"], out["target_alone"], len(prompts))))
+    if out["identical"] is not None:
+        print(f"{out['mode']} output{' ' * (16 - len(out['mode']))}{'identical' if out['identical'] else 'DIFFERENT'} "
+              "to target alone")
+    if args.json:
+        record = {k: v for k, v in out.items() if k != "results"} | {
+            "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+            "draft": args.draft, "resample": args.resample or "default"}
+        Path(args.json).write_text(json.dumps(record, indent=1))
+        print(f"-> {args.json}", file=sys.stderr)
+    return 0 if out["identical"] in (None, True) else 1
+

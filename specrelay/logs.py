@@ -1,4 +1,10 @@
-"""structlog setup: key-value lines on a terminal, JSON lines otherwise; always to stderr (stdout is for results)."""
+"""structlog setup. Logs always go to stderr: stdout belongs to results (the CLI) or to the calling program.
+
+`configure` is the CLI's: key-value lines on a terminal, JSON lines otherwise. `library_default` runs on
+`import specrelay`: unless the application has configured structlog itself, specrelay's log calls go through
+the standard `logging` module (so the application's logging config decides; with none, warnings and errors
+reach stderr and nothing ever reaches stdout).
+"""
 
 from __future__ import annotations
 
@@ -8,9 +14,12 @@ import sys
 
 import structlog
 
+LEVELS = ("debug", "info", "warning", "error")
+
 
 def configure(level: str | None = None) -> None:
-    level = (level or os.environ.get("SPECRELAY_LOG", "info")).upper()
+    """The CLI's logging: `level`, else SPECRELAY_LOG_LEVEL (or the older SPECRELAY_LOG), else info."""
+    level = (level or os.environ.get("SPECRELAY_LOG_LEVEL") or os.environ.get("SPECRELAY_LOG") or "info").upper()
     renderer = (structlog.dev.ConsoleRenderer(colors=False) if sys.stderr.isatty()
                 else structlog.processors.JSONRenderer())
     structlog.configure(
@@ -21,6 +30,25 @@ def configure(level: str | None = None) -> None:
         cache_logger_on_first_use=True,
     )
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    # transformers' progress bars and notices are noise in a service log
+    quiet_libraries()
+
+
+def library_default() -> None:
+    """Route structlog through stdlib logging unless the application configured structlog already
+    (structlog's own default prints to stdout, which belongs to the caller)."""
+    if structlog.is_configured():
+        return
+    structlog.configure(
+        processors=[structlog.stdlib.filter_by_level, structlog.contextvars.merge_contextvars,
+                    structlog.processors.add_log_level, structlog.processors.KeyValueRenderer(
+                        key_order=["event"], drop_missing=True)],
+        wrapper_class=structlog.stdlib.BoundLogger,
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        cache_logger_on_first_use=False,
+    )
+
+
+def quiet_libraries() -> None:
+    """transformers' progress bars and notices are noise in a service log."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

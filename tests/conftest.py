@@ -64,3 +64,21 @@ async def zctx():
     except asyncio.TimeoutError:
         ctx.destroy(linger=0)
         pytest.fail("a ZeroMQ socket was left open")
+
+
+@pytest.fixture(scope="session")
+def built_wheel(tmp_path_factory) -> Path:
+    """The project's wheel, built offline from a clean copy of the tree (no stale build/ can leak into it)."""
+    import shutil
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("dist")
+    source = tmp_path_factory.mktemp("src") / "specrelay"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "__pycache__",
+                                                                ".train", ".pytest_cache", "bench_results", "dist"))
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                           "-w", str(out), str(source)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (path,) = out.glob("specrelay-*.whl")
+    return path

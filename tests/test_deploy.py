@@ -1,67 +1,31 @@
-"""deploy/: systemd units and Kubernetes manifests, checked against the real CLI and health code.
+"""deploy/: the YAML files and the systemd units, checked against the real CLI and the processes' own code.
 
-Every `specrelay ...` command line is parsed by `specrelay.cli.parser()` (systemd `ExecStart=` after the
-unit's own variable and specifier expansion; container `command` + `args`), every probe must hit its
-container's `--health-port` (never a ZeroMQ port), the exec probe command is run against the real health
-servers, and Services, `--broker` endpoints, volumes and grace periods must agree with each other and with
-the code's own timeouts. Optional: `systemd-analyze verify` and `kubectl kustomize` when installed.
+Every unit's `ExecStart=` is expanded as systemd does and parsed by the real CLI together with the unit's
+Environment= / EnvironmentFile= variables (every flag reads SPECRELAY_*); Type=, the watchdog, timeouts, health
+ports and ipc:// sockets must agree with what the processes do; `systemd-analyze verify` when installed.
+Kubernetes and the Dockerfile: tests/test_deploy_kubernetes.py.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import io
 import re
 import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import pytest
 
-from specrelay.cli import parser
+from deploy_common import BASE, DEPLOY, OVERLAYS, PACKAGE_DIR, SYSTEMD, parse_cli
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is not installed (it normally comes in with transformers)")
 
-ROOT = Path(__file__).resolve().parent.parent
-DEPLOY = ROOT / "deploy"
-SYSTEMD = DEPLOY / "systemd"
-KUBE = DEPLOY / "kubernetes"
 UNITS = {  # unit file -> the subcommand its ExecStart must run
     "specrelay-broker.service": "broker",
     "specrelay-cloud-worker@.service": "cloud-worker",
     "specrelay-edge-worker.service": "edge-worker",
 }
-PACKAGE_DIR = {"broker": ROOT / "broker", "cloud-worker": ROOT / "cloud_worker", "edge-worker": ROOT / "edge_worker"}
-WORKLOADS = {"Deployment", "DaemonSet", "StatefulSet"}
-PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
-LOCAL_URL = re.compile(r"http://(?:127\.0\.0\.1|localhost):(\d+)(/[\w/]*)")
-
-
-# ------------------------------------------------------------------------------------------ helpers
-
-def parse_cli(argv: list[str]):
-    """The real argparse parser; a rejected command line fails the test with argparse's own message."""
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            return parser().parse_args(argv)
-    except SystemExit as exc:
-        pytest.fail(f"specrelay rejects {argv}: exit {exc.code}: {err.getvalue().strip()}")
-
-
-def zmq_port(endpoint: str) -> int | None:
-    if endpoint.startswith("tcp://"):
-        return int(endpoint.rsplit(":", 1)[1])
-    return None
-
-
-def zmq_ports(args) -> set[int]:
-    endpoints = [getattr(args, name, None) for name in ("frontend", "backend", "broker", "listen")]
-    return {p for p in map(zmq_port, filter(None, endpoints)) if p is not None}
 
 
 # ------------------------------------------------------------------------------------------ YAML
@@ -73,8 +37,10 @@ def yaml_files() -> list[Path]:
 def test_deploy_tree_exists():
     for name in UNITS:
         assert (SYSTEMD / name).is_file(), name
-    for name in ("broker.yaml", "cloud-worker.yaml", "edge-worker.yaml", "kustomization.yaml"):
-        assert (KUBE / name).is_file(), name
+    for name in ("broker.yaml", "cloud-worker.yaml", "edge-worker.yaml", "models-job.yaml", "kustomization.yaml"):
+        assert (BASE / name).is_file(), name
+    for overlay in OVERLAYS.values():
+        assert (overlay / "kustomization.yaml").is_file(), overlay
     assert (DEPLOY / "README.md").is_file()
 
 
@@ -178,9 +144,10 @@ def exec_start_argv(unit: dict, instance: str = "0") -> list[str]:
 
 
 def unit_args(name: str, instance: str = "0"):
-    argv = exec_start_argv(read_unit(SYSTEMD / name), instance)
+    unit = read_unit(SYSTEMD / name)
+    argv = exec_start_argv(unit, instance)
     assert Path(argv[0]).is_absolute() and Path(argv[0]).name == "specrelay", argv[0]
-    return parse_cli(argv[1:])
+    return parse_cli(argv[1:], unit_environment(unit, instance))
 
 
 def sends(package: str, state: str) -> bool:
@@ -227,8 +194,12 @@ def test_unit_exec_start_parses_with_the_real_cli(name):
     if UNITS[name] == "broker":
         assert args.health_port is not None
     if UNITS[name] == "cloud-worker":
-        assert args.health_port is not None and args.device == "cuda:0"
+        assert args.health_port is not None and args.device == "cuda:0" and args.dtype == "bfloat16"
         assert unit_args(name, "3").device == "cuda:3"
+        assert args.broker.endswith(":5556") and args.model.startswith("/")
+    if UNITS[name] == "edge-worker":
+        assert args.health_port is not None and args.http == ("127.0.0.1", 8000)
+        assert args.broker.endswith(":5555") and args.listen.startswith("ipc:///run/")
 
 
 @pytest.mark.parametrize("name", sorted(UNITS))
@@ -260,7 +231,8 @@ def test_cloud_worker_unit_timing_matches_the_code():
 
 
 def test_unit_health_ports_do_not_collide():
-    ports = {"broker": unit_args("specrelay-broker.service").health_port}
+    ports = {"broker": unit_args("specrelay-broker.service").health_port,
+             "edge-worker": unit_args("specrelay-edge-worker.service").health_port}
     for i in range(8):
         ports[f"cloud-worker@{i}"] = unit_args("specrelay-cloud-worker@.service", str(i)).health_port
     assert len(set(ports.values())) == len(ports), ports
@@ -291,224 +263,3 @@ def test_systemd_analyze_verify(name, tmp_path):
                           text=True, timeout=60)
     ours = [line for line in (proc.stdout + proc.stderr).splitlines() if target.name in line or str(target) in line]
     assert proc.returncode == 0 and not ours, proc.stdout + proc.stderr
-
-
-# ------------------------------------------------------------------------------------------ Kubernetes
-
-def kube_docs() -> list[dict]:
-    kustomization = yaml.safe_load((KUBE / "kustomization.yaml").read_text())
-    docs = []
-    for resource in kustomization["resources"]:
-        docs += [d for d in yaml.safe_load_all((KUBE / resource).read_text()) if d is not None]
-    return docs
-
-
-def containers() -> list[tuple[dict, dict]]:
-    """(workload, container) for every container that runs `specrelay`."""
-    found = []
-    for doc in kube_docs():
-        if doc["kind"] in WORKLOADS:
-            for c in doc["spec"]["template"]["spec"]["containers"]:
-                if Path((c.get("command") or ["?"])[0]).name == "specrelay":
-                    found.append((doc, c))
-    return found
-
-
-def container_args(c: dict):
-    argv = [*c["command"][1:], *c.get("args", [])]
-    assert all(isinstance(a, str) for a in argv), f"{c['name']}: quote every argument: {argv}"
-    assert not any("$(" in a for a in argv), f"{c['name']}: $(VAR) expansion is not checked here"
-    return parse_cli(argv)
-
-
-def by_command() -> dict[str, tuple[dict, dict, object]]:
-    out = {}
-    for workload, c in containers():
-        args = container_args(c)
-        assert args.command not in out, f"two workloads run {args.command}"
-        out[args.command] = (workload, c, args)
-    return out
-
-
-def probe_target(probe: dict, c: dict) -> tuple[int, str]:
-    """(port, path) an HTTP probe hits; TCP and gRPC probes fail the test (never probe a ZeroMQ port)."""
-    assert "tcpSocket" not in probe and "grpc" not in probe, f"{c['name']}: only HTTP health probes"
-    if "httpGet" in probe:
-        port = probe["httpGet"]["port"]
-        if isinstance(port, str):
-            port = next(p["containerPort"] for p in c.get("ports", []) if p.get("name") == port)
-        return int(port), probe["httpGet"]["path"]
-    command = " ".join(probe["exec"]["command"])
-    urls = LOCAL_URL.findall(command)
-    assert len(urls) == 1, f"{c['name']}: an exec probe must GET exactly one local URL: {command}"
-    return int(urls[0][0]), urls[0][1]
-
-
-def test_kustomization_lists_every_manifest():
-    kustomization = yaml.safe_load((KUBE / "kustomization.yaml").read_text())
-    listed = set(kustomization["resources"])
-    present = {p.name for p in KUBE.glob("*.yaml")} - {"kustomization.yaml"}
-    assert listed == present
-
-
-def test_every_container_command_parses_with_the_real_cli():
-    commands = by_command()
-    assert set(commands) == {"broker", "cloud-worker", "edge-worker"}
-
-
-def test_probes_hit_the_health_port_never_zmq():
-    for command, (workload, c, args) in by_command().items():
-        probes = {kind: c[kind] for kind in PROBES if kind in c}
-        if getattr(args, "health_port", None) is None:
-            assert not probes, f"{command} has no --health-port, so nothing to probe: {sorted(probes)}"
-            continue
-        assert {"livenessProbe", "readinessProbe"} <= set(probes), f"{command}: liveness and readiness"
-        for kind, probe in probes.items():
-            port, path = probe_target(probe, c)
-            assert port == args.health_port, f"{command} {kind} probes {port}, --health-port is {args.health_port}"
-            assert port not in zmq_ports(args), f"{command} {kind} probes a ZeroMQ port"
-            assert path in ("/healthz", "/readyz"), f"{command} {kind}: {path}"
-
-
-def test_probe_paths():
-    commands = by_command()
-    _, cloud, _ = commands["cloud-worker"]
-    assert probe_target(cloud["startupProbe"], cloud)[1] == "/healthz", "startup = model loaded"
-    assert probe_target(cloud["livenessProbe"], cloud)[1] == "/healthz"
-    assert probe_target(cloud["readinessProbe"], cloud)[1] == "/readyz"
-    _, broker, _ = commands["broker"]
-    # /readyz is 503 until a worker registers, and workers reach the broker through its Service
-    assert probe_target(broker["readinessProbe"], broker)[1] == "/healthz"
-
-
-def test_exec_probes_pass_on_200_and_fail_on_503():
-    """Run the manifests' exec probe commands against the real health servers."""
-    from prometheus_client import CollectorRegistry
-
-    from specrelay.common import health
-
-    probes = []
-    for command, (_, c, _) in by_command().items():
-        for kind in PROBES:
-            if kind in c and "exec" in c[kind]:
-                probes.append((command, kind, c[kind]["exec"]["command"]))
-    assert probes
-
-    async def run_probe(argv: list[str], port: int) -> int:
-        argv = [re.sub(r"(http://(?:127\.0\.0\.1|localhost)):\d+", rf"\g<1>:{port}", a) for a in argv]
-        if argv[0] in ("python3", "python"):
-            argv[0] = sys.executable
-        proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.DEVNULL,
-                                                    stderr=asyncio.subprocess.DEVNULL)
-        return await asyncio.wait_for(proc.wait(), 30)
-
-    async def main() -> None:
-        stats = {"live_workers": 0, "sessions_open": 0}
-        up = {"ok": True}
-        broker = health.Endpoints(lambda: (True, stats), lambda: (stats["live_workers"] > 0, stats),
-                                  CollectorRegistry())
-        cloud = health.Endpoints(lambda: (up["ok"], {}), lambda: (up["ok"], {}), CollectorRegistry())
-        servers = {"broker": await health.start_http("127.0.0.1", 0, broker),
-                   "cloud-worker": await health.start_http("127.0.0.1", 0, cloud)}
-        try:
-            for command, kind, argv in probes:
-                port = servers[command].sockets[0].getsockname()[1]
-                stats["live_workers"], up["ok"] = 1, True
-                assert await run_probe(argv, port) == 0, f"{command} {kind} fails against a healthy server"
-                stats["live_workers"], up["ok"] = 0, False
-                path = LOCAL_URL.search(" ".join(argv)).group(2)
-                if command == "cloud-worker" or path == "/readyz":
-                    assert await run_probe(argv, port) != 0, f"{command} {kind} passes on a 503"
-        finally:
-            for server in servers.values():
-                server.close()
-                await server.wait_closed()
-
-    asyncio.run(main())
-
-
-def services() -> list[dict]:
-    return [d for d in kube_docs() if d["kind"] == "Service"]
-
-
-def service_for(workload: dict) -> dict | None:
-    labels = workload["spec"]["template"]["metadata"]["labels"]
-    matching = [s for s in services() if s["spec"]["selector"].items() <= labels.items()]
-    assert len(matching) <= 1
-    return matching[0] if matching else None
-
-
-def container_port(c: dict, target) -> int:
-    if isinstance(target, int):
-        return target
-    return next(p["containerPort"] for p in c.get("ports", []) if p.get("name") == target)
-
-
-def test_services_reach_the_bound_zmq_ports():
-    for command, (workload, c, args) in by_command().items():
-        svc = service_for(workload)
-        binds = {"broker": lambda: [args.frontend, args.backend], "edge-worker": lambda: [args.listen]}
-        binds = binds[command]() if command in binds else []
-        if command == "cloud-worker":
-            assert svc is None, "cloud workers dial the broker; they need no Service"
-            continue
-        assert svc is not None, f"no Service selects {command}"
-        targets = {container_port(c, p.get("targetPort", p["port"])) for p in svc["spec"]["ports"]}
-        for endpoint in binds:
-            host = urlsplit(endpoint).hostname
-            assert endpoint.startswith("tcp://") and host in ("0.0.0.0", "*", None), \
-                f"{command} binds {endpoint}: unreachable from other pods"
-            assert zmq_port(endpoint) in targets, f"{command} binds {endpoint}; Service targets {targets}"
-            assert zmq_port(endpoint) in {p["containerPort"] for p in c.get("ports", [])}
-        assert getattr(args, "health_port", None) is None or args.health_port not in targets, \
-            "the health server listens on 127.0.0.1: a Service port for it would reach nothing"
-
-
-def test_broker_endpoints_point_at_the_broker_service():
-    commands = by_command()
-    broker_workload, broker_c, broker_args = commands["broker"]
-    svc = service_for(broker_workload)
-    name = svc["metadata"]["name"]
-    for command, side in (("cloud-worker", broker_args.backend), ("edge-worker", broker_args.frontend)):
-        _, _, args = commands[command]
-        url = urlsplit(args.broker)
-        assert url.scheme == "tcp" and url.hostname.split(".")[0] == name, f"{command} --broker {args.broker}"
-        port = next(p for p in svc["spec"]["ports"] if p["port"] == url.port)
-        assert container_port(broker_c, port.get("targetPort", port["port"])) == zmq_port(side), \
-            f"{command} reaches the broker's port {port}, not {side}"
-
-
-def test_model_paths_are_mounted():
-    for command, (workload, c, args) in by_command().items():
-        mounts = [Path(m["mountPath"]) for m in c.get("volumeMounts", [])]
-        for attr in ("model", "draft_model", "target_tokenizer"):
-            value = getattr(args, attr, None)
-            if value and value.startswith("/"):
-                assert any(Path(value).is_relative_to(m) for m in mounts), f"{command} --{attr} {value} unmounted"
-
-
-def test_cloud_worker_drains_within_the_grace_period():
-    from specrelay.cloud_worker.server import WorkerConfig
-
-    workload, c, _ = by_command()["cloud-worker"]
-    pre_stop = c["lifecycle"]["preStop"]["exec"]["command"]
-    sleep = float(pre_stop[1]) if pre_stop[0] == "sleep" else 0.0
-    grace = workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    assert grace >= sleep + WorkerConfig().drain_timeout_s + 5, "SIGKILL would cut the drain short"
-    assert "startupProbe" in c
-    startup = c["startupProbe"]
-    assert startup["periodSeconds"] * startup["failureThreshold"] >= 300, "model loading needs minutes"
-
-
-def test_broker_is_a_single_replica():
-    workload, _, _ = by_command()["broker"]
-    assert workload["kind"] == "Deployment" and workload["spec"]["replicas"] == 1
-    assert workload["spec"]["strategy"]["type"] == "Recreate", "a rolling update would run two brokers"
-
-
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
-def test_kubectl_kustomize_renders():
-    proc = subprocess.run(["kubectl", "kustomize", str(KUBE)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    kinds = sorted(d["kind"] for d in yaml.safe_load_all(proc.stdout) if d)
-    assert kinds == sorted(d["kind"] for d in kube_docs())

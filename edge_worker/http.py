@@ -1,0 +1,304 @@
+"""The edge worker's OpenAI-compatible HTTP front end (`specrelay edge-worker --http HOST:PORT`, `specrelay serve`).
+
+Starlette routes on uvicorn, in the edge worker's own event loop, over `EdgeWorker.generate` (edge_worker/api.py
+is the pure part: requests, stop strings, response shapes). A client that goes away cancels its generation, in a
+stream (the disconnect or the failed write) and in a plain request (a watcher on the connection); cancelling
+`generate` CLOSEs the session, so the cloud worker frees its KV at once.
+
+    GET  /v1/models   POST /v1/completions   POST /v1/chat/completions   GET /health
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing, nullcontext
+from dataclasses import asdict, dataclass
+
+import structlog
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from ..common import transport
+from ..common.errors import FatalError, InvalidRequest, RequestError
+from . import api
+from .frontend import session_config
+from .textstream import TextStream
+
+log = structlog.get_logger("specrelay.http")
+
+GRACE_S = 5.0  # on stop: requests in flight get this long, then they are cancelled (their sessions CLOSEd)
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]
+
+
+@dataclass
+class HttpStats:
+    """Counters of the HTTP front end (exported with the edge's metrics)."""
+
+    http_requests: int = 0
+    http_errors: int = 0           # answered with an error object (4xx / 5xx)
+    http_disconnects: int = 0      # clients gone before the end: their generations were cancelled
+    http_in_flight: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+# ------------------------------------------------------------------------------------------ one generation
+
+async def run_generation(edge, prompt_ids: list[int], config, stops: list[str],
+                         on_text: Callable[[str], Awaitable[None]] | None = None) -> api.Outcome:
+    """Generate; `on_text` gets each piece of committed text that is safe to show (stop strings held back). The
+    EOS token ends the generation and is not part of the text; a stop string ends it after the chunk holding it."""
+    text, cut, eos = TextStream(edge.tokenizer), api.StopStrings(stops), edge.drafter.eos_ids
+    saw_eos = False
+
+    async def on_tokens(new: list[int]) -> bool:
+        nonlocal saw_eos
+        ids = [t for t in new if t not in eos]
+        saw_eos |= len(ids) < len(new)
+        piece = cut.push(text.push(ids))
+        if piece and on_text is not None:
+            await on_text(piece)
+        return not cut.hit  # False: stop generating
+
+    generated, stats = await edge.generate(prompt_ids, config, on_tokens)
+    tail = "" if cut.hit else cut.push(text.flush()) + cut.flush()
+    if tail and on_text is not None:
+        await on_text(tail)
+    return api.Outcome(cut.text, len(prompt_ids), len(generated), "stop" if cut.hit or saw_eos else "length",
+                       stats)
+
+
+def api_error(exc: BaseException) -> api.APIError:
+    """Any failure of a request -> an OpenAI-style error with its HTTP status."""
+    if isinstance(exc, api.APIError):
+        return exc
+    if isinstance(exc, InvalidRequest):
+        return api.as_api_error(exc)
+    if isinstance(exc, RequestError):  # the cloud: no worker, timeouts, lost workers (after the edge's retries)
+        return api.APIError(503, f"the cloud could not serve the request: {exc}", kind="server_error",
+                            code=exc.code.name.lower())
+    if isinstance(exc, FatalError):
+        return api.APIError(503, str(exc), kind="server_error", code="unavailable")
+    log.error("request failed", error=repr(exc))
+    return api.APIError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
+
+
+# ------------------------------------------------------------------------------------------ the ASGI app
+
+class OpenAIApp:
+    """The routes over one EdgeWorker."""
+
+    def __init__(self, edge, served_model: str, stats: HttpStats | None = None) -> None:
+        self.edge, self.served_model = edge, served_model
+        self.stats = stats or HttpStats()
+
+    def asgi(self) -> Starlette:
+        routes = [Route("/v1/models", self.models), Route("/health", self.health),
+                  Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/chat/completions", self.chat, methods=["POST"])]
+        return Starlette(routes=routes, exception_handlers={HTTPException: self._http_exception})
+
+    async def models(self, request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": self.served_model, "object": "model", "created": 0,
+                                                          "owned_by": "specrelay"}]})
+
+    async def health(self, request: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok", "sessions_open": self.edge.sessions_open})
+
+    async def completions(self, request: Request):
+        return await self._serve(request, api.CompletionRequest, api.completion_prompt_ids, api.completion_max_tokens)
+
+    async def chat(self, request: Request):
+        return await self._serve(request, api.ChatRequest, api.chat_prompt_ids, api.chat_max_tokens)
+
+    async def _serve(self, request: Request, kind, prompt_ids, max_tokens):
+        self.stats.http_requests += 1
+        try:
+            req = api.parse(await request.body(), kind)
+            api.check(req, self.served_model)
+            config = session_config(self.edge, api.generate_message(req, max_tokens(req)))
+            config.resolved_mode()
+            ids = await asyncio.to_thread(prompt_ids, self.edge.tokenizer, req)
+        except Exception as exc:
+            return self._error(api_error(exc))
+        shape = api.Shape(chat=kind is api.ChatRequest, model=self.served_model)
+        stream_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if req.stream:
+            return EventStream(self._events(shape, ids, config, api.stops(req), stream_usage), self)
+        return await self._complete(request, shape, ids, config, api.stops(req))
+
+    async def _complete(self, request: Request, shape: api.Shape, ids, config, stops):
+        """A plain request; a watcher cancels the generation if the client disconnects first."""
+        work = asyncio.create_task(self._generate(ids, config, stops))
+        gone = asyncio.create_task(_disconnected(request.receive))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                self.stats.http_disconnects += 1
+        if work.cancelled():
+            return JSONResponse({}, status_code=499)  # nobody is listening
+        if work.exception() is not None:
+            return self._error(api_error(work.exception()))
+        return JSONResponse(shape.full(work.result()))
+
+    async def _generate(self, ids, config, stops, on_text=None) -> api.Outcome:
+        self.stats.http_in_flight += 1
+        try:
+            out = await run_generation(self.edge, ids, config, stops, on_text)
+        finally:
+            self.stats.http_in_flight -= 1
+        self.stats.prompt_tokens += out.prompt_tokens
+        self.stats.completion_tokens += out.completion_tokens
+        return out
+
+    async def _events(self, shape: api.Shape, ids, config, stops, include_usage: bool) -> AsyncIterator[bytes]:
+        """Server-sent events: a chunk per committed piece of text, the last chunk (finish_reason, speculative
+        stats), the usage chunk if asked, [DONE]. Leaving early cancels the generation (its finally CLOSEs)."""
+        pieces: asyncio.Queue = asyncio.Queue()
+        work = asyncio.create_task(self._generate(ids, config, stops, pieces.put))
+        work.add_done_callback(lambda _: pieces.put_nowait(None))
+        try:
+            if shape.chat:
+                yield _sse(shape.chunk(role=True))
+            while (piece := await pieces.get()) is not None:
+                yield _sse(shape.chunk(piece))
+            if work.exception() is not None:
+                error = api_error(work.exception())
+                self.stats.http_errors += 1
+                yield _sse(error.body())
+            else:
+                yield _sse(shape.last(work.result()))
+                if include_usage:
+                    yield _sse(shape.usage_chunk(work.result()))
+            yield b"data: [DONE]\n\n"
+        finally:
+            if not work.done():
+                work.cancel()
+                self.stats.http_disconnects += 1
+
+    def _error(self, error: api.APIError) -> JSONResponse:
+        self.stats.http_errors += 1
+        return JSONResponse(error.body(), status_code=error.status)
+
+    async def _http_exception(self, request: Request, exc: HTTPException) -> JSONResponse:
+        return self._error(api.APIError(exc.status_code, exc.detail or "error", code=str(exc.status_code)))
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _disconnected(receive) -> None:
+    """Returns when the client has gone (the body was read already, so the next message is the disconnect)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class EventStream:
+    """An SSE response that owns its event iterator: the client disconnecting (or a write failing) closes the
+    iterator at once, whose `finally` cancels the generation."""
+
+    def __init__(self, events: AsyncIterator[bytes], app: OpenAIApp) -> None:
+        self.events, self.app = events, app
+
+    async def __call__(self, scope, receive, send) -> None:
+        async with aclosing(self.events):
+            pump = asyncio.create_task(self._pump(send))
+            gone = asyncio.create_task(_disconnected(receive))
+            try:
+                await asyncio.wait({pump, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (pump, gone):
+                    task.cancel()
+                await asyncio.gather(pump, gone, return_exceptions=True)
+
+    async def _pump(self, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        try:
+            async for event in self.events:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # the connection is gone
+            pass
+
+
+# ------------------------------------------------------------------------------------------ the server
+
+class _Server(uvicorn.Server):
+    def capture_signals(self):  # the process's own Service lifecycle handles SIGTERM / SIGINT
+        return nullcontext()
+
+
+class HttpFrontend(transport.Service):
+    """uvicorn serving `OpenAIApp` on host:port inside the running event loop. `port` 0 = any free port (read
+    `self.port` after start). A bind error is a FatalError naming the address."""
+
+    name = "http"
+
+    def __init__(self, edge, host: str, port: int, served_model: str, stats: HttpStats | None = None) -> None:
+        super().__init__()
+        self.edge, self.host, self.port = edge, host, port
+        self.app = OpenAIApp(edge, served_model, stats)
+        self._sock: socket.socket | None = None
+        self._server: _Server | None = None
+
+    async def _open(self) -> None:
+        self._sock = _listen(self.host, self.port)
+        self.port = self._sock.getsockname()[1]
+        config = uvicorn.Config(self.app.asgi(), lifespan="off", log_config=None, access_log=False,
+                                timeout_graceful_shutdown=GRACE_S)
+        config.load()
+        self._server = _Server(config)
+        self._server.lifespan = config.lifespan_class(config)
+        await self._server.startup(sockets=[self._sock])
+        log.info("HTTP API listening", url=f"http://{self.host}:{self.port}/v1", model=self.app.served_model)
+
+    def _loops(self):
+        return [self._serve(), self._watch_edge()]
+
+    async def _serve(self) -> None:
+        await self._server.main_loop()
+        raise FatalError("the HTTP server stopped")
+
+    async def _watch_edge(self) -> None:
+        await self.edge.wait_closed()
+        raise FatalError("the edge worker stopped")
+
+    async def _close(self) -> None:
+        if self._server is not None and self._server.started:
+            self._server.should_exit = True
+            await self._server.shutdown(sockets=[self._sock])
+        elif self._sock is not None:
+            self._sock.close()
+
+    async def wait_closed(self) -> None:
+        await self._stopped.wait()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        raise FatalError(f"the HTTP API cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.setblocking(False)
+    return sock
+
+
+def stats_dict(stats: HttpStats) -> dict:
+    return asdict(stats)

@@ -1,0 +1,381 @@
+"""deploy/kubernetes (kustomize base + cpu/gpu overlays) and deploy/docker, checked against the real CLI and code.
+
+Every container's command line is parsed by the real CLI together with its `env` (every flag reads SPECRELAY_*);
+every rendered object of both overlays passes the Kubernetes schema (kubernetes-validate, strict); every probe is
+an httpGet on the container's resolved --health-port with --health-host 0.0.0.0, never a ZeroMQ port; annotations,
+Services, --broker endpoints, volumes and grace periods agree with each other and with the code's timeouts; the
+Dockerfile passes hadolint and its slim broker image's packages run the broker without torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from deploy_common import BASE, DOCKERFILE, OVERLAYS, PROBES, WORKLOADS, parse_cli, zmq_port, zmq_ports
+
+yaml = pytest.importorskip("yaml", reason="PyYAML is not installed (it normally comes in with transformers)")
+
+
+# ------------------------------------------------------------------------------------------ Kubernetes
+
+def base_docs() -> list[dict]:
+    """The base's resources as written (no kustomize needed)."""
+    kustomization = yaml.safe_load((BASE / "kustomization.yaml").read_text())
+    docs = []
+    for resource in kustomization["resources"]:
+        docs += [d for d in yaml.safe_load_all((BASE / resource).read_text()) if d is not None]
+    return docs
+
+
+def kustomize(path: Path) -> list[dict]:
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed (kustomize renders the overlays)")
+    proc = subprocess.run(["kubectl", "kustomize", str(path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+@functools.lru_cache(maxsize=None)
+def rendered() -> dict[str, list[dict]]:
+    """What each overlay deploys (the base's files when kubectl is missing, for the checks that need no kustomize)."""
+    if shutil.which("kubectl") is None:
+        return {"base": base_docs()}
+    return {name: kustomize(path) for name, path in OVERLAYS.items()}
+
+
+def env_of(c: dict) -> dict[str, str]:
+    env = {}
+    for item in c.get("env", []):
+        assert "value" in item or "valueFrom" in item, item
+        if "value" in item:
+            env[item["name"]] = item["value"]
+    return env
+
+
+def containers(docs: list[dict]) -> list[tuple[dict, dict]]:
+    """(workload, container) for every container that runs `specrelay`."""
+    found = []
+    for doc in docs:
+        if doc["kind"] in WORKLOADS:
+            for c in doc["spec"]["template"]["spec"]["containers"]:
+                if Path((c.get("command") or ["?"])[0]).name == "specrelay":
+                    found.append((doc, c))
+    return found
+
+
+def container_args(c: dict):
+    argv = [*c["command"][1:], *c.get("args", [])]
+    assert all(isinstance(a, str) for a in argv), f"{c['name']}: quote every argument: {argv}"
+    assert not any("$(" in a for a in argv), f"{c['name']}: $(VAR) expansion is not checked here"
+    return parse_cli(argv, env_of(c))
+
+
+def by_command(docs: list[dict]) -> dict[str, tuple[dict, dict, object]]:
+    out = {}
+    for workload, c in containers(docs):
+        args = container_args(c)
+        assert args.command not in out, f"two workloads run {args.command}"
+        out[args.command] = (workload, c, args)
+    return out
+
+
+def every_overlay():
+    return pytest.mark.parametrize("overlay", sorted(rendered()) if shutil.which("kubectl") is None
+                                   else sorted(OVERLAYS))
+
+
+def named_port(c: dict, port) -> int:
+    if isinstance(port, int):
+        return port
+    return next(p["containerPort"] for p in c.get("ports", []) if p.get("name") == port)
+
+
+def test_base_lists_every_manifest():
+    kustomization = yaml.safe_load((BASE / "kustomization.yaml").read_text())
+    present = {p.name for p in BASE.glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(kustomization["resources"]) == present
+
+
+@every_overlay()
+def test_every_rendered_object_passes_the_kubernetes_schema(overlay):
+    validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed")
+    docs = rendered()[overlay]
+    assert {d["kind"] for d in docs} >= {"Deployment", "Service", "Job", "PersistentVolumeClaim", "ConfigMap"}
+    for doc in docs:
+        validate.validate(doc, validate.latest_version(), strict=True)  # raises ValidationError
+
+
+@every_overlay()
+def test_every_container_command_parses_with_the_real_cli(overlay):
+    commands = by_command(rendered()[overlay])
+    assert set(commands) == {"broker", "cloud-worker", "edge-worker"}
+
+
+@every_overlay()
+def test_probes_are_http_gets_on_the_health_port(overlay):
+    for command, (workload, c, args) in by_command(rendered()[overlay]).items():
+        assert args.health_port is not None and args.health_host == "0.0.0.0", f"{command}: probes reach the pod IP"
+        probes = {kind: c[kind] for kind in PROBES if kind in c}
+        assert {"livenessProbe", "readinessProbe"} <= set(probes), f"{command}: liveness and readiness"
+        for kind, probe in probes.items():
+            assert set(probe) & {"httpGet", "exec", "tcpSocket", "grpc"} == {"httpGet"}, f"{command} {kind}"
+            port = named_port(c, probe["httpGet"]["port"])
+            assert port == args.health_port, f"{command} {kind} probes {port}, --health-port is {args.health_port}"
+            assert port not in zmq_ports(args), f"{command} {kind} probes a ZeroMQ port"
+            assert probe["httpGet"]["path"] in ("/healthz", "/readyz"), f"{command} {kind}"
+
+
+@every_overlay()
+def test_metrics_are_exposed_for_scraping(overlay):
+    for command, (workload, c, args) in by_command(rendered()[overlay]).items():
+        annotations = workload["spec"]["template"]["metadata"].get("annotations", {})
+        assert annotations.get("prometheus.io/scrape") == "true", command
+        assert int(annotations["prometheus.io/port"]) == args.health_port and annotations["prometheus.io/path"] == "/metrics"
+        assert args.health_port in {p["containerPort"] for p in c["ports"]}, f"{command}: declare the health port"
+
+
+def test_probe_paths():
+    commands = by_command(base_docs())
+    _, cloud, _ = commands["cloud-worker"]
+    assert cloud["startupProbe"]["httpGet"]["path"] == "/healthz", "startup = model loaded"
+    assert cloud["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert cloud["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    _, broker, _ = commands["broker"]
+    # /readyz is 503 until a worker registers, and workers reach the broker through its Service
+    assert broker["readinessProbe"]["httpGet"]["path"] == "/healthz"
+
+
+def test_health_endpoints_answer_the_probe_paths():
+    """The paths the probes GET exist on the real health server: 200 when healthy, 503 when not."""
+    import urllib.error
+    import urllib.request
+
+    from prometheus_client import CollectorRegistry
+
+    from specrelay.common import health
+
+    async def main() -> None:
+        state = {"ok": True}
+        endpoints = health.Endpoints(lambda: (state["ok"], {}), lambda: (state["ok"], {}), CollectorRegistry())
+        server = await health.start_http("0.0.0.0", 0, endpoints)
+        port = server.sockets[0].getsockname()[1]
+
+        def get(path: str) -> int:
+            try:
+                return urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5).status
+            except urllib.error.HTTPError as exc:
+                return exc.code
+        try:
+            for path in ("/healthz", "/readyz", "/metrics"):
+                assert await asyncio.to_thread(get, path) == 200
+            state["ok"] = False
+            assert await asyncio.to_thread(get, "/healthz") == 503
+            assert await asyncio.to_thread(get, "/readyz") == 503
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(main())
+
+
+def services(docs: list[dict]) -> list[dict]:
+    return [d for d in docs if d["kind"] == "Service"]
+
+
+def service_for(workload: dict, docs: list[dict]) -> dict | None:
+    labels = workload["spec"]["template"]["metadata"]["labels"]
+    matching = [s for s in services(docs) if s["spec"]["selector"].items() <= labels.items()]
+    assert len(matching) <= 1
+    return matching[0] if matching else None
+
+
+@every_overlay()
+def test_services_reach_the_bound_ports(overlay):
+    docs = rendered()[overlay]
+    for command, (workload, c, args) in by_command(docs).items():
+        svc = service_for(workload, docs)
+        if command == "cloud-worker":
+            assert svc is None, "cloud workers dial the broker; they need no Service"
+            continue
+        assert svc is not None, f"no Service selects {command}"
+        targets = {named_port(c, p.get("targetPort", p["port"])) for p in svc["spec"]["ports"]}
+        binds = [args.frontend, args.backend] if command == "broker" else [args.listen]
+        for endpoint in binds:
+            host = urlsplit(endpoint).hostname
+            assert endpoint.startswith("tcp://") and host in ("0.0.0.0", "*", None), \
+                f"{command} binds {endpoint}: unreachable from other pods"
+            assert zmq_port(endpoint) in targets, f"{command} binds {endpoint}; Service targets {targets}"
+        if command == "edge-worker":
+            assert args.http is not None and args.http[0] == "0.0.0.0" and args.http[1] in targets, "HTTP API"
+
+
+@every_overlay()
+def test_broker_endpoints_point_at_the_broker_service(overlay):
+    docs = rendered()[overlay]
+    commands = by_command(docs)
+    broker_workload, broker_c, broker_args = commands["broker"]
+    name = service_for(broker_workload, docs)["metadata"]["name"]
+    svc = service_for(broker_workload, docs)
+    for command, side in (("cloud-worker", broker_args.backend), ("edge-worker", broker_args.frontend)):
+        _, _, args = commands[command]
+        url = urlsplit(args.broker)
+        assert url.scheme == "tcp" and url.hostname.split(".")[0] == name, f"{command} --broker {args.broker}"
+        port = next(p for p in svc["spec"]["ports"] if p["port"] == url.port)
+        assert named_port(broker_c, port.get("targetPort", port["port"])) == zmq_port(side), \
+            f"{command} reaches the broker's port {port}, not {side}"
+
+
+@every_overlay()
+def test_model_paths_are_mounted_and_filled_by_the_job(overlay):
+    docs = rendered()[overlay]
+    claims = set()
+    for command, (workload, c, args) in by_command(docs).items():
+        mounts = {m["name"]: m for m in c.get("volumeMounts", [])}
+        volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"].get("volumes", [])}
+        for attr in ("model", "draft_model", "target_tokenizer"):
+            value = getattr(args, attr, None)
+            if value and value.startswith("/"):
+                mount = next((m for m in mounts.values() if Path(value).is_relative_to(m["mountPath"])), None)
+                assert mount is not None, f"{command} --{attr} {value} is not mounted"
+                assert mount.get("readOnly"), f"{command} mounts its models read-only"
+                claims.add(volumes[mount["name"]]["persistentVolumeClaim"]["claimName"])
+    (job,) = [d for d in docs if d["kind"] == "Job"]
+    spec = job["spec"]["template"]["spec"]
+    writes = {v["persistentVolumeClaim"]["claimName"] for v in spec["volumes"] if "persistentVolumeClaim" in v
+              for c in spec["containers"] for m in c["volumeMounts"] if m["name"] == v["name"] and not m.get("readOnly")}
+    assert claims and claims <= writes, f"the Job fills {writes}, the workers read {claims}"
+    script = " ".join(spec["containers"][0]["args"])
+    assert "/models/target" in script and "/models/draft" in script
+
+
+def test_gpu_overlay_runs_cuda_bfloat16_on_one_gpu_per_pod():
+    docs = kustomize(OVERLAYS["gpu"])
+    workload, c, args = by_command(docs)["cloud-worker"]
+    assert args.device == "cuda" and args.dtype == "bfloat16"
+    assert str(c["resources"]["limits"]["nvidia.com/gpu"]) == "1"
+    assert any(t["key"] == "nvidia.com/gpu" for t in workload["spec"]["template"]["spec"]["tolerations"])
+    _, _, cpu_args = by_command(kustomize(OVERLAYS["cpu"]))["cloud-worker"]
+    assert cpu_args.device == "cpu" and cpu_args.dtype == "float32"
+    for other in ("broker", "edge-worker"):  # only the cloud workers need GPUs
+        assert "nvidia.com/gpu" not in str(by_command(docs)[other][1].get("resources"))
+
+
+def test_cloud_worker_drains_within_the_grace_period():
+    from specrelay.cloud_worker.server import WorkerConfig
+
+    workload, c, _ = by_command(base_docs())["cloud-worker"]
+    pre_stop = c["lifecycle"]["preStop"]
+    sleep = float(pre_stop["sleep"]["seconds"]) if "sleep" in pre_stop else 0.0
+    grace = workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace >= sleep + WorkerConfig().drain_timeout_s + 5, "SIGKILL would cut the drain short"
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 300, "model loading needs minutes"
+
+
+def test_broker_is_a_single_replica_on_the_slim_image():
+    workload, c, _ = by_command(base_docs())["broker"]
+    assert workload["kind"] == "Deployment" and workload["spec"]["replicas"] == 1
+    assert workload["spec"]["strategy"]["type"] == "Recreate", "a rolling update would run two brokers"
+    assert c["image"].split(":")[0].endswith("-broker"), "the broker runs the image without torch"
+    for command in ("cloud-worker", "edge-worker"):
+        assert not by_command(base_docs())[command][1]["image"].split(":")[0].endswith("-broker")
+
+
+# ------------------------------------------------------------------------------------------ Dockerfile
+
+def dockerfile_stages() -> dict[str, str]:
+    stages, name = {}, None
+    for line in DOCKERFILE.read_text().splitlines():
+        m = re.match(r"FROM\s+\S+\s+AS\s+(\S+)", line, re.I)
+        if m:
+            name = m.group(1)
+            stages[name] = ""
+        elif name:
+            stages[name] += line + "\n"
+    return stages
+
+
+def broker_deps() -> list[str]:
+    m = re.search(r'ARG BROKER_DEPS="([^"]+)"', DOCKERFILE.read_text())
+    return [re.split(r"[<>=!]", spec)[0] for spec in m.group(1).split()]
+
+
+def test_dockerfile_has_a_slim_broker_and_non_root_role_images():
+    stages = dockerfile_stages()
+    assert {"wheel", "broker", "worker"} <= set(stages)
+    assert "--no-deps" in stages["broker"] and "torch" not in stages["broker"], "the broker image has no torch"
+    for role in ("broker", "worker"):
+        user = re.findall(r"^USER\s+(\S+)", stages[role], re.M)
+        assert user and user[-1].split(":")[0] not in ("root", "0"), f"{role} runs as non-root"
+        assert 'ENTRYPOINT ["specrelay"]' in stages[role]
+    images = {c["image"].split(":")[0] for _, c in containers(base_docs())}
+    comments = DOCKERFILE.read_text()
+    assert all(f"-t {image}:" in comments for image in images), "every image the manifests run is built here"
+
+
+@pytest.mark.skipif(shutil.which("hadolint") is None and not (Path(sys.executable).parent / "hadolint").exists(),
+                    reason="hadolint is not installed")
+def test_hadolint():
+    binary = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    proc = subprocess.run([binary, str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.timeout(180)
+def test_broker_runs_with_only_the_slim_images_packages(built_wheel, tmp_path):
+    """The broker image installs specrelay --no-deps plus BROKER_DEPS: the same here, and `specrelay broker`
+    serves /healthz while torch cannot even be imported."""
+    import importlib.util
+    import time
+    import urllib.request
+    import venv
+
+    from specrelay.cluster import free_port
+
+    deps = tmp_path / "deps"
+    deps.mkdir()
+    for dist in broker_deps():
+        module = {"pyzmq": "zmq"}.get(dist, dist)
+        spec = importlib.util.find_spec(module)
+        if spec is None:
+            continue  # an optional speed-up (uvloop) that this venv lacks
+        origin = Path(spec.submodule_search_locations[0]) if spec.submodule_search_locations else Path(spec.origin)
+        (deps / origin.name).symlink_to(origin)
+        for libs in origin.parent.glob(f"{dist}.libs"):  # manylinux wheels' vendored shared libraries
+            (deps / libs.name).symlink_to(libs)
+    home = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=False).create(home)
+    python = home / "bin" / "python"
+    site = subprocess.check_output([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                   text=True).strip()
+    (Path(site) / "deps.pth").write_text(f"{deps}\n")
+    proc = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
+                           str(built_wheel)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert subprocess.run([python, "-c", "import torch"], capture_output=True).returncode != 0
+    port = free_port()
+    broker = subprocess.Popen([home / "bin" / "specrelay", "broker", "--frontend", f"tcp://127.0.0.1:{free_port()}",
+                               "--backend", f"tcp://127.0.0.1:{free_port()}", "--health-port", str(port)],
+                              stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert broker.poll() is None, broker.stderr.read()[-2000:]
+            try:
+                assert urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1).status == 200
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the slim broker never answered /healthz"
+                time.sleep(0.2)
+    finally:
+        broker.terminate()
+        broker.wait(timeout=20)

@@ -90,7 +90,8 @@ class ResampleKind(enum.IntEnum):
     HR = 2           # srdv gave up: send the hr payload
 
 
-DEFAULT_STRATEGY = Strategy.SRDV  # the one default: fewest bytes at equal exactness (docs/benchmarks.md)
+DEFAULT_SAMPLED_MODE = Mode.COUPLED  # at temperature > 0 when no mode is named: fewest bytes and round trips
+DEFAULT_STRATEGY = Strategy.SRDV     # in SAMPLE mode when no strategy is named (docs/benchmarks.md)
 
 
 def enum_value(kind: type[enum.IntEnum], value, field: str):

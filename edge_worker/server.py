@@ -32,7 +32,7 @@ from ..common import protocol as P
 from ..common import transport
 from ..common.errors import (AuthenticationFailed, ConnectionLost, FatalError, GenerationTimeout, InvalidRequest,
                              Overloaded, RequestError, UnknownSession)
-from ..common.protocol import DEFAULT_STRATEGY, Mode, Strategy
+from ..common.protocol import DEFAULT_SAMPLED_MODE, DEFAULT_STRATEGY, Mode, Strategy
 from .batcher import DraftBatcher
 from .drafter import Drafter
 from .frontend import ClientFrontend
@@ -59,7 +59,7 @@ class EdgeConfig:
     default_resample: Strategy = DEFAULT_STRATEGY
     # the mode at temperature > 0 when a request names none: coupled sends the fewest bytes both ways, needs no
     # RESAMPLE round trips and is exact (its output is target-alone's with the same seed); docs/benchmarks.md
-    sampling_mode: Mode = Mode.COUPLED
+    sampling_mode: Mode = DEFAULT_SAMPLED_MODE
     default_draft_len: int | None = None  # None = auto
     linger_ms: int = 100
     heartbeat_s: float = 1.0          # ZMTP heartbeats on the broker connection (drop a dead TCP peer)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from ..common import protocol as P
 from ..common.errors import ErrorCode, InvalidRequest, from_wire
-from ..common.protocol import DEFAULT_STRATEGY, Mode, Strategy
+from ..common.protocol import DEFAULT_SAMPLED_MODE, DEFAULT_STRATEGY, Mode, Strategy
 from ..common.resample import Rejection
 from ..common.sampling import SamplingParams
 from .drafter import DraftBlock, Drafter, DraftJob
@@ -25,7 +25,7 @@ AUTO_START, AUTO_MIN, AUTO_MAX = 6, 1, 16  # auto draft length: +2 after a fully
 class SessionConfig:
     max_new_tokens: int = 64
     params: SamplingParams = SamplingParams()
-    mode: Mode | None = None      # None = GREEDY at temperature 0, else SAMPLE (names accepted: "coupled")
+    mode: Mode | None = None      # None = GREEDY at temperature 0, else DEFAULT_SAMPLED_MODE (names accepted)
     seed: int = 0
     draft_len: int | None = None  # None = auto
     resample: Strategy = DEFAULT_STRATEGY
@@ -37,7 +37,7 @@ class SessionConfig:
             return Mode.GREEDY
         if self.mode == Mode.GREEDY:
             raise InvalidRequest("mode GREEDY needs temperature 0", field="mode")
-        return self.mode or Mode.SAMPLE
+        return self.mode or DEFAULT_SAMPLED_MODE
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "resample", P.enum_value(Strategy, self.resample, "resample"))

@@ -365,7 +365,8 @@ def generation_acceptance(draft: str, n_prompts: int = 20, max_new: int = 64) ->
                for x in (MODELS / "heldout_prompts.jsonl").read_text().splitlines()[:n_prompts]]
     out = {}
     for label, params in (("greedy", SamplingParams()), ("t1", SamplingParams(1.0))):
-        configs = [SessionConfig(max_new_tokens=max_new, params=params, seed=i, draft_len=4) for i in range(len(prompts))]
+        configs = [SessionConfig(max_new_tokens=max_new, params=params, mode=None if params.greedy else "sample",
+                                 seed=i, draft_len=4) for i in range(len(prompts))]
         res = speculative_generate_batch(drafter, target, prompts, configs)
         acc = sum(s["accepted_tokens"] for _, s in res) / max(1, sum(s["draft_tokens"] for _, s in res))
         calls = sum(s["cloud_calls"] for _, s in res) / sum(s["generated_tokens"] for _, s in res)

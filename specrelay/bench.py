@@ -144,7 +144,8 @@ def bench_xvocab(args) -> dict:
     rows = {}
     with LocalCluster(str(MODELS / "demo-target")) as c:
         for strategy in ("full", "hr", "srdv", "coupled"):
-            cfg = {"mode": Mode.COUPLED} if strategy == "coupled" else {"resample": Strategy[strategy.upper()]}
+            cfg = {"mode": Mode.COUPLED} if strategy == "coupled" else {"mode": Mode.SAMPLE,
+                                                                        "resample": Strategy[strategy.upper()]}
             out, wall = asyncio.run(run_edge(c.frontend, str(MODELS / "demo-draft-xv"), texts, 8,
                                              target_tok=str(MODELS / "demo-target"), temperature=1.0, seed=7,
                                              max_new_tokens=args.max_new_tokens, **cfg))
@@ -176,8 +177,8 @@ def bench_srdv_k(args) -> dict:
     try:
         for k in (1, 2, 4, 8):
             resample.SRDV_CANDIDATES = k
-            configs = [SessionConfig(max_new_tokens=args.max_new_tokens, params=SamplingParams(1.0), seed=i,
-                                     resample=Strategy.SRDV) for i in range(len(ids))]
+            configs = [SessionConfig(max_new_tokens=args.max_new_tokens, params=SamplingParams(1.0), mode=Mode.SAMPLE,
+                                     seed=i, resample=Strategy.SRDV) for i in range(len(ids))]
             res = speculative_generate_batch(drafter, target, ids, configs)
             n = sum(s["generated_tokens"] for _, s in res)
             rows[f"K={k}"] = {"downlink_bits_per_token": round(8 * sum(s["downlink_bytes"] for _, s in res) / n, 1),

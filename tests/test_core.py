@@ -105,6 +105,17 @@ def test_coupled_verify_accepts_while_noisy_argmax_agrees():
     assert verify.coupled(target_ids[:2], logp, noise) == (2, int(target_ids[2]))
 
 
+def test_sampling_defaults_to_the_coupled_mode(tiny_runners):
+    """One source of defaults: at temperature > 0 a session that names no mode is COUPLED, at 0 GREEDY."""
+    from specrelay.common.protocol import DEFAULT_SAMPLED_MODE
+    from specrelay.edge_worker.session import SessionConfig
+
+    assert DEFAULT_SAMPLED_MODE == Mode.COUPLED
+    assert SessionConfig(params=SamplingParams(0.7)).resolved_mode() == Mode.COUPLED
+    assert SessionConfig(params=SamplingParams(0.7), mode="sample").resolved_mode() == Mode.SAMPLE
+    assert SessionConfig().resolved_mode() == Mode.GREEDY
+
+
 def test_top_k_top_p_transform():
     logits = torch.tensor([3.0, 2.0, 1.0, 0.0])
     assert (probs_from_logits(logits, SamplingParams(1.0, top_k=2)) > 0).tolist() == [True, True, False, False]
@@ -152,6 +163,6 @@ def test_fixed_seed_reproducible(tiny_runners, resample):
     target, draft = tiny_runners
     ids = target.tokenizer("class Point:\n").input_ids
     run = lambda seed: speculative_generate(draft, target, ids, max_new_tokens=20, params=SamplingParams(1.0),
-                                            seed=seed, resample=resample)[0]
+                                            mode="sample", seed=seed, resample=resample)[0]
     assert run(11) == run(11)
     assert any(run(11) != run(s) for s in (12, 13, 14))

@@ -57,8 +57,8 @@ def test_server_only_tokens_are_reachable(synthetic):
     target, drafter, prompt = synthetic
     shared = drafter.shared_mask
     for resample in ("hr", "srdv"):
-        configs = [SessionConfig(max_new_tokens=3, params=PARAMS, seed=s, draft_len=2, resample=resample)
-                   for s in range(400)]
+        configs = [SessionConfig(max_new_tokens=3, params=PARAMS, mode="sample", seed=s, draft_len=2,
+                                 resample=resample) for s in range(400)]
         results = speculative_generate_batch(drafter, target, [prompt] * 400, configs)
         assert any(not shared[t] for ids, _ in results for t in ids), resample
 

@@ -76,6 +76,8 @@ def specifiers(value: str, instance: str) -> str:
     def one(m: re.Match) -> str:
         if m.group(1) == "i":
             return instance
+        if m.group(1) == "d":  # the credentials directory (LoadCredential=)
+            return "/run/credentials/unit"
         if m.group(1) == "%":
             return "%"
         raise AssertionError(f"specifier %{m.group(1)} is not handled by this test: {value!r}")
@@ -263,3 +265,20 @@ def test_systemd_analyze_verify(name, tmp_path):
                           text=True, timeout=60)
     ours = [line for line in (proc.stdout + proc.stderr).splitlines() if target.name in line or str(target) in line]
     assert proc.returncode == 0 and not ours, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("name", sorted(UNITS))
+def test_units_run_with_curve_keys(name):
+    """Every unit authenticates: the secret key arrives as a systemd credential (never in the environment file),
+    the broker gets both allowlists, the others the broker's public key; nobody runs --insecure."""
+    unit = read_unit(SYSTEMD / name)
+    args = unit_args(name)
+    creds = dict(c.split(":", 1) for c in unit["Service"].get("LoadCredential", []))
+    assert args.curve_secret and args.curve_secret.startswith("/run/credentials/unit/"), args.curve_secret
+    assert Path(args.curve_secret).name in creds and creds[Path(args.curve_secret).name].startswith("/etc/specrelay/keys/")
+    if UNITS[name] == "broker":
+        assert args.edge_keys and args.worker_keys and not args.insecure
+        assert any(v.startswith("/bin/kill -HUP") for v in unit["Service"].get("ExecReload", []))
+    else:
+        assert args.broker_key == "/etc/specrelay/keys/broker.key"
+    assert "KEY_SECRET" not in (SYSTEMD / "specrelay.env").read_text().upper().replace("NAME.KEY_SECRET", "")

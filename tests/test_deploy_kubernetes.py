@@ -379,3 +379,28 @@ def test_broker_runs_with_only_the_slim_images_packages(built_wheel, tmp_path):
     finally:
         broker.terminate()
         broker.wait(timeout=20)
+
+
+@every_overlay()
+def test_every_process_runs_with_curve_keys_from_its_own_secret(overlay):
+    """CURVE everywhere: each key file the CLI is pointed at lies in a read-only volume of the pod, the secret key
+    in a Secret that only its role mounts, the allowlists in ConfigMaps; nobody passes --insecure."""
+    secrets_by_role = {}
+    for command, (workload, c, args) in by_command(rendered()[overlay]).items():
+        volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"].get("volumes", [])}
+        mounts = {m["mountPath"]: volumes[m["name"]] for m in c.get("volumeMounts", [])}
+
+        def source(path: str) -> dict:
+            owner = max((m for m in mounts if path.startswith(m.rstrip("/") + "/") or path == m), key=len)
+            return mounts[owner]
+
+        assert args.curve_secret, f"{command} runs without --curve-secret"
+        secret = source(args.curve_secret)
+        assert "secret" in secret and oct(secret["secret"]["defaultMode"]) == "0o440", secret
+        secrets_by_role[command] = secret["secret"]["secretName"]
+        if command == "broker":
+            assert not args.insecure
+            assert "configMap" in source(args.edge_keys + "/x") and "configMap" in source(args.worker_keys + "/x")
+        else:
+            assert source(args.broker_key)["secret"]["secretName"] == secrets_by_role[command]
+    assert len(set(secrets_by_role.values())) == 3  # no role can read another role's secret key

@@ -127,7 +127,7 @@ class Router:
         worker that holds it."""
         key = (peer.edge, session_id)
         session = self.sessions.get(key)
-        usage = self.usage.setdefault(peer.client, Usage())
+        usage = self.usage.get(peer.client) or Usage()  # kept only once the client holds a session
         extra_tokens = tokens - (session.tokens if session else 0)
         refusal = self._quota(usage, new_session=session is None, extra_tokens=extra_tokens)
         if refusal is None and session is None:
@@ -138,6 +138,7 @@ class Router:
                 session = self.sessions[key] = Session(edge=peer.edge, worker=worker.identity, client=peer.client)
                 worker.sessions.add(key)
                 peer.sessions.add(key)
+                self.usage[peer.client] = usage
                 usage.sessions += 1
                 self._gauges()
         if refusal is not None:

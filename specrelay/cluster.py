@@ -23,11 +23,13 @@ class LocalCluster:
 
     def __init__(self, target_model: str, workers: int = 1, max_batch: int = 32, threads: int | None = None,
                  extra_worker_args: tuple[str, ...] = (), startup_timeout: float = 120.0,
-                 extra_broker_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
+                 extra_broker_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                 launcher: tuple[str, ...] = ()) -> None:
         self.target_model, self.workers, self.max_batch = target_model, workers, max_batch
         self.threads, self.extra, self.startup_timeout = threads, extra_worker_args, startup_timeout
         self.broker_extra = extra_broker_args
         self.env = env or {}  # extra environment of the children (e.g. SPECRELAY_LOG_LEVEL)
+        self.launcher = launcher  # a command prefix for the children, e.g. ("taskset", "-c", "0")
         self.frontend = f"tcp://127.0.0.1:{free_port()}"
         self.backend = f"tcp://127.0.0.1:{free_port()}"
         self.broker_health_port = free_port()
@@ -40,9 +42,9 @@ class LocalCluster:
         env = dict(os.environ) | self.env
         if self.threads:
             env["OMP_NUM_THREADS"] = env["SPECRELAY_THREADS"] = str(self.threads)
-        proc = subprocess.Popen([sys.executable, "-m", "specrelay.cli", *args], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE if os.environ.get(
-                                    "SPECRELAY_QUIET_CHILDREN") else None)
+        quiet = subprocess.DEVNULL if os.environ.get("SPECRELAY_QUIET_CHILDREN") else None  # never an unread pipe
+        proc = subprocess.Popen([*self.launcher, sys.executable, "-m", "specrelay.cli", *args], env=env,
+                                stdout=subprocess.DEVNULL, stderr=quiet)
         self.procs.append(proc)
         return proc
 

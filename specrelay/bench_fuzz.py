@@ -1,0 +1,182 @@
+"""`specrelay bench fuzz`: legit greedy sessions through a broker and a cloud worker (real processes) while attacker
+processes send malformed and valid-but-abusive traffic; prints and writes JSON.
+
+    python -m specrelay.bench_fuzz [--malformed 100000] [--abusive 10000] [--attackers 2] [--cpus 0]
+
+Measured, against a no-attack run of the same sessions: legit latency per committed chunk (p50/p99, and the
+ratio of the p99s), outputs identical to target-alone greedy, the longest /healthz answer of the broker during
+the attack (polled every 50 ms), workers the broker declared lost, processes alive at the end, and the broker's
+counters (bad requests, quota refusals, ...). --cpus pins the broker and the worker to those cores (taskset).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def attacker(frontend: str, n_malformed: int, n_abusive: int, seed: int, vocab: int) -> None:
+    """A separate process: raw ZeroMQ, as fast as the socket takes it."""
+    import zmq
+
+    from .fuzz import Fuzzer
+
+    fuzz = Fuzzer(seed, vocab)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 100_000)
+    sock.connect(frontend)
+    kinds = [True] * n_malformed + [False] * n_abusive
+    fuzz.rng.shuffle(kinds)
+    for malformed in kinds:
+        frames = fuzz.malformed() if malformed else fuzz.abusive()
+        sock.send_multipart(frames)  # blocks when the pipe is full: the broker sets the pace
+        while sock.poll(0, zmq.POLLIN):
+            sock.recv_multipart()  # drop the broker's answers
+    time.sleep(0.5)
+    sock.close()
+    ctx.term()
+
+
+class HealthWatch:
+    """Polls GET /healthz every 50 ms in a thread; records the longest answer (a timeout counts as its length)."""
+
+    def __init__(self, port: int) -> None:
+        self.url, self.worst, self.failures = f"http://127.0.0.1:{port}/healthz", 0.0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            try:
+                with urllib.request.urlopen(self.url, timeout=5) as r:
+                    ok = r.status == 200
+            except OSError:
+                ok = False
+            self.worst = max(self.worst, time.monotonic() - t0)
+            self.failures += not ok
+            self._stop.wait(0.05)
+
+    def __enter__(self) -> "HealthWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+async def legit(frontend: str, draft: str, prompts: list[str], max_new: int) -> tuple[list[list[int]], list[float]]:
+    """Greedy generations of every prompt at once; returns the outputs and the gaps between committed chunks."""
+    from .edge_worker.loading import load_edge
+    from .edge_worker.session import SessionConfig
+
+    gaps: list[float] = []
+    async with await load_edge(frontend, draft) as edge:
+        async def one(prompt: str) -> list[int]:
+            last = time.monotonic()
+
+            def tick(_new) -> None:
+                nonlocal last
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+            ids, _ = await edge.generate(edge.tokenizer(prompt).input_ids, SessionConfig(max_new), tick)
+            return ids
+
+        outs = await asyncio.gather(*(one(p) for p in prompts))
+    return outs, gaps
+
+
+def pct(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else (values or [0.0])[0]
+
+
+def run(args) -> dict:
+    from .cluster import LocalCluster
+    from .common.runner import ModelRunner
+    from .speculative import target_generate
+
+    prompts = [json.loads(x)["prompt"] for x in Path(args.prompts).read_text().splitlines() if x.strip()][:args.sessions]
+    target = ModelRunner.load(args.target)
+    refs = [target_generate(target, target.tokenizer(p).input_ids, args.max_new_tokens) for p in prompts]
+    pin = ("taskset", "-c", args.cpus) if args.cpus else ()
+    with LocalCluster(args.target, threads=1, launcher=pin) as cluster:
+        base_outs, base_gaps = asyncio.run(legit(cluster.frontend, args.draft, prompts, args.max_new_tokens))
+        lost_before = cluster.metrics(cluster.broker_health_port)["specrelay_broker_workers_lost_total"]
+        procs = [multiprocessing.Process(target=attacker, args=(cluster.frontend, args.malformed // args.attackers,
+                                                                args.abusive // args.attackers, seed,
+                                                                target.vocab_size))
+                 for seed in range(args.attackers)]
+        with HealthWatch(cluster.broker_health_port) as watch:
+            t0 = time.monotonic()
+            for p in procs:
+                p.start()
+            outs, gaps = asyncio.run(legit(cluster.frontend, args.draft, prompts, args.max_new_tokens))
+            for p in procs:
+                p.join()
+            attack_s = time.monotonic() - t0
+        metrics = cluster.metrics(cluster.broker_health_port)
+        alive = all(proc.poll() is None for proc in cluster.procs)
+    base_p99, p99 = pct(base_gaps, 99), pct(gaps, 99)
+    return {
+        "malformed_sent": args.malformed, "abusive_sent": args.abusive, "attack_wall_s": round(attack_s, 1),
+        "cpus": args.cpus or "all", "sessions": len(prompts), "max_new_tokens": args.max_new_tokens,
+        "outputs_identical_to_target_alone": outs == refs and base_outs == refs,
+        "legit_chunk_latency_ms": {"no_attack_p50": round(1000 * pct(base_gaps, 50), 2),
+                                   "no_attack_p99": round(1000 * base_p99, 2),
+                                   "attack_p50": round(1000 * pct(gaps, 50), 2), "attack_p99": round(1000 * p99, 2)},
+        "p99_ratio": round(p99 / base_p99, 2) if base_p99 else None,
+        "healthz_worst_s": round(watch.worst, 3), "healthz_failures": watch.failures,
+        "workers_falsely_lost": int(metrics["specrelay_broker_workers_lost_total"] - lost_before),
+        "processes_alive": alive,
+        "broker": {k.removeprefix("specrelay_broker_"): v for k, v in metrics.items()
+                   if k.startswith("specrelay_broker_") and not k.endswith(("_created", "loop_lag_s"))},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="specrelay bench fuzz", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    models = ROOT / "models"
+    ap.add_argument("--target", default=str(models / "demo-target"))
+    ap.add_argument("--draft", default=str(models / "demo-draft"))
+    ap.add_argument("--prompts", default=str(models / "heldout_prompts.jsonl"))
+    ap.add_argument("--sessions", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--malformed", type=int, default=100_000)
+    ap.add_argument("--abusive", type=int, default=10_000)
+    ap.add_argument("--attackers", type=int, default=2, help="attacker processes")
+    ap.add_argument("--cpus", default="", help="pin the broker and worker to these cores, e.g. 0 (taskset)")
+    ap.add_argument("--out", default="bench_results")
+    args = ap.parse_args(argv)
+    result = run(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fuzz.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+    print(f"-> {out / 'fuzz.json'}", file=sys.stderr)
+    ok = (result["outputs_identical_to_target_alone"] and result["processes_alive"] and
+          result["workers_falsely_lost"] == 0 and result["healthz_worst_s"] <= 1.0 and
+          (result["p99_ratio"] or 0) <= 3.0)
+    print("bars met" if ok else "bars NOT met", file=sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())

@@ -111,3 +111,20 @@ def test_demo_greedy_through_broker_equals_hf_20_prompts_8_in_flight(demo_runner
         ref = hf_greedy(target.model, target.tokenizer, prompt, 32)
         assert ids == ref, prompt
         assert xv_ids == ref, prompt  # cross-vocabulary draft: still exactly the target's greedy output
+
+
+@pytest.mark.timeout(240)
+def test_cli_generate_reports_a_failed_prompt_and_keeps_the_others(tiny_cluster, tiny_pair, tmp_path):
+    """One prompt too long for any context: its line is {"prompt", "error"}, the others are printed in order,
+    and the exit code is 1 at the end (never silence)."""
+    target, draft = tiny_pair
+    too_long = "x = 1\n" * 20_000
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in (PROMPTS[0], too_long, PROMPTS[1])))
+    out = subprocess.run([sys.executable, "-m", "specrelay.cli", "generate", "--broker", tiny_cluster.frontend,
+                          "--draft-model", str(draft), "--prompts", str(prompts), "--max-new-tokens", "8", "--json"],
+                         capture_output=True, text=True, timeout=200)
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert [r["prompt"] for r in rows] == [PROMPTS[0], too_long, PROMPTS[1]]
+    assert "error" in rows[1] and "token_ids" in rows[0] and "token_ids" in rows[2]

@@ -196,3 +196,45 @@ def test_cli_generate_with_a_refused_key_fails_fast_with_one_line(keys, tiny_pai
     assert out.returncode == 1 and out.stdout == ""
     assert len(lines) == 1 and "authentication failed" in lines[0], out.stderr
     assert elapsed < 50, elapsed
+
+
+async def test_identity_takeover_affects_no_victim_session(zctx, tiny_runners):
+    """An attacker that learned a live edge's routing id connects with it and sends CLOSE and VERIFY for the
+    victim's sessions: libzmq refuses a second connection with a live identity (ROUTER_HANDOVER off), so none
+    of it reaches the broker and the victim's generations finish exactly. (Edges never pick their identity,
+    so an attacker cannot claim one before the victim connects; with keys, a reused identity under another key
+    closes the old sessions instead of handing them over: tests/test_broker_abuse.py.)"""
+    target, _ = tiny_runners
+    ids = target.tokenizer("def add(a, b):\n").input_ids
+    ref = target.model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)[0, len(ids):].tolist()
+    async with Broker(ANY, ANY, context=zctx, linger_ms=0) as broker:
+        async with CloudWorker(broker.backend, target, WorkerConfig(linger_ms=0), context=zctx):
+            async with edge(zctx, broker, tiny_runners, None) as victim:
+                attack_done = asyncio.Event()
+
+                async def attack() -> None:
+                    await wait_until(lambda: broker.router.sessions)
+                    (victim_id, sid), = list(broker.router.sessions)
+                    frontend_in = broker.stats["frontend_in"]
+                    rogue = transport.make_socket(zctx, zmq.DEALER, linger_ms=0, identity=victim_id)
+                    rogue.connect(broker.frontend)
+                    try:
+                        for seq in range(1, 50):
+                            rogue.send_multipart(protocol.encode(protocol.Verify(sid, seq, 3, [], [1])))
+                            rogue.send_multipart(protocol.encode(protocol.Close(sid)))
+                            await asyncio.sleep(0.002)
+                        await asyncio.sleep(0.3)
+                        assert await rogue.poll(100) == 0  # nothing ever came back to the impostor
+                    finally:
+                        rogue.close(linger=0)
+                    # what reached the broker meanwhile came from the victim (heartbeats, its own requests)
+                    assert broker.stats["unknown_session_sent"] == 0 and broker.stats["bad_requests"] == 0
+                    assert broker.stats["frontend_in"] - frontend_in < 98
+                    attack_done.set()
+
+                attacker = asyncio.create_task(attack())
+                session = SessionConfig(max_new_tokens=40, draft_len=1)
+                out, stats = await victim.generate(ids, session)
+                await asyncio.wait_for(attacker, 20)
+                assert out == ref and attack_done.is_set()
+                assert stats["retries"] == 0 and stats["reopens"] == 0  # its session was never disturbed

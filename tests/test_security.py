@@ -209,6 +209,7 @@ async def test_identity_takeover_affects_no_victim_session(zctx, tiny_runners):
     ref = target.model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)[0, len(ids):].tolist()
     async with Broker(ANY, ANY, context=zctx, linger_ms=0) as broker:
         async with CloudWorker(broker.backend, target, WorkerConfig(linger_ms=0), context=zctx):
+            await wait_until(lambda: broker.stats["live_workers"] == 1)
             async with edge(zctx, broker, tiny_runners, None) as victim:
                 attack_done = asyncio.Event()
 

@@ -34,9 +34,11 @@ def speculative_generate(draft: ModelRunner | Drafter, target: ModelRunner | Ver
 
 
 def speculative_generate_batch(draft: ModelRunner | Drafter, target: ModelRunner | Verifier,
-                               prompts: list[list[int]], configs: list[SessionConfig]) -> list[tuple[list[int], dict]]:
+                               prompts: list[list[int]], configs: list[SessionConfig],
+                               observe=None) -> list[tuple[list[int], dict]]:
     """Many sessions in lockstep: one batched draft forward per draft position, one batched target forward per
-    verification round, exactly as an edge and a cloud worker batch them."""
+    verification round, exactly as an edge and a cloud worker batch them. `observe(request, reply)` sees every
+    exchange (benchmarks classify rejections with it)."""
     verifier = target if isinstance(target, Verifier) else Verifier(
         target, VerifierConfig(max_sessions=max(1024, len(prompts))))
     drafter = draft if isinstance(draft, Drafter) else Drafter(draft, verifier.runner.vocab_size)
@@ -58,6 +60,8 @@ def speculative_generate_batch(draft: ModelRunner | Drafter, target: ModelRunner
             session = sessions[request.session - 1]
             session.stats.uplink_bytes += sum(map(len, P.encode(request)))
             session.stats.downlink_bytes += sum(map(len, P.encode(reply)))
+            if observe is not None:
+                observe(request, reply)
             session.apply(reply)
         live = [s for s in live if not s.done]
     wall = time.perf_counter() - t0

@@ -6,7 +6,8 @@ processes send malformed and valid-but-abusive traffic; prints and writes JSON.
 Measured, against a no-attack run of the same sessions: legit latency per committed chunk (p50/p99, and the
 ratio of the p99s), outputs identical to target-alone greedy, the longest /healthz answer of the broker during
 the attack (polled every 50 ms), workers the broker declared lost, processes alive at the end, and the broker's
-counters (bad requests, quota refusals, ...). --cpus pins the broker and the worker to those cores (taskset).
+counters (bad requests, quota refusals, ...). --cpus pins the system (broker, worker and the legit edge) to
+those cores and the attackers to the others, so an attack costs the system only what it makes it do.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def attacker(frontend: str, n_malformed: int, n_abusive: int, seed: int, vocab: int) -> None:
-    """A separate process: raw ZeroMQ, as fast as the socket takes it."""
+def attacker(frontend: str, n_malformed: int, n_abusive: int, seed: int, vocab: int, cpus: set[int]) -> None:
+    """A separate process (on `cpus`, not the system's): raw ZeroMQ, as fast as the socket takes it."""
     import zmq
 
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     from .fuzz import Fuzzer
 
     fuzz = Fuzzer(seed, vocab)
@@ -115,12 +118,16 @@ def run(args) -> dict:
     target = ModelRunner.load(args.target)
     refs = [target_generate(target, target.tokenizer(p).input_ids, args.max_new_tokens) for p in prompts]
     pin = ("taskset", "-c", args.cpus) if args.cpus else ()
+    system = {int(c) for c in args.cpus.split(",")} if args.cpus else set()
+    attack_cpus = set(range(os.cpu_count() or 1)) - system if system else set()
+    if system:
+        os.sched_setaffinity(0, system)  # the legit edge runs here, on the system's cores too
     with LocalCluster(args.target, threads=1, launcher=pin) as cluster:
         base_outs, base_gaps = asyncio.run(legit(cluster.frontend, args.draft, prompts, args.max_new_tokens))
         lost_before = cluster.metrics(cluster.broker_health_port)["specrelay_broker_workers_lost_total"]
         procs = [multiprocessing.Process(target=attacker, args=(cluster.frontend, args.malformed // args.attackers,
                                                                 args.abusive // args.attackers, seed,
-                                                                target.vocab_size))
+                                                                target.vocab_size, attack_cpus))
                  for seed in range(args.attackers)]
         with HealthWatch(cluster.broker_health_port) as watch:
             t0 = time.monotonic()
@@ -161,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--malformed", type=int, default=100_000)
     ap.add_argument("--abusive", type=int, default=10_000)
     ap.add_argument("--attackers", type=int, default=2, help="attacker processes")
-    ap.add_argument("--cpus", default="", help="pin the broker and worker to these cores, e.g. 0 (taskset)")
+    ap.add_argument("--cpus", default="", help="pin broker, worker and legit edge to these cores, e.g. 0; the "
+                    "attackers get the others")
     ap.add_argument("--out", default="bench_results")
     args = ap.parse_args(argv)
     result = run(args)

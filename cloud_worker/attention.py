@@ -1,0 +1,266 @@
+"""One packed forward pass over many sessions whose K/V live in the `KVStore`, and the attention it uses.
+
+The batch's new tokens travel as ONE row of the model ([1, T]: each session's tokens one after another,
+no padding), with per-token position ids. The linear layers see T rows; attention is a function registered
+in transformers' `AttentionInterface` that, per layer, (1) writes the T new keys and values into their
+sessions' spans in place (one `index_copy_` each) and (2) attends each session's queries to a view of its
+span. Nothing of a session's history is copied.
+
+Two numerics:
+- fast (default): `scaled_dot_product_attention` per session. A session's attention never sees another
+  session, but the linear layers' results may depend on how many rows the batch has (BLAS picks kernels by
+  shape), so logits can differ in the last bits with batch composition.
+- deterministic (batch-invariant): every matrix product has a fixed shape whatever the batch: the linear
+  layers run on tiles of `TILE` rows, attention on `TILE`-row query tiles against `block`-sized key blocks
+  whose partial sums are added in a fixed pairwise order. A token's logits then depend only on its own
+  session's tokens — not on the other sessions in the batch, nor on how its context was split into forward
+  passes (chunked prefill, a re-prefill after failover) — so seeded sampling repeats exactly.
+
+The model keeps working for everyone else: the registered function hands any call made outside
+`forward_packed` (another thread, `generate`, a plain forward) to the implementation the model had.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+from ..common.errors import FatalError
+from .kvcache import KVStore, Span
+
+PREFIX = "specrelay_"
+TILE = 16                      # rows per matrix product in deterministic mode
+_NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)  # a 4-D mask makes transformers skip building one
+_local = threading.local()
+
+
+@dataclass
+class Row:
+    """One session in a packed forward: its new token ids, and how many trailing positions need logits."""
+
+    key: object
+    ids: Sequence[int]
+    keep: int = 0
+
+
+@dataclass
+class _RowPlan:
+    span: Span
+    q0: int             # first of its tokens in the packed row
+    n: int              # new tokens
+    length: int         # K/V positions after this forward (past + n)
+    mask: torch.Tensor | None  # fast: [n, length] bool, None when n == 1; deterministic: [1, nb, M, block]
+
+
+@dataclass
+class _Plan:
+    store: KVStore
+    rows: list[_RowPlan]
+    write_base: torch.Tensor  # [kv_heads, T] row in store.data of each new token's layer-0 keys, per head
+    write_step: torch.Tensor  # [T] rows between one (layer, keys|values) plane and the next, per token
+    deterministic: bool
+    layers_done: int = 0
+
+
+# ---- installing the attention function ------------------------------------------------------------------
+
+def install(model) -> None:
+    """Route the model's attention through `_attention` (idempotent). Calls outside `forward_packed` go to the
+    implementation the model had, with the masks it had."""
+    current = model.config._attn_implementation or "eager"
+    if current.startswith(PREFIX):
+        return
+    name = PREFIX + current
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(name, _dispatcher(current))
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[current])
+    model.set_attn_implementation(name)
+    if model.config._attn_implementation != name:
+        raise FatalError(f"{type(model).__name__} does not take a custom attention function "
+                         "(transformers' AttentionInterface), which the cloud worker's KV store needs")
+
+
+def _dispatcher(original: str):
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        plan = getattr(_local, "plan", None)
+        if plan is not None:
+            return _attention(plan, module, query, key, value, **kwargs)
+        fallback = ALL_ATTENTION_FUNCTIONS.get(original) or sys.modules[type(module).__module__].eager_attention_forward
+        return fallback(module, query, key, value, attention_mask, **kwargs)
+    return attention
+
+
+# ---- the packed forward ----------------------------------------------------------------------------------
+
+@torch.no_grad()
+def forward_packed(model, store: KVStore, rows: list[Row], *, deterministic: bool = False) -> list[torch.Tensor]:
+    """Run every row's new tokens in one forward pass; their K/V are appended to the rows' spans (which must
+    exist). Returns per row the logits [keep, V] (float32) of its last `keep` tokens."""
+    spans = [store.ensure(r.key, store.span(r.key).length + len(r.ids)) for r in rows]  # may move spans
+    plan = _plan(store, rows, spans, deterministic)
+    device = store.data.device
+    ids = torch.tensor([t for r in rows for t in r.ids], dtype=torch.long, device=device)[None]  # [1, T]
+    positions = torch.cat([torch.arange(s.length, s.length + len(r.ids)) for r, s in zip(rows, spans)])[None]
+    keep, q = [], 0
+    for r in rows:
+        q += len(r.ids)
+        keep.extend(range(q - r.keep, q))
+    _local.plan = plan
+    try:
+        with _TiledLinear() if deterministic else _nothing():
+            out = model(input_ids=ids, position_ids=positions.to(device), attention_mask=_NO_MASK.to(device),
+                        use_cache=False, logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device))
+    finally:
+        _local.plan = None
+    if plan.layers_done != store.shape.layers:
+        raise FatalError(f"{type(model).__name__} ran {plan.layers_done} of {store.shape.layers} attention "
+                         "layers through the KV store; this model is not supported by the cloud worker")
+    for r, s in zip(rows, spans):
+        s.length += len(r.ids)
+    logits = out.logits[0].float()  # [sum(keep), V]
+    return list(logits.split([r.keep for r in rows]))
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _plan(store: KVStore, rows: list[Row], spans: list[Span], deterministic: bool) -> _Plan:
+    h, layers = store.shape.kv_heads, store.shape.layers
+    plans, bases, steps, q0 = [], [], [], 0
+    for r, span in zip(rows, spans):
+        n, past = len(r.ids), span.length
+        length = past + n
+        mask = _block_mask(span, past, n, store.block) if deterministic else (
+            torch.arange(length)[None, :] <= torch.arange(past, length)[:, None] if n > 1 else None)
+        plans.append(_RowPlan(span, q0, n, length, None if mask is None else mask.to(store.data.device)))
+        # row of (layer 0, keys, head j, position p) = offset + j * capacity + p
+        heads = torch.arange(h)[:, None] * span.capacity
+        bases.append(store.row_offset(span) + heads + torch.arange(past, length)[None, :])  # [h, n]
+        steps.append(torch.full((n,), h * span.capacity))
+        q0 += n
+    device = store.data.device
+    return _Plan(store, plans, torch.cat(bases, 1).to(device), torch.cat(steps).to(device), deterministic)
+
+
+# ---- attention ----------------------------------------------------------------------------------------------
+
+def _attention(plan: _Plan, module, query, key, value, scaling=None, **kwargs):
+    """query [1, Hq, T, d]; key, value [1, h, T, d] (the new tokens, position-encoded). Returns [1, T, Hq, d]."""
+    for name in ("sliding_window", "softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise FatalError(f"attention with {name} is not supported by the cloud worker's KV store")
+    if getattr(module, "sinks", None) is not None:
+        raise FatalError("attention sinks are not supported by the cloud worker's KV store")
+    layer = module.layer_idx
+    _write(plan, layer, key[0], value[0])
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    attend = _attend_deterministic if plan.deterministic else _attend_fast
+    outs = [attend(query[0, :, r.q0:r.q0 + r.n], r.span.kv[layer], r, scale, plan.store.block)
+            for r in plan.rows]  # each [Hq, n, d]
+    plan.layers_done += 1
+    return torch.cat(outs, 1).transpose(0, 1)[None], None
+
+
+def _write(plan: _Plan, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Write the new tokens' K/V (each [h, T, d]) into their spans: one index_copy_ per tensor."""
+    rows = plan.store.data  # [rows, d]
+    d = key.shape[-1]
+    where = plan.write_base + (2 * layer) * plan.write_step  # [h, T]
+    rows.index_copy_(0, where.flatten(), key.reshape(-1, d).to(rows.dtype))
+    rows.index_copy_(0, (where + plan.write_step).flatten(), value.reshape(-1, d).to(rows.dtype))
+
+
+def _attend_fast(q: torch.Tensor, kv: torch.Tensor, r: _RowPlan, scale: float, block: int) -> torch.Tensor:
+    """q [Hq, n, d]; kv [2, h, capacity, d]. SDPA over a view of the span; grouped query heads are folded
+    into the query rows, so the K/V heads are never repeated."""
+    hq, n, d = q.shape
+    h = kv.shape[1]
+    g = hq // h
+    q = q.reshape(h, g * n, d)  # heads j*g..j*g+g-1 share K/V head j
+    mask = r.mask if r.mask is None or g == 1 else r.mask.repeat(g, 1)
+    out = F.scaled_dot_product_attention(q[None], kv[0, :, :r.length][None], kv[1, :, :r.length][None],
+                                         attn_mask=mask, scale=scale)
+    return out[0].reshape(hq, n, d)
+
+
+def _block_mask(span: Span, past: int, n: int, block: int) -> torch.Tensor:
+    """[1, nb, M, block] bool, True where key k (absolute) is visible to query row m (M = n rounded up to
+    TILE): k <= past + m. Blocks cover the span's whole capacity, so a block view never needs a copy."""
+    m = -(-n // TILE) * TILE
+    nb = span.capacity // block
+    keys = torch.arange(nb * block).view(nb, 1, block)
+    return (keys <= (past + torch.arange(m)).view(1, m, 1))[None]
+
+
+def _attend_deterministic(q: torch.Tensor, kv: torch.Tensor, r: _RowPlan, scale: float,
+                          block: int) -> torch.Tensor:
+    """Batch-invariant attention: q padded to M rows (a multiple of TILE) per K/V head, scores against
+    fixed-size key blocks, softmax with an exact max, and block partial sums added pairwise in a fixed order.
+    A masked block contributes exact zeros, so extra blocks (a longer span) never change a result."""
+    hq, n, d = q.shape
+    _, h, cap, _ = kv.shape
+    g, m, nb = hq // h, r.mask.shape[2], cap // block
+    qp = q.new_zeros(h, g, m, d)
+    qp[:, :, :n] = q.view(h, g, n, d)
+    qp = qp.view(h, g * m, d)
+    keys = kv[0].reshape(h * nb, block, d)    # a view: blocks of a span are contiguous per head
+    values = kv[1].reshape(h * nb, block, d)
+    scores = torch.bmm(qp.repeat_interleave(nb, 0), keys.transpose(1, 2)) * scale  # [h*nb, g*m, block]
+    scores = scores.view(h, nb, g, m, block).masked_fill(~r.mask[:, :, None], float("-inf"))
+    top = scores.amax(dim=(1, 4), keepdim=True)                 # exact, whatever the order
+    e = torch.exp(scores - top).view(h * nb, g * m, block)
+    part = torch.cat([torch.bmm(e, values), e.sum(-1, keepdim=True)], -1).view(h, nb, g * m, d + 1)
+    total = _pairwise_sum(part)                                   # [h, g*m, d+1]
+    out = (total[..., :d] / total[..., d:]).view(h, g, m, d)[:, :, :n]
+    return out.reshape(hq, n, d)
+
+
+def _pairwise_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over dim 1 as a balanced tree over a power-of-two count (zero-padded): the tree over fewer blocks
+    is a subtree of the one over more, so trailing zero blocks never change the sum."""
+    nb = x.shape[1]
+    width = 1 << (nb - 1).bit_length()
+    if width != nb:
+        x = torch.cat([x, x.new_zeros(x.shape[0], width - nb, *x.shape[2:])], 1)
+    while x.shape[1] > 1:
+        x = x[:, 0::2] + x[:, 1::2]
+    return x[:, 0]
+
+
+class _TiledLinear(TorchFunctionMode):
+    """F.linear as products of fixed [TILE, in] x [in, out] shape (one batched matmul), so a row's result
+    does not depend on how many rows the batch has."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.linear:
+            return func(*args, **kwargs)
+        return _tiled_linear(*args, **kwargs)
+
+
+def _tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])  # [R, in]
+    r = rows.shape[0]
+    if r == 0:
+        return F.linear(x, weight, bias)
+    tiles = -(-r // TILE)
+    padded = rows.new_zeros(tiles * TILE, rows.shape[1])
+    padded[:r] = rows
+    w = weight.t().unsqueeze(0).expand(tiles, *weight.t().shape)  # [tiles, in, out], not copied
+    out = torch.bmm(padded.view(tiles, TILE, -1), w).view(tiles * TILE, -1)[:r]
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], weight.shape[0])

@@ -173,7 +173,7 @@ class CloudWorker(transport.Service):
         if self._reset_done < self._reset_to:
             self._reset_done = self._reset_to
             n_sessions = len(self.verifier.sessions)
-            self.verifier.sessions.clear()
+            self.verifier.reset()
             stale = self.batcher.drop_before(self._reset_to)
             self._log.info("state of the previous broker connection dropped", sessions=n_sessions,
                            queued=len(stale))

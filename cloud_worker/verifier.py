@@ -226,8 +226,13 @@ class Verifier:
     def _run(self, work: list[_Work], prefill: list[Row], replies: list) -> None:
         rows = [Row(w.session.key, w.session.tokens[self.cached(w.session.key):] + w.draft, keep=len(w.draft) + 1)
                 for w in work]
-        outputs = forward_packed(self.runner.model, self.store, rows + prefill,
-                                 deterministic=self.config.deterministic)
+        try:
+            outputs = forward_packed(self.runner.model, self.store, rows + prefill,
+                                     deterministic=self.config.deterministic)
+        except Exception:
+            for row in prefill:  # their state is unknown too; the caller drops the batch's sessions
+                self.close(row.key)
+            raise
         self.stats["forward_passes"] += 1
         for w, logits in zip(work, outputs):
             replies[w.slot] = self._decide(w, logits)

@@ -349,7 +349,7 @@ async def test_model_failure_answers_internal_and_keeps_serving(fake_broker, sta
     worker = await start_worker(broker)
     ids = ids_of(target, PROMPTS[2])
 
-    def broken(requests):
+    def broken(requests, *args):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     monkeypatch.setattr(worker.verifier, "verify", broken)
@@ -378,9 +378,9 @@ async def test_heartbeats_carry_the_load_and_flow_during_a_long_forward(fake_bro
     await wait_until(lambda: any(m.load == 1 for _, m, _ in broker.of_type(P.Heartbeat)))
     verify = worker.verifier.verify
 
-    def slow(requests):
+    def slow(requests, *args):
         time.sleep(0.6)  # a long forward pass, in the executor thread
-        return verify(requests)
+        return verify(requests, *args)
 
     monkeypatch.setattr(worker.verifier, "verify", slow)
     t0 = time.monotonic()
@@ -419,7 +419,7 @@ async def test_stop_drains_the_running_batch_then_disconnects(fake_broker, start
     worker = await start_worker(broker)
     ids = ids_of(target, PROMPTS[0])
     verify = worker.verifier.verify
-    monkeypatch.setattr(worker.verifier, "verify", lambda requests: time.sleep(0.3) or verify(requests))
+    monkeypatch.setattr(worker.verifier, "verify", lambda *args: time.sleep(0.3) or verify(*args))
     await broker.send(b"e", P.Open(71, ids))
     await broker.send(b"e", P.Verify(71, 1, len(ids), [], [1]))
     await wait_until(lambda: worker.stats["queued"] == 0 and worker.stats["sessions_open"] == 1)

@@ -108,7 +108,8 @@ def forward_packed(model, store: KVStore, rows: list[Row], *, deterministic: boo
     plan = _plan(store, rows, spans, deterministic)
     device = store.data.device
     ids = torch.tensor([t for r in rows for t in r.ids], dtype=torch.long, device=device)[None]  # [1, T]
-    positions = torch.cat([torch.arange(s.length, s.length + len(r.ids)) for r, s in zip(rows, spans)])[None]
+    positions = torch.cat([torch.arange(s.length, s.length + len(r.ids), device=device)
+                           for r, s in zip(rows, spans)])[None]  # [1, T]
     keep, q = [], 0
     for r in rows:
         q += len(r.ids)
@@ -116,7 +117,7 @@ def forward_packed(model, store: KVStore, rows: list[Row], *, deterministic: boo
     _local.plan = plan
     try:
         with _TiledLinear() if deterministic else _nothing():
-            out = model(input_ids=ids, position_ids=positions.to(device), attention_mask=_NO_MASK.to(device),
+            out = model(input_ids=ids, position_ids=positions, attention_mask=_NO_MASK.to(device),
                         use_cache=False, logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device))
     finally:
         _local.plan = None
@@ -138,21 +139,23 @@ class _nothing:
 
 
 def _plan(store: KVStore, rows: list[Row], spans: list[Span], deterministic: bool) -> _Plan:
-    h, layers = store.shape.kv_heads, store.shape.layers
+    h, device = store.shape.kv_heads, store.data.device
     plans, bases, steps, q0 = [], [], [], 0
     for r, span in zip(rows, spans):
         n, past = len(r.ids), span.length
         length = past + n
-        mask = _block_mask(span, past, n, store.block) if deterministic else (
-            torch.arange(length)[None, :] <= torch.arange(past, length)[:, None] if n > 1 else None)
-        plans.append(_RowPlan(span, q0, n, length, None if mask is None else mask.to(store.data.device)))
-        # row of (layer 0, keys, head j, position p) = offset + j * capacity + p
-        heads = torch.arange(h)[:, None] * span.capacity
-        bases.append(store.row_offset(span) + heads + torch.arange(past, length)[None, :])  # [h, n]
-        steps.append(torch.full((n,), h * span.capacity))
+        new = torch.arange(past, length, device=device)  # positions of the new tokens
+        if deterministic:
+            mask = _block_mask(span, past, n, store.block, device)
+        else:
+            mask = torch.arange(length, device=device)[None, :] <= new[:, None] if n > 1 else None
+        plans.append(_RowPlan(span, q0, n, length, mask))
+        # row in store.data of (layer 0, keys, head j, position p) = offset + j * capacity + p
+        heads = torch.arange(h, device=device)[:, None] * span.capacity
+        bases.append(store.row_offset(span) + heads + new[None, :])  # [h, n]
+        steps.append(torch.full((n,), h * span.capacity, device=device))
         q0 += n
-    device = store.data.device
-    return _Plan(store, plans, torch.cat(bases, 1).to(device), torch.cat(steps).to(device), deterministic)
+    return _Plan(store, plans, torch.cat(bases, 1), torch.cat(steps), deterministic)
 
 
 # ---- attention ----------------------------------------------------------------------------------------------
@@ -196,13 +199,13 @@ def _attend_fast(q: torch.Tensor, kv: torch.Tensor, r: _RowPlan, scale: float, b
     return out[0].reshape(hq, n, d)
 
 
-def _block_mask(span: Span, past: int, n: int, block: int) -> torch.Tensor:
+def _block_mask(span: Span, past: int, n: int, block: int, device) -> torch.Tensor:
     """[1, nb, M, block] bool, True where key k (absolute) is visible to query row m (M = n rounded up to
     TILE): k <= past + m. Blocks cover the span's whole capacity, so a block view never needs a copy."""
     m = -(-n // TILE) * TILE
     nb = span.capacity // block
-    keys = torch.arange(nb * block).view(nb, 1, block)
-    return (keys <= (past + torch.arange(m)).view(1, m, 1))[None]
+    keys = torch.arange(nb * block, device=device).view(nb, 1, block)
+    return (keys <= (past + torch.arange(m, device=device)).view(1, m, 1))[None]
 
 
 def _attend_deterministic(q: torch.Tensor, kv: torch.Tensor, r: _RowPlan, scale: float,

@@ -11,11 +11,13 @@ the client id the broker prepends to every edge request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import structlog
+import torch
 import zmq
 import zmq.asyncio
 
@@ -305,8 +307,17 @@ def _session_or_zero(frames: list[bytes]) -> int:
 async def serve(broker: str, model: str, device: str = "cpu", dtype: str = "float32", *,
                 curve: transport.Curve | None = None, **options: object) -> None:
     """Load the target model and serve it until SIGTERM / SIGINT: the body of `specrelay cloud-worker`.
-    options: WorkerConfig fields (max_batch, max_wait_ms, health_port, max_sessions, max_cache_bytes, ...)."""
+    options: WorkerConfig fields (max_batch, max_wait_ms, health_port, max_sessions, max_cache_bytes, ...), and
+    kv_cache_fraction: on cuda, size the KV store as this share of the device memory free after loading."""
+    fraction = float(options.pop("kv_cache_fraction", 0.0) or 0.0)
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError("kv_cache_fraction must be in [0, 1)")
     config = WorkerConfig(**options)
     log.info("loading the target model", model=model, device=device, dtype=dtype)
     runner = await asyncio.to_thread(ModelRunner.load, model, device, dtype)
+    if fraction:
+        if runner.device.type != "cuda":
+            raise ValueError("kv_cache_fraction needs a cuda device; use max_cache_bytes (--kv-cache-mb)")
+        free, _ = torch.cuda.mem_get_info(runner.device)
+        config = dataclasses.replace(config, max_cache_bytes=int(free * fraction))
     await transport.serve_until_signalled(CloudWorker(broker, runner, config, curve=curve))

@@ -256,39 +256,51 @@ async def _too_long(call, tok, texts: list[str]) -> dict:
 
 def bench_determinism(args) -> dict:
     """16 prompts x 96 tokens at T = 0.8, seed 7, through broker + worker(s): concurrency 1, 8, 16 on one
-    worker, and 16 on two workers with one killed (SIGKILL) a third of the way in. Default and deterministic."""
+    worker, and 16 on two workers with one killed (SIGKILL) a third of the way in; for each worker numerics
+    (default, --deterministic) and session mode (sample, coupled)."""
     from .cluster import LocalCluster
 
     texts = prompts(16)
-    out = {}
-    for mode, extra in (("default", ()), ("deterministic", ("--deterministic",))):
-        runs = {}
-        with LocalCluster(args.model, threads=args.threads, extra_worker_args=extra) as c:
-            for conc in (1, 8, 16):
-                runs[f"concurrency {conc}"] = asyncio.run(_generate(c.frontend, args, texts, conc))
-        with LocalCluster(args.model, workers=2, threads=args.threads, extra_worker_args=extra) as c:
-            runs["failover"] = asyncio.run(_generate(c.frontend, args, texts, 16, kill=c.procs[1]))
-        ref = runs["concurrency 1"]["outputs"]
-        out[mode] = {name: {"identical_to_concurrency_1": sum(a == b for a, b in zip(r["outputs"], ref)),
-                            "tokens_per_s": r["tokens_per_s"], "retries": r["retries"], "outputs": r["outputs"]}
-                     for name, r in runs.items()}
-    rows = [[mode, name, f"{r['identical_to_concurrency_1']}/16", r["tokens_per_s"], r["retries"]]
-            for mode, runs in out.items() for name, r in runs.items()]
-    print(table(["worker numerics", "run", "outputs identical to concurrency 1", "tokens/s", "edge retries"], rows))
-    det = out["deterministic"]
+    out: dict = {}
+    for numerics, extra in (("default", ()), ("deterministic", ("--deterministic",))):
+        for mode in args.session_modes:
+            runs = {}
+            with LocalCluster(args.model, threads=args.threads, extra_worker_args=extra) as c:
+                for conc in (1, 8, 16):
+                    runs[f"concurrency {conc}"] = asyncio.run(_generate(c.frontend, args, texts, conc, mode))
+            with LocalCluster(args.model, workers=2, threads=args.threads, extra_worker_args=extra) as c:
+                runs["failover"] = asyncio.run(_generate(c.frontend, args, texts, 16, mode, kill=c.procs[1]))
+            ref = runs["concurrency 1"]["outputs"]
+            out.setdefault(numerics, {})[mode] = {
+                name: {"identical_to_concurrency_1": sum(a == b for a, b in zip(r["outputs"], ref)),
+                       "first_divergence": [_diverge(a, b) for a, b in zip(r["outputs"], ref)],
+                       "tokens_per_s": r["tokens_per_s"], "retries": r["retries"], "outputs": r["outputs"]}
+                for name, r in runs.items()}
+    rows = [[numerics, mode, name, f"{r['identical_to_concurrency_1']}/16", r["tokens_per_s"], r["retries"]]
+            for numerics, modes in out.items() for mode, runs in modes.items() for name, r in runs.items()]
+    print(table(["worker numerics", "session mode", "run", "outputs identical to concurrency 1", "tokens/s",
+                 "edge retries"], rows))
+    det = [r for runs in out["deterministic"].values() for r in runs.values()]
     return {"model": args.model, "prompts": 16, "max_new_tokens": args.max_new_tokens, "temperature": 0.8,
             "seed": 7, **out, "bar_identical_everywhere_deterministic": all(
-                r["identical_to_concurrency_1"] == 16 for r in det.values())}
+                r["identical_to_concurrency_1"] == 16 for r in det)}
 
 
-async def _generate(frontend: str, args, texts: list[str], concurrency: int, kill=None) -> dict:
+def _diverge(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (None: identical)."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+async def _generate(frontend: str, args, texts: list[str], concurrency: int, mode: str, kill=None) -> dict:
     import signal
 
     from .common.sampling import SamplingParams
     from .edge_worker.loading import load_edge
     from .edge_worker.session import SessionConfig
 
-    config = SessionConfig(max_new_tokens=args.max_new_tokens, params=SamplingParams(0.8), seed=7)
+    config = SessionConfig(max_new_tokens=args.max_new_tokens, params=SamplingParams(0.8), seed=7, mode=mode)
     gate = asyncio.Semaphore(concurrency)
     total = [0]
 
@@ -389,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-mb", type=float, default=2048, help="KV budget for the sessions-at-budget column")
     ap.add_argument("--prefill-tokens", type=int, default=128, help="the worker's prefill chunk (prefill)")
     ap.add_argument("--max-new-tokens", type=int, default=96, help="tokens per prompt (determinism)")
+    ap.add_argument("--session-modes", nargs="+", default=["sample", "coupled"], choices=["sample", "coupled"],
+                    help="sampling modes the determinism runs use")
     ap.add_argument("--concurrency-tokens", type=int, default=64, help="tokens per prompt (concurrency)")
     ap.add_argument("--out", type=Path, default=Path("bench_results"), help="directory for the JSON results")
     args = ap.parse_args(argv)

@@ -58,6 +58,8 @@ class _RowPlan:
     n: int              # new tokens
     length: int         # K/V positions after this forward (past + n)
     mask: torch.Tensor | None  # fast: [n, length] bool, None when n == 1; deterministic: [1, nb, M, block]
+    keys: torch.Tensor | None = None    # fast: [layers, h, length, d], a view of the span
+    values: torch.Tensor | None = None
 
 
 @dataclass
@@ -149,7 +151,8 @@ def _plan(store: KVStore, rows: list[Row], spans: list[Span], deterministic: boo
             mask = _block_mask(span, past, n, store.block, device)
         else:
             mask = torch.arange(length, device=device)[None, :] <= new[:, None] if n > 1 else None
-        plans.append(_RowPlan(span, q0, n, length, mask))
+        kv = span.kv[:, :, :, :length]
+        plans.append(_RowPlan(span, q0, n, length, mask, kv[:, 0], kv[:, 1]))
         # row in store.data of (layer 0, keys, head j, position p) = offset + j * capacity + p
         heads = torch.arange(h, device=device)[:, None] * span.capacity
         bases.append(store.row_offset(span) + heads + new[None, :])  # [h, n]
@@ -170,11 +173,14 @@ def _attention(plan: _Plan, module, query, key, value, scaling=None, **kwargs):
     layer = module.layer_idx
     _write(plan, layer, key[0], value[0])
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    attend = _attend_deterministic if plan.deterministic else _attend_fast
-    outs = [attend(query[0, :, r.q0:r.q0 + r.n], r.span.kv[layer], r, scale, plan.store.block)
-            for r in plan.rows]  # each [Hq, n, d]
+    if plan.deterministic:
+        outs = [_attend_deterministic(query[0, :, r.q0:r.q0 + r.n], r.span.kv[layer], r, scale, plan.store.block)
+                for r in plan.rows]  # each [Hq, n, d]
+        out = torch.cat(outs, 1)[None]
+    else:
+        out = torch.cat([_attend_fast(query[:, :, r.q0:r.q0 + r.n], layer, r, scale) for r in plan.rows], 2)
     plan.layers_done += 1
-    return torch.cat(outs, 1).transpose(0, 1)[None], None
+    return out.transpose(1, 2), None  # [1, T, Hq, d]
 
 
 def _write(plan: _Plan, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -186,17 +192,17 @@ def _write(plan: _Plan, layer: int, key: torch.Tensor, value: torch.Tensor) -> N
     rows.index_copy_(0, (where + plan.write_step).flatten(), value.reshape(-1, d).to(rows.dtype))
 
 
-def _attend_fast(q: torch.Tensor, kv: torch.Tensor, r: _RowPlan, scale: float, block: int) -> torch.Tensor:
-    """q [Hq, n, d]; kv [2, h, capacity, d]. SDPA over a view of the span; grouped query heads are folded
-    into the query rows, so the K/V heads are never repeated."""
-    hq, n, d = q.shape
-    h = kv.shape[1]
-    g = hq // h
-    q = q.reshape(h, g * n, d)  # heads j*g..j*g+g-1 share K/V head j
-    mask = r.mask if r.mask is None or g == 1 else r.mask.repeat(g, 1)
-    out = F.scaled_dot_product_attention(q[None], kv[0, :, :r.length][None], kv[1, :, :r.length][None],
-                                         attn_mask=mask, scale=scale)
-    return out[0].reshape(hq, n, d)
+def _attend_fast(q: torch.Tensor, layer: int, r: _RowPlan, scale: float) -> torch.Tensor:
+    """q [1, Hq, n, d] -> [1, Hq, n, d]: SDPA over views of the span. Grouped query heads are folded into the
+    query rows, so the K/V heads are never repeated."""
+    keys, values = r.keys[layer:layer + 1], r.values[layer:layer + 1]  # [1, h, length, d]
+    _, hq, n, d = q.shape
+    g = hq // keys.shape[1]
+    if g == 1:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=r.mask, scale=scale)
+    mask = None if r.mask is None else r.mask.repeat(g, 1)
+    out = F.scaled_dot_product_attention(q.reshape(1, -1, g * n, d), keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(1, hq, n, d)  # heads j*g..j*g+g-1 share K/V head j
 
 
 def _block_mask(span: Span, past: int, n: int, block: int, device) -> torch.Tensor:

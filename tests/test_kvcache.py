@@ -99,11 +99,27 @@ def hf_logits(runner, ids: list[int]) -> torch.Tensor:  # [len(ids), V]
         return runner.model(input_ids=torch.tensor([ids])).logits[0].float()
 
 
+class _Runner:
+    def __init__(self, model) -> None:
+        self.model, self.vocab_size = model.eval(), model.config.vocab_size
+
+
+def gqa_runner() -> _Runner:
+    """A tiny random Llama with grouped-query attention: 4 query heads share 2 K/V heads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    return _Runner(LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128,
+                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                max_position_embeddings=256, initializer_range=0.2)))
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_packed_forward_with_rollbacks_equals_hf(tiny_runners, deterministic):
+@pytest.mark.parametrize("gqa", [False, True])
+def test_packed_forward_with_rollbacks_equals_hf(tiny_runners, deterministic, gqa):
     """Ragged rows, every step a different mix, some positions rolled back and rewritten: every logit row is
-    (numerically) Hugging Face's, and argmaxes agree exactly."""
-    target, _ = tiny_runners
+    (numerically) Hugging Face's, and argmaxes agree exactly. Also with grouped-query attention."""
+    target = gqa_runner() if gqa else tiny_runners[0]
     install(target.model)
     store = KVStore(KVShape.of(target.model.config, torch.float32), capacity_tokens=512, block=32)
     gen = torch.Generator().manual_seed(0)

@@ -11,8 +11,8 @@ Two numerics:
   session, but the linear layers' results may depend on how many rows the batch has (BLAS picks kernels by
   shape), so logits can differ in the last bits with batch composition.
 - deterministic (batch-invariant): every matrix product has a fixed shape whatever the batch: the linear
-  layers run on tiles of `TILE` rows, attention on `TILE`-row query tiles against `block`-sized key blocks
-  whose partial sums are added in a fixed pairwise order. A token's logits then depend only on its own
+  layers run on tiles of `TILE` rows, attention on `QUERY_TILE`-row query tiles against `block`-sized key
+  blocks whose partial sums are added in a fixed pairwise order. A token's logits then depend only on its own
   session's tokens — not on the other sessions in the batch, nor on how its context was split into forward
   passes (chunked prefill, a re-prefill after failover) — so seeded sampling repeats exactly.
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch import nn
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
@@ -37,7 +37,8 @@ from ..common.errors import FatalError
 from .kvcache import KVStore, Span
 
 PREFIX = "specrelay_"
-TILE = 16                      # rows per matrix product in deterministic mode
+TILE = 16                      # rows per matrix product of a linear layer in deterministic mode
+QUERY_TILE = 8                 # query rows per attention product in deterministic mode
 _NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)  # a 4-D mask makes transformers skip building one
 _local = threading.local()
 
@@ -57,7 +58,7 @@ class _RowPlan:
     q0: int             # first of its tokens in the packed row
     n: int              # new tokens
     length: int         # K/V positions after this forward (past + n)
-    mask: torch.Tensor | None  # fast: [n, length] bool, None when n == 1; deterministic: [1, nb, M, block]
+    mask: torch.Tensor | None  # fast: [n, length] bool (None: n == 1); deterministic: see _block_mask
     keys: torch.Tensor | None = None    # fast: [layers, h, length, d], a view of the span
     values: torch.Tensor | None = None
 
@@ -75,11 +76,14 @@ class _Plan:
 # ---- installing the attention function ------------------------------------------------------------------
 
 def install(model) -> None:
-    """Route the model's attention through `_attention` (idempotent). Calls outside `forward_packed` go to the
-    implementation the model had, with the masks it had."""
+    """Route the model's attention through `_attention`, and its linear layers through `_linear` (idempotent).
+    Calls outside `forward_packed` go to the implementation the model had, with the masks it had."""
     current = model.config._attn_implementation or "eager"
     if current.startswith(PREFIX):
         return
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.forward = _linear.__get__(module)
     name = PREFIX + current
     if name not in ALL_ATTENTION_FUNCTIONS:
         AttentionInterface.register(name, _dispatcher(current))
@@ -118,9 +122,8 @@ def forward_packed(model, store: KVStore, rows: list[Row], *, deterministic: boo
         keep.extend(range(q - r.keep, q))
     _local.plan = plan
     try:
-        with _TiledLinear() if deterministic else _nothing():
-            out = model(input_ids=ids, position_ids=positions, attention_mask=_NO_MASK.to(device),
-                        use_cache=False, logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device))
+        out = model(input_ids=ids, position_ids=positions, attention_mask=_NO_MASK.to(device),
+                    use_cache=False, logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device))
     finally:
         _local.plan = None
     if plan.layers_done != store.shape.layers:
@@ -132,14 +135,6 @@ def forward_packed(model, store: KVStore, rows: list[Row], *, deterministic: boo
     return list(logits.split([r.keep for r in rows]))
 
 
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _plan(store: KVStore, rows: list[Row], spans: list[Span], deterministic: bool) -> _Plan:
     h, device = store.shape.kv_heads, store.data.device
     plans, bases, steps, q0 = [], [], [], 0
@@ -147,10 +142,8 @@ def _plan(store: KVStore, rows: list[Row], spans: list[Span], deterministic: boo
         n, past = len(r.ids), span.length
         length = past + n
         new = torch.arange(past, length, device=device)  # positions of the new tokens
-        if deterministic:
-            mask = _block_mask(span, past, n, store.block, device)
-        else:
-            mask = torch.arange(length, device=device)[None, :] <= new[:, None] if n > 1 else None
+        # fast: [n, length] causal mask (None for one token); deterministic: built at the first layer
+        mask = torch.arange(length, device=device)[None, :] <= new[:, None] if n > 1 and not deterministic else None
         kv = span.kv[:, :, :, :length]
         plans.append(_RowPlan(span, q0, n, length, mask, kv[:, 0], kv[:, 1]))
         # row in store.data of (layer 0, keys, head j, position p) = offset + j * capacity + p
@@ -205,36 +198,45 @@ def _attend_fast(q: torch.Tensor, layer: int, r: _RowPlan, scale: float) -> torc
     return out.reshape(1, hq, n, d)  # heads j*g..j*g+g-1 share K/V head j
 
 
-def _block_mask(span: Span, past: int, n: int, block: int, device) -> torch.Tensor:
-    """[1, nb, M, block] bool, True where key k (absolute) is visible to query row m (M = n rounded up to
-    TILE): k <= past + m. Blocks cover the span's whole capacity, so a block view never needs a copy."""
-    m = -(-n // TILE) * TILE
-    nb = span.capacity // block
-    keys = torch.arange(nb * block, device=device).view(nb, 1, block)
-    return (keys <= (past + torch.arange(m, device=device)).view(1, m, 1))[None]
+def _block_mask(r: _RowPlan, g: int, block: int, device) -> torch.Tensor:
+    """[tiles, 1, nb, QUERY_TILE, block] bool: True where key k (absolute) is visible to query row i, the rows
+    being the g*n (group, token) pairs padded to whole tiles: k <= past + i % n. Blocks cover the span's whole
+    capacity, so a block view of the span never needs a copy."""
+    past, rows = r.length - r.n, g * r.n
+    tiles = -(-rows // QUERY_TILE)
+    position = past + torch.arange(tiles * QUERY_TILE, device=device) % r.n  # padded rows: any valid one
+    nb = r.span.capacity // block
+    keys = torch.arange(nb * block, device=device).view(1, nb, 1, block)
+    return (keys <= position.view(tiles, 1, QUERY_TILE, 1))[:, None]
 
 
 def _attend_deterministic(q: torch.Tensor, kv: torch.Tensor, r: _RowPlan, scale: float,
                           block: int) -> torch.Tensor:
-    """Batch-invariant attention: q padded to M rows (a multiple of TILE) per K/V head, scores against
-    fixed-size key blocks, softmax with an exact max, and block partial sums added pairwise in a fixed order.
-    A masked block contributes exact zeros, so extra blocks (a longer span) never change a result."""
+    """Batch-invariant attention, q [Hq, n, d] -> [Hq, n, d]. Every product has a fixed shape: a tile of
+    QUERY_TILE query rows against one key block, [QUERY_TILE, d] x [d, block] and [QUERY_TILE, block] x
+    [block, d]. Softmax takes an exact max; block partial sums (with the denominator as an extra column) are
+    added pairwise in a fixed order. A masked block contributes exact zeros, so extra blocks (a longer span)
+    never change a result, nor does the number of tiles or sessions in the forward."""
     hq, n, d = q.shape
     _, h, cap, _ = kv.shape
-    g, m, nb = hq // h, r.mask.shape[2], cap // block
-    qp = q.new_zeros(h, g, m, d)
-    qp[:, :, :n] = q.view(h, g, n, d)
-    qp = qp.view(h, g * m, d)
-    keys = kv[0].reshape(h * nb, block, d)    # a view: blocks of a span are contiguous per head
+    g, nb, rows = hq // h, cap // block, hq // h * n
+    if r.mask is None:
+        r.mask = _block_mask(r, g, block, q.device)  # the same for every layer
+    qp = q.new_zeros(h, r.mask.shape[0] * QUERY_TILE, d)
+    qp[:, :rows] = q.reshape(h, rows, d)      # query heads j*g..j*g+g-1 share K/V head j
+    keys = kv[0].reshape(h * nb, block, d)    # views: a span's blocks are contiguous per head
     values = kv[1].reshape(h * nb, block, d)
-    scores = torch.bmm(qp.repeat_interleave(nb, 0), keys.transpose(1, 2)) * scale  # [h*nb, g*m, block]
-    scores = scores.view(h, nb, g, m, block).masked_fill(~r.mask[:, :, None], float("-inf"))
-    top = scores.amax(dim=(1, 4), keepdim=True)                 # exact, whatever the order
-    e = torch.exp(scores - top).view(h * nb, g * m, block)
-    part = torch.cat([torch.bmm(e, values), e.sum(-1, keepdim=True)], -1).view(h, nb, g * m, d + 1)
-    total = _pairwise_sum(part)                                   # [h, g*m, d+1]
-    out = (total[..., :d] / total[..., d:]).view(h, g, m, d)[:, :, :n]
-    return out.reshape(hq, n, d)
+    outs = []
+    for t, mask in enumerate(r.mask):
+        tile = qp[:, t * QUERY_TILE:(t + 1) * QUERY_TILE].repeat_interleave(nb, 0)  # [h*nb, QT, d]
+        scores = (torch.bmm(tile, keys.transpose(1, 2)) * scale).view(h, nb, QUERY_TILE, block)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        top = scores.amax(dim=(1, 3), keepdim=True)              # exact, whatever the order
+        e = torch.exp(scores - top).view(h * nb, QUERY_TILE, block)
+        part = torch.cat([torch.bmm(e, values), e.sum(-1, keepdim=True)], -1)  # [h*nb, QT, d+1]
+        total = _pairwise_sum(part.view(h, nb, QUERY_TILE, d + 1))  # [h, QT, d+1]
+        outs.append(total[..., :d] / total[..., d:])
+    return torch.cat(outs, 1)[:, :rows].reshape(hq, n, d)
 
 
 def _pairwise_sum(x: torch.Tensor) -> torch.Tensor:
@@ -249,15 +251,13 @@ def _pairwise_sum(x: torch.Tensor) -> torch.Tensor:
     return x[:, 0]
 
 
-class _TiledLinear(TorchFunctionMode):
-    """F.linear as products of fixed [TILE, in] x [in, out] shape (one batched matmul), so a row's result
-    does not depend on how many rows the batch has."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is not F.linear:
-            return func(*args, **kwargs)
-        return _tiled_linear(*args, **kwargs)
+def _linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """nn.Linear.forward; inside a deterministic `forward_packed`, as products of fixed [TILE, in] x [in, out]
+    shape (one batched matmul), so that a row's result does not depend on how many rows the batch has."""
+    plan = getattr(_local, "plan", None)
+    if plan is None or not plan.deterministic:
+        return F.linear(x, self.weight, self.bias)
+    return _tiled_linear(x, self.weight, self.bias)
 
 
 def _tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -90,7 +90,8 @@ class Verifier:
         self.max_context = runner.max_context or P.MAX_CONTEXT
         shape = KVShape.of(runner.model.config, runner.model.dtype)
         budget = min(c.max_cache_bytes, c.max_sessions * (self.max_context + OPEN_HEADROOM) * shape.bytes_per_token)
-        self.store = KVStore.from_budget(shape, budget, runner.device)
+        # deterministic attention reads key blocks of `block` tokens: fewer, larger blocks cost less
+        self.store = KVStore.from_budget(shape, budget, runner.device, block=128 if c.deterministic else 32)
         install(runner.model)
         self.sessions: OrderedDict[SessionKey, CloudSession] = OrderedDict()  # LRU order: oldest first
         self.stats = {"forward_passes": 0, "evictions": 0, "prefill_tokens": 0}

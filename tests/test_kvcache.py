@@ -170,7 +170,7 @@ def test_verifier_verdicts_equal_hf_for_ragged_batches(tiny_runners):
 
 def chunked_logits(runner, seqs: dict, key, chunks: list[int], others: list) -> torch.Tensor:
     """Logits of seqs[key] fed in the given chunk sizes, sharing every forward with `others`' tokens."""
-    store = KVStore(KVShape.of(runner.model.config, torch.float32), capacity_tokens=2048, block=32)
+    store = KVStore(KVShape.of(runner.model.config, torch.float32), capacity_tokens=2048, block=128)
     keys = [key] + others
     for k in keys:
         store.reserve(k, 8)
@@ -185,8 +185,9 @@ def chunked_logits(runner, seqs: dict, key, chunks: list[int], others: list) -> 
     return torch.cat(out)
 
 
-def test_deterministic_logits_do_not_depend_on_batch_or_chunking(tiny_runners):
-    target, _ = tiny_runners
+@pytest.mark.parametrize("gqa", [False, True])
+def test_deterministic_logits_do_not_depend_on_batch_or_chunking(tiny_runners, gqa):
+    target = gqa_runner() if gqa else tiny_runners[0]
     install(target.model)
     gen = torch.Generator().manual_seed(2)
     seqs = {k: torch.randint(1, target.vocab_size, (n,), generator=gen).tolist()

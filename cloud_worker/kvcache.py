@@ -78,6 +78,7 @@ class KVStore:
         self.data = torch.empty(self.capacity * self.rows_per_token, shape.head_dim, dtype=shape.dtype,
                                 device=device)  # [rows, head_dim]
         self.spans: dict[object, Span] = {}
+        self.reserved = 0  # slots held by spans: a counter, so other threads (heartbeats) read it safely
         self.stats = {"moves": 0, "compactions": 0, "moved_tokens": 0}
 
     @classmethod
@@ -86,10 +87,6 @@ class KVStore:
         return cls(shape, max(block, budget_bytes // shape.bytes_per_token), device, block)
 
     # ---- accounting ---------------------------------------------------------------------------------
-
-    @property
-    def reserved(self) -> int:
-        return sum(s.capacity for s in self.spans.values())
 
     @property
     def free_tokens(self) -> int:
@@ -124,6 +121,7 @@ class KVStore:
         if start is None:
             raise KVFull(f"the worker's KV store has {self.free_tokens} free token slots, {need} needed")
         self.spans[key] = span = Span(start, need)
+        self.reserved += need
         self._place(span)
         span.kv.zero_()
         return span
@@ -156,10 +154,13 @@ class KVStore:
         span.length = min(span.length, max(0, length))
 
     def free(self, key: object) -> None:
-        self.spans.pop(key, None)
+        span = self.spans.pop(key, None)
+        if span is not None:
+            self.reserved -= span.capacity
 
     def clear(self) -> None:
         self.spans.clear()
+        self.reserved = 0
 
     def row_offset(self, span: Span) -> int:
         """Index in `data` of the span's first row (layer 0, keys, head 0, position 0)."""
@@ -190,6 +191,7 @@ class KVStore:
         n = span.length
         if saved is None:
             saved = span.kv[:, :, :, :n].clone()  # the old and new ranges may overlap
+        self.reserved += capacity - span.capacity
         span.start, span.capacity = start, capacity
         self._place(span)
         span.kv[:, :, :, :n] = saved

@@ -28,6 +28,13 @@ def fill(store: KVStore, key, n: int, value: float) -> None:
     span.length = n
 
 
+def consistent(store: KVStore) -> bool:
+    """Spans inside the store, not overlapping, and the reserved counter equal to their capacities."""
+    spans = sorted(store.spans.values(), key=lambda s: s.start)
+    return (all(a.end <= b.start for a, b in zip(spans, spans[1:])) and all(s.end <= store.capacity for s in spans)
+            and store.reserved == sum(s.capacity for s in spans))
+
+
 def content(store: KVStore, key) -> torch.Tensor:
     span = store.span(key)
     return span.kv[:, :, :, :span.length].clone()
@@ -46,7 +53,7 @@ def test_spans_grow_by_moving_once_and_keep_their_kv():
     span = store.span("a")
     assert span.start != start and span.capacity == 64 and store.stats["moves"] == 1
     assert torch.equal(content(store, "a")[:, :, :, :16], before)
-    assert store.free_tokens == 320 - 64 - 8
+    assert store.free_tokens == 320 - 64 - 8 and consistent(store)
 
 
 def test_rollback_is_a_length_change_and_free_returns_the_slots():
@@ -73,8 +80,7 @@ def test_full_store_refuses_and_fragmented_store_compacts():
     store.reserve("e", 24)          # fits only after compaction
     assert store.stats["compactions"] == 1
     assert all(torch.equal(content(store, k), v) for k, v in kept.items())
-    starts = sorted((store.span(k).start, store.span(k).end) for k in "bde")
-    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(starts, starts[1:]))  # no overlap
+    assert consistent(store)
     with pytest.raises(KVFull):
         store.ensure("b", 64)
 
@@ -90,6 +96,7 @@ def test_a_span_grows_through_a_fragmented_store():
     fill(store, "c", 40, 10.0 * ord("c"))
     assert store.span("c").capacity >= 40
     assert all(torch.equal(content(store, k)[:, :, :, :9], v) for k, v in kept.items())
+    assert consistent(store) and store.free_tokens == 80 - 16 - 16 - store.span("c").capacity
 
 
 # --------------------------------------------------------------------------------- the packed forward

@@ -79,6 +79,7 @@ class KVStore:
                                 device=device)  # [rows, head_dim]
         self.spans: dict[object, Span] = {}
         self.reserved = 0  # slots held by spans: a counter, so other threads (heartbeats) read it safely
+        self._top = 0      # every slot from here on is free
         self.stats = {"moves": 0, "compactions": 0, "moved_tokens": 0}
 
     @classmethod
@@ -160,7 +161,7 @@ class KVStore:
 
     def clear(self) -> None:
         self.spans.clear()
-        self.reserved = 0
+        self.reserved = self._top = 0
 
     def row_offset(self, span: Span) -> int:
         """Index in `data` of the span's first row (layer 0, keys, head 0, position 0)."""
@@ -169,6 +170,7 @@ class KVStore:
     # ---- internals --------------------------------------------------------------------------------------
 
     def _place(self, span: Span) -> None:
+        self._top = max(self._top, span.end)
         s = self.shape
         rows = self.data[self.row_offset(span):self.row_offset(span) + span.capacity * self.rows_per_token]
         span.kv = rows.view(s.layers, 2, s.kv_heads, span.capacity, s.head_dim)
@@ -177,12 +179,17 @@ class KVStore:
         return sorted((s for s in self.spans.values() if s is not exclude), key=lambda s: s.start)
 
     def _find(self, need: int, exclude: Span | None = None) -> int | None:
-        """First fit: the start of the lowest free range of `need` slots (`exclude`'s slots count as free)."""
-        cursor = 0
+        """Where `need` free slots start (`exclude`'s slots count as free): above every span when there is room
+        (O(1)), else the lowest hole that fits (first fit)."""
+        if self.capacity - self._top >= need:
+            return self._top
+        cursor, top = 0, 0
         for s in self._ordered(exclude):
             if s.start - cursor >= need:
                 return cursor
             cursor = max(cursor, s.end)
+            top = max(top, s.end)
+        self._top = top if exclude is None else self._top
         return cursor if self.capacity - cursor >= need else None
 
     def _move(self, span: Span, start: int, capacity: int, saved: torch.Tensor | None = None) -> None:
@@ -207,3 +214,4 @@ class KVStore:
             if s.start != cursor:
                 self._move(s, cursor, s.capacity)
             cursor = s.end
+        self._top = cursor

@@ -1,5 +1,6 @@
-"""Model runner shared by edge and cloud: any Hugging Face causal LM + tokenizer, incremental decoding
-with a KV cache, rollback of rejected positions (cache crop), and a ragged batched forward for verification.
+"""Model runner shared by edge and cloud: any Hugging Face causal LM + tokenizer, its context limit, incremental
+decoding with a KV cache, rollback of rejected positions (cache crop), and a ragged batched forward (the edge's
+drafter). The cloud verifies through its own KV store instead (cloud_worker/kvcache.py, attention.py).
 """
 
 from __future__ import annotations

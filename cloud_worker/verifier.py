@@ -303,7 +303,7 @@ class Verifier:
         outcome = verify.sampled(draft, p, q, u, uniform(s.seed, pos + d, Purpose.BONUS))
         if outcome.token is None:
             n = outcome.n_accepted
-            s.pending = resample.Pending(req.seq, pos + n, p[n], req.draft[n])
+            s.pending = resample.Pending(req.seq, pos + n, p[n], draft_ids[n])
         return outcome
 
     def resample(self, key: SessionKey, req: P.Resample) -> P.Resampled:

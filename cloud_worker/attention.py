@@ -111,18 +111,16 @@ def forward_packed(model, store: KVStore, rows: list[Row], *, deterministic: boo
     """Run every row's new tokens in one forward pass; their K/V are appended to the rows' spans (which must
     exist). Returns per row the logits [keep, V] (float32) of its last `keep` tokens."""
     spans = [store.ensure(r.key, store.span(r.key).length + len(r.ids)) for r in rows]  # may move spans
-    plan = _plan(store, rows, spans, deterministic)
+    plan, positions = _plan(store, rows, spans, deterministic)
     device = store.data.device
     ids = torch.tensor([t for r in rows for t in r.ids], dtype=torch.long, device=device)[None]  # [1, T]
-    positions = torch.cat([torch.arange(s.length, s.length + len(r.ids), device=device)
-                           for r, s in zip(rows, spans)])[None]  # [1, T]
     keep, q = [], 0
     for r in rows:
         q += len(r.ids)
         keep.extend(range(q - r.keep, q))
     _local.plan = plan
     try:
-        out = model(input_ids=ids, position_ids=positions, attention_mask=_NO_MASK.to(device),
+        out = model(input_ids=ids, position_ids=positions[None], attention_mask=_NO_MASK.to(device),
                     use_cache=False, logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device))
     finally:
         _local.plan = None
@@ -135,23 +133,31 @@ def forward_packed(model, store: KVStore, rows: list[Row], *, deterministic: boo
     return list(logits.split([r.keep for r in rows]))
 
 
-def _plan(store: KVStore, rows: list[Row], spans: list[Span], deterministic: bool) -> _Plan:
+def _plan(store: KVStore, rows: list[Row], spans: list[Span], deterministic: bool) -> tuple[_Plan, torch.Tensor]:
+    """The attention plan of a forward, and the new tokens' positions [T]."""
     h, device = store.shape.kv_heads, store.data.device
-    plans, bases, steps, q0 = [], [], [], 0
-    for r, span in zip(rows, spans):
-        n, past = len(r.ids), span.length
-        length = past + n
-        new = torch.arange(past, length, device=device)  # positions of the new tokens
-        # fast: [n, length] causal mask (None for one token); deterministic: built at the first layer
-        mask = torch.arange(length, device=device)[None, :] <= new[:, None] if n > 1 and not deterministic else None
+    n = torch.tensor([len(r.ids) for r in rows])                       # [R]
+    past = torch.tensor([s.length for s in spans])                      # [R]
+    capacity = torch.tensor([s.capacity for s in spans])                # [R]
+    offset = torch.tensor([store.row_offset(s) for s in spans])         # [R]
+    owner = torch.repeat_interleave(torch.arange(len(rows)), n)         # [T] row of each new token
+    first = torch.cumsum(n, 0) - n                                      # [R] its first token in the packed row
+    positions = past[owner] + torch.arange(len(owner)) - first[owner]   # [T]
+    # row in store.data of (layer 0, keys, head j, position p) = offset + j * capacity + p
+    cap = capacity[owner]
+    write_base = offset[owner] + torch.arange(h)[:, None] * cap + positions  # [h, T]
+    longest_n, longest = int(n.max()), int((past + n).max())
+    # bottom-right causal mask: the mask of a row with n tokens and L positions is its [-n:, -L:] corner
+    causal = (torch.arange(longest, device=device)[None, :]
+              <= torch.arange(longest_n, device=device)[:, None] + (longest - longest_n))
+    plans = []
+    for r, span, q0, k in zip(rows, spans, first.tolist(), n.tolist()):
+        length = span.length + k
+        mask = causal[longest_n - k:, longest - length:] if k > 1 and not deterministic else None
         kv = span.kv[:, :, :, :length]
-        plans.append(_RowPlan(span, q0, n, length, mask, kv[:, 0], kv[:, 1]))
-        # row in store.data of (layer 0, keys, head j, position p) = offset + j * capacity + p
-        heads = torch.arange(h, device=device)[:, None] * span.capacity
-        bases.append(store.row_offset(span) + heads + new[None, :])  # [h, n]
-        steps.append(torch.full((n,), h * span.capacity, device=device))
-        q0 += n
-    return _Plan(store, plans, torch.cat(bases, 1), torch.cat(steps), deterministic)
+        plans.append(_RowPlan(span, q0, k, length, mask, kv[:, 0], kv[:, 1]))
+    plan = _Plan(store, plans, write_base.to(device), (h * cap).to(device), deterministic)
+    return plan, positions.to(device)
 
 
 # ---- attention ----------------------------------------------------------------------------------------------

@@ -175,6 +175,8 @@ class Verifier:
     def _make_room(self, tokens: int, busy: frozenset = frozenset()) -> None:
         """Free `tokens` KV slots by evicting sessions idle for evict_idle_s (least recently used first).
         Raises KVFull when that is not enough."""
+        if self.store.free_tokens >= tokens:
+            return
         now = self.clock()
         for key in list(self.sessions):
             if self.store.free_tokens >= tokens:

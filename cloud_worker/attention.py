@@ -109,7 +109,8 @@ def _dispatcher(original: str):
 @torch.no_grad()
 def forward_packed(model, store: KVStore, rows: list[Row], *, deterministic: bool = False) -> list[torch.Tensor]:
     """Run every row's new tokens in one forward pass; their K/V are appended to the rows' spans (which must
-    exist). Returns per row the logits [keep, V] (float32) of its last `keep` tokens."""
+    exist). Returns per row the logits [keep, V] (float32, on the CPU, where the acceptance rules run) of its
+    last `keep` tokens."""
     spans = [store.ensure(r.key, store.span(r.key).length + len(r.ids)) for r in rows]  # may move spans
     plan, positions = _plan(store, rows, spans, deterministic)
     device = store.data.device
@@ -129,7 +130,7 @@ def forward_packed(model, store: KVStore, rows: list[Row], *, deterministic: boo
                          "layers through the KV store; this model is not supported by the cloud worker")
     for r, s in zip(rows, spans):
         s.length += len(r.ids)
-    logits = out.logits[0].float()  # [sum(keep), V]
+    logits = out.logits[0].float().cpu()  # [sum(keep), V]: one transfer per step on an accelerator
     return list(logits.split([r.keep for r in rows]))
 
 

@@ -12,10 +12,10 @@ from specrelay.cloud_worker.kvcache import KVFull, KVShape, KVStore
 from specrelay.cloud_worker.verifier import Verifier, VerifierConfig
 from specrelay.common import protocol as P
 from specrelay.common import verify
-from specrelay.common.errors import ErrorCode, InvalidRequest
+from specrelay.common.errors import ErrorCode, InvalidRequest, RequestError
 from specrelay.common.sampling import SamplingParams
 from specrelay.edge_worker.drafter import Drafter
-from specrelay.edge_worker.session import SessionConfig
+from specrelay.edge_worker.session import EdgeSession, SessionConfig
 from specrelay.speculative import speculative_generate_batch
 
 SHAPE = KVShape(layers=2, kv_heads=2, head_dim=4, dtype=torch.float32)
@@ -281,3 +281,44 @@ def test_long_prompts_are_prefilled_in_chunks_beside_other_sessions(tiny_runners
     assert steps == 4 and v.stats["prefill_tokens"] == 4 * 16  # 70 tokens: 54 left over 16 -> ready
     verdict = v.verify([((b"e", 1), P.Verify(1, 1, len(long_ids), [], []))])[0]
     assert verdict.next_token == hf_logits(target, long_ids)[-1].argmax().item()
+
+
+def test_deterministic_output_survives_a_failover_at_any_verify(tiny_runners):
+    """A worker lost at any VERIFY: the edge re-OPENs on a fresh worker, which re-prefills the whole history in
+    8-token chunks (the original computed it step by step). With deterministic numerics the seeded output is
+    the same as without the failure, and so is every cached key and value, bit for bit."""
+    target, draft = tiny_runners
+    drafter = Drafter(draft, target.vocab_size)
+    ids = target.tokenizer("def add(a, b):\n").input_ids
+    config = SessionConfig(max_new_tokens=20, params=SamplingParams(0.8), seed=5)
+    key = (b"e", 1)
+
+    def fresh_worker(session: EdgeSession) -> Verifier:
+        verifier = Verifier(target, VerifierConfig(deterministic=True, prefill_tokens=8))
+        verifier.open(key, session.open_message())
+        while not verifier.ready(key):
+            verifier.verify([], prefill_tokens=8)
+        return verifier
+
+    def run(fail_at: int | None) -> tuple[list[int], torch.Tensor]:
+        session = EdgeSession(list(ids), config, drafter)
+        verifier = fresh_worker(session)
+        for step in range(1, 200):
+            if session.done:
+                span = verifier.store.span(key)
+                return session.generated, span.kv[:, :, :, :span.length].clone()
+            req = session.next_request()
+            if step == fail_at and isinstance(req, P.Verify):
+                with pytest.raises(RequestError):
+                    session.apply(P.Error(1, req.seq, ErrorCode.WORKER_LOST, "lost"))
+                verifier = fresh_worker(session)
+                continue
+            session.apply(verifier.verify([(key, req)])[0] if isinstance(req, P.Verify) else verifier.resample(key, req))
+        raise AssertionError("the session did not finish")
+
+    reference, kv = run(None)
+    assert len(reference) == 20
+    for fail_at in (2, 4, 7, 10):
+        out, kv_after = run(fail_at)
+        assert out == reference, fail_at
+        assert torch.equal(kv_after, kv), fail_at

@@ -15,7 +15,7 @@ class WorkerConfig:
     max_sessions: int = 1024
     max_cache_bytes: int = 2 << 30       # the KV store's size (preallocated; see cloud_worker/kvcache.py)
     deterministic: bool = False          # batch-invariant numerics: a session's logits never depend on its batch
-    prefill_tokens: int = 128            # prompt tokens prefilled per forward pass (chunked prefill)
+    prefill_tokens: int = 64             # prompt tokens prefilled per forward pass (chunked prefill)
     evict_idle_s: float = 60.0           # sessions silent this long may be evicted to admit a new one
     heartbeat_interval: float = 1.0
     heartbeat_liveness: int = 3          # broker silent this many intervals = dead: reconnect

@@ -43,7 +43,7 @@ class VerifierConfig:
     max_sessions: int = 1024
     max_cache_bytes: int = 2 << 30  # the KV store's size (capped at max_sessions full-context sessions)
     deterministic: bool = False     # batch-invariant numerics (attention.py): same logits in any batch
-    prefill_tokens: int = 128       # prompt tokens prefilled per forward pass, beside the batch's VERIFYs
+    prefill_tokens: int = 64        # prompt tokens prefilled per forward pass, beside the batch's VERIFYs
     evict_idle_s: float = 60.0      # sessions silent this long may be evicted to admit a new one
 
 

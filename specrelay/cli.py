@@ -266,7 +266,7 @@ def cloud_worker_flags(p) -> None:
                    help="batch-invariant numerics: a session's logits do not depend on the other sessions in its "
                         "batch or on prefill chunking, so seeded sampling repeats at any concurrency and after "
                         "failover (slower; see README)")
-    p.add_argument("--prefill-tokens", type=cliargs.positive_int, default=128,
+    p.add_argument("--prefill-tokens", type=cliargs.positive_int, default=64,
                    help="prompt tokens prefilled per forward pass, beside the running sessions' verification")
     add_health(p)
     add_client_keys(p)

@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--reps", type=int, default=9, help="timed repetitions per cell (median)")
     ap.add_argument("--budget-mb", type=float, default=2048, help="KV budget for the sessions-at-budget column")
-    ap.add_argument("--prefill-tokens", type=int, default=128, help="the worker's prefill chunk (prefill)")
+    ap.add_argument("--prefill-tokens", type=int, default=64, help="the worker's prefill chunk (prefill)")
     ap.add_argument("--max-new-tokens", type=int, default=96, help="tokens per prompt (determinism)")
     ap.add_argument("--session-modes", nargs="+", default=["sample", "coupled"], choices=["sample", "coupled"],
                     help="sampling modes the determinism runs use")

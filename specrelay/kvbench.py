@@ -171,9 +171,46 @@ def bench_prefill(args) -> dict:
             "bar_bad_request_within_1s": limit["code"] == "BAD_REQUEST" and limit["ms"] < 1000}
 
 
+class _Edge:
+    """A bare edge on the broker's frontend: raw protocol messages, one reply awaited per session."""
+
+    def __init__(self, frontend: str) -> None:
+        import zmq
+        import zmq.asyncio
+
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.linger = 0
+        self.sock.connect(frontend)
+        self.waiters: dict[int, asyncio.Future] = {}
+        self.receiver = asyncio.create_task(self._receive())
+
+    async def _receive(self) -> None:
+        from .common import protocol as P
+
+        while True:
+            msg = P.decode(await self.sock.recv_multipart())
+            fut = self.waiters.pop(msg.session, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+
+    async def send(self, msg) -> None:
+        from .common import protocol as P
+
+        await self.sock.send_multipart(P.encode(msg))
+
+    async def call(self, msg):
+        self.waiters[msg.session] = fut = asyncio.get_running_loop().create_future()
+        await self.send(msg)
+        return await asyncio.wait_for(fut, 60)
+
+    def close(self) -> None:
+        self.receiver.cancel()
+        self.sock.close()
+        self.ctx.term()
+
+
 async def _prefill_run(frontend: str, args) -> dict:
-    import zmq
-    import zmq.asyncio
     from transformers import AutoTokenizer
 
     from .common import protocol as P
@@ -181,59 +218,37 @@ async def _prefill_run(frontend: str, args) -> dict:
     tok = AutoTokenizer.from_pretrained(args.model)
     texts = prompts(40)
     long_ids = [t for text in texts for t in tok(text).input_ids][:900]
-    ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.linger = 0
-    sock.connect(frontend)
-    waiters: dict[int, asyncio.Future] = {}
-
-    async def receive():
-        while True:
-            msg = P.decode(await sock.recv_multipart())
-            fut = waiters.pop(msg.session, None)
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
-
-    async def call(msg: P.Base) -> P.Base:
-        waiters[msg.session] = fut = asyncio.get_running_loop().create_future()
-        await sock.send_multipart(P.encode(msg))
-        return await asyncio.wait_for(fut, 60)
-
+    edge = _Edge(frontend)
     log: list[tuple[float, float]] = []  # (sent, latency) of the short sessions' VERIFYs
     stop = asyncio.Event()
 
     async def short(sid: int) -> None:
         ids = tok(texts[sid]).input_ids[:60]
-        await sock.send_multipart(P.encode(P.Open(sid, ids)))
-        seq = 0
-        while not stop.is_set():
-            seq += 1
+        await edge.send(P.Open(sid, ids))
+        for seq in range(1, 10_000):
             t0 = time.perf_counter()
-            verdict = await call(P.Verify(sid, seq, len(ids), [], ids[-4:]))
+            verdict = await edge.call(P.Verify(sid, seq, len(ids), [], ids[-4:]))
             log.append((t0, time.perf_counter() - t0))
             ids = ids + ids[-4:][:verdict.n_accepted] + [verdict.next_token]
-            if len(ids) > 400:
+            if stop.is_set() or len(ids) > 400:
                 return
 
-    receiver = asyncio.create_task(receive())
     try:
         shorts = [asyncio.create_task(short(sid)) for sid in range(1, 16)]
         await asyncio.sleep(3.0)
         t_long = time.perf_counter()
-        await sock.send_multipart(P.encode(P.Open(100, long_ids)))
-        verdict = await call(P.Verify(100, 1, len(long_ids), [], []))
+        await edge.send(P.Open(100, long_ids))
+        verdict = await edge.call(P.Verify(100, 1, len(long_ids), [], []))
         t_done = time.perf_counter()
         await asyncio.sleep(0.3)
         stop.set()
         await asyncio.gather(*shorts)
-        limit = await _too_long(call, tok, texts)
+        limit = await _too_long(edge.call, tok, texts)
     finally:
-        receiver.cancel()
-        sock.close()
-        ctx.term()
+        edge.close()
+    assert isinstance(verdict, P.Verdict), verdict
     before = [lat for t, lat in log if 1.0 < t - log[0][0] and t + lat < t_long]
     during = [lat for t, lat in log if t + lat > t_long and t < t_done]
-    assert isinstance(verdict, P.Verdict), verdict
     return {"baseline_worst_ms": round(max(before) * 1000, 1), "baseline_median_ms": round(
         statistics.median(before) * 1000, 1), "during_worst_ms": round(max(during) * 1000, 1),
         "during_verifies": len(during), "long_first_verdict_ms": round((t_done - t_long) * 1000, 1),

@@ -309,14 +309,14 @@ def _diverge(a: list[int], b: list[int]) -> int | None:
 
 
 async def _generate(frontend: str, args, texts: list[str], concurrency: int, mode: str, kill=None) -> dict:
+    """Seeded sampling (T = 0.8, seed 7) of every text; `kill` (a worker process) is SIGKILLed once a third of
+    the tokens are committed."""
     import signal
 
     from .common.sampling import SamplingParams
-    from .edge_worker.loading import load_edge
     from .edge_worker.session import SessionConfig
 
     config = SessionConfig(max_new_tokens=args.max_new_tokens, params=SamplingParams(0.8), seed=7, mode=mode)
-    gate = asyncio.Semaphore(concurrency)
     total = [0]
 
     def count(new: list[int]) -> None:
@@ -324,17 +324,30 @@ async def _generate(frontend: str, args, texts: list[str], concurrency: int, mod
         if kill is not None and kill.poll() is None and total[0] >= len(texts) * args.max_new_tokens // 3:
             kill.send_signal(signal.SIGKILL)
 
-    async def one(text: str):
-        async with gate:
-            return await edge.generate(edge.tokenizer(text).input_ids, config, count)
-
-    async with await load_edge(frontend, args.draft) as edge:
-        t0 = time.perf_counter()
-        res = await asyncio.gather(*(one(t) for t in texts))
-        wall = time.perf_counter() - t0
+    res, wall = await _run_edge(frontend, args.draft, texts, concurrency, config, count)
     n = sum(len(ids) for ids, _ in res)
     return {"outputs": [ids for ids, _ in res], "tokens_per_s": round(n / wall, 1),
             "retries": sum(s["retries"] for _, s in res)}
+
+
+async def _run_edge(frontend: str, draft: str, texts: list[str], concurrency: int, config, on_tokens=None,
+                    warm_up: bool = False) -> tuple[list, float]:
+    """Generate every text through the broker with an in-process edge, `concurrency` at a time:
+    ([(ids, stats)], wall seconds)."""
+    from .edge_worker.loading import load_edge
+
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(text: str):
+        async with gate:
+            return await edge.generate(edge.tokenizer(text).input_ids, config, on_tokens)
+
+    async with await load_edge(frontend, draft) as edge:
+        if warm_up:
+            await one(texts[0])  # first forward passes allocate
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(one(t) for t in texts))
+        return res, time.perf_counter() - t0
 
 
 # --------------------------------------------------------------------------------------- concurrency
@@ -381,21 +394,11 @@ def bench_concurrency(args) -> dict:
 
 async def _greedy(frontend: str, draft: str, texts: list[str], concurrency: int, tokens: int) -> float:
     from .common.sampling import SamplingParams
-    from .edge_worker.loading import load_edge
     from .edge_worker.session import SessionConfig
 
     config = SessionConfig(max_new_tokens=tokens, params=SamplingParams(0.0))
-    gate = asyncio.Semaphore(concurrency)
-
-    async def one(text: str):
-        async with gate:
-            return await edge.generate(edge.tokenizer(text).input_ids, config)
-
-    async with await load_edge(frontend, draft) as edge:
-        await one(texts[0])  # warm-up
-        t0 = time.perf_counter()
-        res = await asyncio.gather(*(one(t) for t in texts))
-        return sum(len(ids) for ids, _ in res) / (time.perf_counter() - t0)
+    res, wall = await _run_edge(frontend, draft, texts, concurrency, config, warm_up=True)
+    return sum(len(ids) for ids, _ in res) / wall
 
 
 BENCHES = {"step": bench_step, "prefill": bench_prefill, "determinism": bench_determinism,

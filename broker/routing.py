@@ -165,9 +165,10 @@ class Router:
         return reason + "; close sessions or retry later"
 
     def _least_loaded(self) -> Worker | None:
-        """Fewest broker-assigned sessions; ties go to the earliest registered worker."""
+        """The most free KV memory (estimated, `Worker.free_fraction`), then the fewest broker-assigned
+        sessions; ties go to the earliest registered worker."""
         return min((w for w in self.workers.values() if not w.full),
-                   key=lambda w: (len(w.sessions), w.serial), default=None)
+                   key=lambda w: (-round(w.free_fraction, 3), len(w.sessions), w.serial), default=None)
 
     def _forward(self, session_id: int, session: Session, msg_type: MsgType, seq: int,
                  frames: list[bytes]) -> list[Action]:
@@ -221,16 +222,18 @@ class Router:
         if worker_id in self.workers:
             actions = self._lose_worker(worker_id, "the worker re-registered", tell_worker=False)
         self.workers[worker_id] = Worker(identity=worker_id, max_sessions=ready.max_sessions,
-                                         expires=now + self.ttl, serial=next(self._serials), model=ready.model)
+                                         expires=now + self.ttl, serial=next(self._serials), model=ready.model,
+                                         kv_capacity=ready.kv_capacity, kv_free=ready.kv_capacity)
         self._gauges()
         log.info("worker ready", worker=worker_id.hex(), model=ready.model, max_sessions=ready.max_sessions)
         return actions
 
     def _heartbeat(self, worker: Worker, frames: list[bytes]) -> list[Action]:
         try:
-            protocol.decode(frames[2:])
+            beat = protocol.decode(frames[2:])
         except InvalidRequest as exc:
             return self._bad_worker(worker.identity, str(exc))
+        worker.heard(beat)
         return []
 
     def _unknown_worker(self, worker_id: bytes, msg_type: MsgType) -> list[Action]:

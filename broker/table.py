@@ -24,10 +24,28 @@ class Worker:
     serial: int              # registration order: the deterministic tie-break between equal loads
     model: str = ""
     sessions: set[SessionKey] = field(default_factory=set)
+    kv_capacity: int = 0     # KV token slots (READY); 0: the worker does not report KV memory
+    kv_free: int = 0         # free KV token slots at its last heartbeat
+    kv_load: int = 0         # its open sessions at that heartbeat
 
     @property
     def full(self) -> bool:
         return 0 < self.max_sessions <= len(self.sessions)
+
+    def heard(self, beat) -> None:
+        """A HEARTBEAT from the worker: its free KV memory and open sessions."""
+        self.kv_free, self.kv_load = beat.kv_free, beat.load
+
+    @property
+    def free_fraction(self) -> float:
+        """Estimated share of its KV memory still free: the last report, less what the sessions assigned since
+        then are likely to take (its average per session). Without KV reports: its free session slots."""
+        if self.kv_capacity <= 0:
+            return 1.0 - len(self.sessions) / self.max_sessions if self.max_sessions > 0 else 1.0
+        used = self.kv_capacity - self.kv_free
+        per_session = used / self.kv_load if self.kv_load else self.kv_capacity / max(1, self.max_sessions)
+        pending = max(0, len(self.sessions) - self.kv_load)
+        return (self.kv_free - pending * per_session) / self.kv_capacity
 
 
 @dataclass

@@ -5,7 +5,9 @@ Pure (no sockets, no asyncio): `CloudWorker` pushes every decoded edge message h
 Rules:
 - A session's messages are handled in arrival order. OPEN / CLOSE / RESAMPLE (and ready-made ERROR replies)
   are handed to the caller as they come up; VERIFYs join the batch. A second message of a session that is
-  already in the batch waits for the next batch (it depends on the first one's outcome).
+  already in the batch waits for the next batch (it depends on the first one's outcome), and so does a VERIFY
+  of a session that is not `ready` (its prompt is still being prefilled) — with every later message of that
+  session; other sessions' messages behind them go ahead.
 - At most `max_batch` VERIFYs per batch.
 - Waiting for more requests is worth it only while some other recently active session may still send one;
   with a single active session a batch goes at once. Never longer than `max_wait` after the oldest request.
@@ -54,21 +56,28 @@ class Batcher:
         if not isinstance(item.msg, P.Error):  # a malformed message proves nothing about a session
             self.last_seen[item.key] = item.arrived
 
-    def take(self, batch: list[Item], control: Callable[[Item], None]) -> bool:
-        """Move queued VERIFYs into `batch` and pass every other message to `control`, in arrival order.
-        Returns True when the queue's head must wait for this batch (its session is already in it)."""
+    def take(self, batch: list[Item], control: Callable[[Item], None],
+             ready: Callable[[SessionKey], bool] = lambda key: True) -> bool:
+        """Move queued VERIFYs into `batch` and pass every other message to `control`, in arrival order per
+        session. Messages of a session whose earlier message must wait stay queued, in order. Returns True
+        when a queued message waits for this batch (its session is already in it)."""
         in_batch = {item.key for item in batch}
+        held: set[SessionKey] = set()
+        kept: deque[Item] = deque()
+        waits_for_batch = False
         while self.queue and len(batch) < self.max_batch:
-            item = self.queue[0]
-            if item.key in in_batch:
-                return True
-            self.queue.popleft()
-            if item.is_verify:
+            item = self.queue.popleft()
+            if item.key in in_batch or item.key in held or (item.is_verify and not ready(item.key)):
+                waits_for_batch = waits_for_batch or item.key in in_batch
+                held.add(item.key)
+                kept.append(item)
+            elif item.is_verify:
                 batch.append(item)
                 in_batch.add(item.key)
             else:
                 control(item)
-        return False
+        self.queue.extendleft(reversed(kept))
+        return waits_for_batch
 
     def wait_budget(self, batch: list[Item], now: float, is_open: Container[SessionKey]) -> float:
         """Seconds worth waiting for more VERIFYs before running `batch` (0: run it now)."""

@@ -13,7 +13,10 @@ class WorkerConfig:
     max_batch: int = 32
     max_wait_ms: float = 5.0             # longest wait to fill a batch, and only while others may still send
     max_sessions: int = 1024
-    max_cache_bytes: int = 2 << 30       # KV memory cap; least-recently-used sessions are evicted past it
+    max_cache_bytes: int = 2 << 30       # the KV store's size (preallocated; see cloud_worker/kvcache.py)
+    deterministic: bool = False          # batch-invariant numerics: a session's logits never depend on its batch
+    prefill_tokens: int = 64             # prompt tokens prefilled per forward pass (chunked prefill)
+    evict_idle_s: float = 60.0           # sessions silent this long may be evicted to admit a new one
     heartbeat_interval: float = 1.0
     heartbeat_liveness: int = 3          # broker silent this many intervals = dead: reconnect
     health_port: int | None = None       # HTTP /healthz /readyz /metrics (0 = any free port)
@@ -30,6 +33,8 @@ class WorkerConfig:
             (0 <= self.max_wait_ms <= 1000, "max_wait_ms must be in [0, 1000]"),
             (self.max_sessions >= 1, "max_sessions must be >= 1"),
             (self.max_cache_bytes > 0, "max_cache_bytes must be > 0"),
+            (self.prefill_tokens >= 1, "prefill_tokens must be >= 1"),
+            (self.evict_idle_s >= 0, "evict_idle_s must be >= 0"),
             (self.heartbeat_interval > 0, "heartbeat_interval must be > 0"),
             (self.heartbeat_liveness >= 1, "heartbeat_liveness must be >= 1"),
             (0 <= self.linger_ms <= 5000, "linger_ms must be in [0, 5000] so shutdown cannot hang"),

@@ -31,12 +31,12 @@ log = structlog.get_logger("specrelay.cloud")
 
 class BrokerConnection:
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, config: WorkerConfig, stats: WorkerStats, *,
-                 ready: Callable[[], P.Ready], load: Callable[[], int],
+                 ready: Callable[[], P.Ready], beat: Callable[[], P.Heartbeat],
                  on_request: Callable[[list[bytes], int], None], on_reset: Callable[[], None],
                  clock: Callable[[], float], curve: transport.Curve | None = None) -> None:
         self.endpoint, self.config, self.stats = endpoint, config, stats
         self._ctx, self._curve, self._clock = ctx, curve, clock
-        self._ready, self._load, self._on_request, self._on_reset = ready, load, on_request, on_reset
+        self._ready, self._beat, self._on_request, self._on_reset = ready, beat, on_request, on_reset
         self.sock: zmq.asyncio.Socket | None = None
         self.generation = 0       # connections so far; requests carry the one they came in on
         self.heard = clock()      # when the broker last sent anything
@@ -161,7 +161,7 @@ class BrokerConnection:
             return
         if self._clock() - self.heard > self.config.broker_ttl:
             self.lose(f"the broker was silent for {self.config.heartbeat_liveness} heartbeat intervals")
-        elif self.send(b"", P.Heartbeat(load=self._load())):
+        elif self.send(b"", self._beat()):
             self.stats.heartbeats_sent += 1
 
     def close(self, reason: str) -> None:

@@ -11,11 +11,13 @@ the client id the broker prepends to every edge request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import structlog
+import torch
 import zmq
 import zmq.asyncio
 
@@ -32,7 +34,7 @@ from .verifier import Verifier, VerifierConfig
 log = structlog.get_logger("specrelay.cloud")
 
 HEALTHY_TICKS = 3  # /healthz fails when the loop has not ticked for this many heartbeat intervals
-GAUGES = ("sessions_open", "queued", "connected", "batch_size_mean")
+GAUGES = ("sessions_open", "queued", "connected", "batch_size_mean", "kv_free_tokens", "kv_capacity_tokens")
 
 
 class CloudWorker(transport.Service):
@@ -47,13 +49,14 @@ class CloudWorker(transport.Service):
         super().__init__()
         self.broker = broker
         self.config = c = config or WorkerConfig()
-        self.verifier = Verifier(runner, VerifierConfig(c.max_sessions, c.max_cache_bytes))
+        self.verifier = Verifier(runner, VerifierConfig(c.max_sessions, c.max_cache_bytes, c.deterministic,
+                                                        c.prefill_tokens, c.evict_idle_s), clock=clock)
         self.batcher = Batcher(c.max_batch, c.max_wait_ms / 1000, c.idle_after_s)
         self.health_port = c.health_port
         self._stats = WorkerStats()
         self._clock = clock
         self.connection = BrokerConnection(context or zmq.asyncio.Context.instance(), broker, c, self._stats,
-                                           ready=self._ready_message, load=lambda: len(self.verifier.sessions),
+                                           ready=self._ready_message, beat=self._heartbeat_message,
                                            on_request=self._on_request, on_reset=self._on_reset, clock=clock,
                                            curve=curve)
         self._reset_to = self._reset_done = 0  # the processor forgets connections before generation _reset_to
@@ -74,6 +77,8 @@ class CloudWorker(transport.Service):
             "heartbeats_sent": s.heartbeats_sent, "heartbeats_received": s.heartbeats_received,
             "bad_broker_messages": s.bad_broker_messages, "reconnects": s.reconnects,
             "evictions": self.verifier.stats["evictions"], "sessions_open": len(self.verifier.sessions),
+            "kv_free_tokens": self.verifier.kv_free_tokens, "kv_capacity_tokens": self.verifier.store.capacity,
+            "kv_moves": self.verifier.store.stats["moves"], "prefill_tokens": self.verifier.stats["prefill_tokens"],
             "queued": len(self.batcher), "connected": int(self.connection.sock is not None),
             "batch_size_mean": s.verify_requests / s.batches if s.batches else 0.0,
             "batch_sizes": dict(s.batch_sizes), "errors": dict(s.errors),
@@ -101,7 +106,10 @@ class CloudWorker(transport.Service):
     def _ready_message(self) -> P.Ready:
         runner = self.verifier.runner
         return P.Ready(model=runner.name, vocab_size=runner.vocab_size, max_sessions=self.config.max_sessions,
-                       max_batch=self.config.max_batch)
+                       max_batch=self.config.max_batch, kv_capacity=self.verifier.store.capacity)
+
+    def _heartbeat_message(self) -> P.Heartbeat:
+        return P.Heartbeat(load=len(self.verifier.sessions), kv_free=self.verifier.kv_free_tokens)
 
     async def _close(self) -> None:
         """Let the running batch finish (drain_timeout_s), send its replies and DISCONNECT, close."""
@@ -154,8 +162,10 @@ class CloudWorker(transport.Service):
         batch: list[Item] = []
         while True:
             batch = self._apply_reset(batch)
-            if self.batcher.take(batch, self._control):
+            if self.batcher.take(batch, self._control, self.verifier.ready):
                 return batch  # the next message waits for this batch's outcome
+            if self.verifier.prefill_pending:
+                return batch  # a prompt is being prefilled: a step now, with the VERIFYs that are ready
             budget = self.batcher.wait_budget(batch, self._clock(), self.verifier.sessions)
             if batch and budget <= 0:
                 return batch
@@ -173,7 +183,7 @@ class CloudWorker(transport.Service):
         if self._reset_done < self._reset_to:
             self._reset_done = self._reset_to
             n_sessions = len(self.verifier.sessions)
-            self.verifier.sessions.clear()
+            self.verifier.reset()
             stale = self.batcher.drop_before(self._reset_to)
             self._log.info("state of the previous broker connection dropped", sessions=n_sessions,
                            queued=len(stale))
@@ -203,10 +213,11 @@ class CloudWorker(transport.Service):
     async def _run_batch(self, batch: list[Item]) -> None:
         """ONE Verifier.verify (one forward pass) for the whole batch, in the executor thread."""
         batch = self._apply_reset(batch)
-        if not batch:
+        if not batch and not self.verifier.prefill_pending:
             return
         loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._executor, self.verifier.verify, [(i.key, i.msg) for i in batch])
+        future = loop.run_in_executor(self._executor, self.verifier.verify, [(i.key, i.msg) for i in batch],
+                                      self.config.prefill_tokens)
         self._inflight = (future, batch)
         try:
             replies = await asyncio.shield(future)  # cancelled: the batch runs on and shutdown drains it
@@ -229,6 +240,8 @@ class CloudWorker(transport.Service):
                 for item in batch]
 
     def _finish_batch(self, batch: list[Item], replies: list[P.Base]) -> None:
+        if not batch:
+            return  # a prefill-only step
         self._stats.batches += 1
         self._stats.batch_sizes[len(batch)] += 1
         self._stats.verify_requests += len(batch)
@@ -294,8 +307,17 @@ def _session_or_zero(frames: list[bytes]) -> int:
 async def serve(broker: str, model: str, device: str = "cpu", dtype: str = "float32", *,
                 curve: transport.Curve | None = None, **options: object) -> None:
     """Load the target model and serve it until SIGTERM / SIGINT: the body of `specrelay cloud-worker`.
-    options: WorkerConfig fields (max_batch, max_wait_ms, health_port, max_sessions, max_cache_bytes, ...)."""
+    options: WorkerConfig fields (max_batch, max_wait_ms, health_port, max_sessions, max_cache_bytes, ...), and
+    kv_cache_fraction: on cuda, size the KV store as this share of the device memory free after loading."""
+    fraction = float(options.pop("kv_cache_fraction", 0.0) or 0.0)
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError("kv_cache_fraction must be in [0, 1)")
     config = WorkerConfig(**options)
     log.info("loading the target model", model=model, device=device, dtype=dtype)
     runner = await asyncio.to_thread(ModelRunner.load, model, device, dtype)
+    if fraction:
+        if runner.device.type != "cuda":
+            raise ValueError("kv_cache_fraction needs a cuda device; use max_cache_bytes (--kv-cache-mb)")
+        free, _ = torch.cuda.mem_get_info(runner.device)
+        config = dataclasses.replace(config, max_cache_bytes=int(free * fraction))
     await transport.serve_until_signalled(CloudWorker(broker, runner, config, curve=curve))

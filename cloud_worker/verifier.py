@@ -1,14 +1,22 @@
-"""The cloud's pure core: sessions with their KV caches, and batched verification (requests in, verdicts out).
+"""The cloud's pure core: sessions with their KV, and batched verification (requests in, verdicts out).
 
 No sockets here: `cloud_worker.server` moves bytes to and from a `Verifier`. Sessions are keyed by
 `SessionKey` = (peer, session), so two edges may both number a session 1. One `verify` call runs ONE forward
-pass of the target over every request in the batch (ragged lengths, see `ModelRunner.forward_batch`), then
-applies each session's acceptance rule (common/verify.py).
+pass of the target over every request in the batch (`attention.forward_packed`: the new tokens of all
+sessions packed into one row, attention reading each session's K/V in place in the `KVStore`), plus at most
+`prefill_tokens` of prompts still being prefilled, then applies each session's acceptance rule
+(common/verify.py).
+
+Limits: an OPEN longer than the model's context (`max_position_embeddings`) is a BAD_REQUEST naming it; one
+that does not fit in the KV store, even after evicting sessions idle for `evict_idle_s`, is UNAVAILABLE
+(retry later, or on another worker). A draft that would run past the model's context is verified up to it.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,21 +28,28 @@ from ..common import resample, verify
 from ..common.errors import InvalidRequest, RequestError, UnknownSession
 from ..common.protocol import Mode, SessionKey, Strategy
 from ..common.rng import Purpose, gumbel, uniform
-from ..common.runner import KV, BatchRow, ModelRunner, append_kv
+from ..common.runner import ModelRunner
 from ..common.sampling import SamplingParams, probs_from_logits
+from .attention import Row, forward_packed, install
+from .kvcache import KVFull, KVShape, KVStore
 
 log = structlog.get_logger("specrelay.cloud")
+
+OPEN_HEADROOM = 64  # token slots reserved beyond the prompt, so the first steps need no move
 
 
 @dataclass
 class VerifierConfig:
     max_sessions: int = 1024
-    max_cache_bytes: int = 2 << 30   # KV memory cap; least-recently-used sessions are evicted past it
+    max_cache_bytes: int = 2 << 30  # the KV store's size (capped at max_sessions full-context sessions)
+    deterministic: bool = False     # batch-invariant numerics (attention.py): same logits in any batch
+    prefill_tokens: int = 64        # prompt tokens prefilled per forward pass, beside the batch's VERIFYs
+    evict_idle_s: float = 60.0      # sessions silent this long may be evicted to admit a new one
 
 
 @dataclass
 class CloudSession:
-    """What the cloud keeps per session: committed target ids, and K/V for the first `cached` of them."""
+    """What the cloud keeps per session: committed target ids (its K/V is in the KVStore under `key`)."""
 
     key: SessionKey
     tokens: list[int]
@@ -43,8 +58,7 @@ class CloudSession:
     seed: int
     strategy: Strategy
     shared: torch.Tensor | None  # [V_target] bool, None = same vocabulary
-    kv: KV | None = None
-    cached: int = 0
+    used: float = 0.0            # clock time of its last request
     last_seq: int = -1
     last_draft: tuple[int, ...] = ()
     last_reply: P.Verdict | None = None
@@ -54,47 +68,86 @@ class CloudSession:
     def sid(self) -> int:
         return self.key[1]
 
-    @property
-    def kv_bytes(self) -> int:
-        return sum(k.nelement() * k.element_size() * 2 for k, _ in self.kv) if self.kv else 0
-
 
 @dataclass
 class _Work:
-    """One admitted VERIFY: its slot in the reply list, its session, the request, and q parsed once."""
+    """One admitted VERIFY: its slot in the reply list, its session, the request, the draft that fits the
+    model's context, and q parsed once."""
 
     slot: int
     session: CloudSession
     req: P.Verify
+    draft: list[int]
     q: torch.Tensor | None  # [d] q(x_i), sample mode only
 
 
 class Verifier:
-    def __init__(self, runner: ModelRunner, config: VerifierConfig | None = None) -> None:
+    def __init__(self, runner: ModelRunner, config: VerifierConfig | None = None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.runner = runner
-        self.config = config or VerifierConfig()
+        self.config = c = config or VerifierConfig()
+        self.clock = clock
+        self.max_context = runner.max_context or P.MAX_CONTEXT
+        shape = KVShape.of(runner.model.config, runner.model.dtype)
+        budget = min(c.max_cache_bytes, c.max_sessions * (self.max_context + OPEN_HEADROOM) * shape.bytes_per_token)
+        # deterministic attention reads key blocks of `block` tokens: fewer, larger blocks cost less
+        self.store = KVStore.from_budget(shape, budget, runner.device, block=128 if c.deterministic else 32)
+        install(runner.model)
         self.sessions: OrderedDict[SessionKey, CloudSession] = OrderedDict()  # LRU order: oldest first
-        self.stats = {"forward_passes": 0, "evictions": 0}
+        self.stats = {"forward_passes": 0, "evictions": 0, "prefill_tokens": 0}
         self._masks: dict[bytes, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ session lifecycle
     def open(self, key: SessionKey, msg: P.Open) -> None:
-        """Create (or re-prefill) a session. Raises InvalidRequest naming the field."""
+        """Create (or re-prefill) a session: checked, then admitted if its context fits in the KV store.
+        Raises InvalidRequest naming the field, or KVFull (UNAVAILABLE)."""
         params = SamplingParams(msg.temperature, msg.top_k, msg.top_p)
         if params.greedy != (msg.mode == Mode.GREEDY):
             raise InvalidRequest("mode GREEDY goes with temperature 0 and only with it", field="mode")
         if msg.vocab_size and msg.vocab_size != self.runner.vocab_size:
             raise InvalidRequest(f"vocab_size {msg.vocab_size} does not match the target model's "
                                  f"{self.runner.vocab_size}", field="vocab_size")
+        if len(msg.tokens) > self.max_context:
+            raise InvalidRequest(f"the context has {len(msg.tokens)} tokens; the target model {self.runner.name} "
+                                 f"takes at most {self.max_context} (max_position_embeddings)", field="tokens")
         self._check_ids(msg.tokens, "tokens")
-        shared = self._shared_mask(msg.shared_vocab)  # validated before the old state is replaced
-        self.sessions.pop(key, None)
-        self.sessions[key] = CloudSession(key, list(msg.tokens), msg.mode, params, msg.seed, msg.resample, shared)
+        shared = self._shared_mask(msg.shared_vocab)
+        need = self.store.round_up(len(msg.tokens) + OPEN_HEADROOM)
+        if need > self.store.capacity:
+            raise InvalidRequest(f"the context has {len(msg.tokens)} tokens; this worker's KV store holds "
+                                 f"{self.store.capacity}", field="tokens")
+        self.close(key)  # validated before the old state is replaced
+        self._make_room(need)
+        self.store.reserve(key, need)
+        self.sessions[key] = CloudSession(key, list(msg.tokens), msg.mode, params, msg.seed, msg.resample, shared,
+                                          used=self.clock())
         while len(self.sessions) > self.config.max_sessions:
-            self._evict_oldest()
+            self._evict(next(iter(self.sessions)))
 
     def close(self, key: SessionKey) -> None:
         self.sessions.pop(key, None)
+        self.store.free(key)
+
+    def reset(self) -> None:
+        """Forget every session (the broker connection they came on is gone)."""
+        self.sessions.clear()
+        self.store.clear()
+
+    @property
+    def kv_free_tokens(self) -> int:
+        return self.store.free_tokens
+
+    def cached(self, key: SessionKey) -> int:
+        return self.store.span(key).length
+
+    def ready(self, key: SessionKey) -> bool:
+        """A VERIFY of this session may join a batch: what is not cached yet fits in one prefill chunk."""
+        s = self.sessions.get(key)
+        return s is None or len(s.tokens) - self.cached(key) <= self.config.prefill_tokens
+
+    @property
+    def prefill_pending(self) -> bool:
+        return any(not self.ready(key) for key in self.sessions)
 
     def _shared_mask(self, bitmap: bytes) -> torch.Tensor | None:
         if not bitmap:
@@ -114,26 +167,37 @@ class Verifier:
         if bad is not None:
             raise InvalidRequest(f"{name} holds token id {bad}, outside the target vocabulary [0, {v})", field=name)
 
-    def _evict_oldest(self) -> None:
-        key, _ = self.sessions.popitem(last=False)
+    def _evict(self, key: SessionKey) -> None:
+        self.close(key)
         self.stats["evictions"] += 1
         log.info("session evicted", peer=key[0].hex(), session=key[1])
 
-    def _enforce_memory_cap(self) -> None:
-        total = sum(s.kv_bytes for s in self.sessions.values())
-        while total > self.config.max_cache_bytes and len(self.sessions) > 1:
-            total -= next(iter(self.sessions.values())).kv_bytes
-            self._evict_oldest()
+    def _make_room(self, tokens: int, busy: frozenset = frozenset()) -> None:
+        """Free `tokens` KV slots by evicting sessions idle for evict_idle_s (least recently used first).
+        Raises KVFull when that is not enough."""
+        if self.store.free_tokens >= tokens:
+            return
+        now = self.clock()
+        for key in list(self.sessions):
+            if self.store.free_tokens >= tokens:
+                return
+            s = self.sessions[key]
+            if key not in busy and now - s.used >= self.config.evict_idle_s:
+                self._evict(key)
+        if self.store.free_tokens < tokens:
+            raise KVFull(f"the worker's KV memory is full ({self.store.free_tokens} free token slots, {tokens} "
+                         "needed); retry later")
 
     # ------------------------------------------------------------------ verification
-    def verify(self, requests: list[tuple[SessionKey, P.Verify]]) -> list[P.Verdict | P.Error]:
-        """A batch of VERIFY requests -> one VERDICT or ERROR each, in order, from one forward pass.
-        A session may appear once per batch (its K/V is one row)."""
+    def verify(self, requests: list[tuple[SessionKey, P.Verify]], prefill_tokens: int = 0) -> list[P.Verdict | P.Error]:
+        """A batch of VERIFY requests -> one VERDICT or ERROR each, in order, from one forward pass, which also
+        prefills up to `prefill_tokens` of sessions not ready yet. A session may appear once per batch."""
         replies: list[P.Verdict | P.Error | None] = [None] * len(requests)
         work: list[_Work] = []
+        busy = frozenset(key for key, _ in requests)
         for slot, (key, req) in enumerate(requests):
             try:
-                item = self._admit(slot, key, req)
+                item = self._admit(slot, key, req, busy)
             except RequestError as exc:
                 replies[slot] = P.Error(req.session, req.seq, exc.code, str(exc))
                 continue
@@ -141,25 +205,48 @@ class Verifier:
                 replies[slot] = self.sessions[key].last_reply
             else:
                 work.append(item)
-        if work:
-            self._run(work, replies)
-        self._enforce_memory_cap()
+        prefill = self._prefill_rows(prefill_tokens, exclude={w.session.key for w in work})
+        if work or prefill:
+            self._run(work, prefill, replies)
         return replies
 
-    def _run(self, work: list[_Work], replies: list) -> None:
-        rows = [BatchRow(w.session.kv, w.session.cached, w.session.tokens[w.session.cached:] + list(w.req.draft))
-                for w in work]
-        outputs = self.runner.forward_batch(rows)
-        self.stats["forward_passes"] += 1
-        for w, (logits, new_kv) in zip(work, outputs):
-            replies[w.slot] = self._decide(w, logits[-(len(w.req.draft) + 1):], new_kv)
+    def _prefill_rows(self, budget: int, exclude: set) -> list[Row]:
+        """Chunks of prompts not ready yet (oldest session first), `budget` tokens in all; each leaves at least
+        one token uncached, so the session's first VERIFY row computes the logits after its context."""
+        rows = []
+        for key, s in self.sessions.items():
+            if budget <= 0:
+                break
+            if key in exclude or self.ready(key):
+                continue
+            start = self.cached(key)
+            n = min(budget, len(s.tokens) - 1 - start)
+            rows.append(Row(key, s.tokens[start:start + n]))
+            budget -= n
+            self.stats["prefill_tokens"] += n
+        return rows
 
-    def _admit(self, slot: int, key: SessionKey, req: P.Verify) -> _Work | None:
+    def _run(self, work: list[_Work], prefill: list[Row], replies: list) -> None:
+        rows = [Row(w.session.key, w.session.tokens[self.cached(w.session.key):] + w.draft, keep=len(w.draft) + 1)
+                for w in work]
+        try:
+            outputs = forward_packed(self.runner.model, self.store, rows + prefill,
+                                     deterministic=self.config.deterministic)
+        except Exception:
+            for row in prefill:  # their state is unknown too; the caller drops the batch's sessions
+                self.close(row.key)
+            raise
+        self.stats["forward_passes"] += 1
+        for w, logits in zip(work, outputs):
+            replies[w.slot] = self._decide(w, logits)
+
+    def _admit(self, slot: int, key: SessionKey, req: P.Verify, busy: frozenset) -> _Work | None:
         """Check a VERIFY against its session before anything changes; None for a replay of the last one."""
         session = self.sessions.get(key)
         if session is None:
             raise UnknownSession(f"session {req.session} is not held by this worker; re-OPEN it", field="session")
         self.sessions.move_to_end(key)
+        session.used = self.clock()
         if req.seq == session.last_seq and session.last_reply is not None:
             if tuple(req.draft) != session.last_draft:
                 raise InvalidRequest(f"seq {req.seq} was already verified with a different draft", field="seq")
@@ -173,19 +260,27 @@ class Verifier:
             raise InvalidRequest(f"q travels only in SAMPLE mode; session {req.session} is {session.mode.name}",
                                  field="q")
         q = P.from_f32(req.q, len(req.draft), "q") if session.mode == Mode.SAMPLE else None
+        room = self.max_context - req.pos  # draft tokens that fit: positions pos-1+d <= max_context-1
+        if room < 0:
+            raise InvalidRequest(f"session {req.session} has {req.pos} tokens, past the target model's context "
+                                 f"of {self.max_context} (max_position_embeddings)", field="pos")
+        draft = list(req.draft[:room])
+        span = self.store.span(key)
+        need = req.pos + len(draft)
+        if need > span.capacity:
+            self._make_room(self.store.round_up(need) - span.capacity, busy=busy)
+            self.store.ensure(key, need)
         session.tokens.extend(req.tail)
         session.pending = None
-        return _Work(slot, session, req, q)
+        return _Work(slot, session, req, draft, None if q is None else q[:len(draft)])
 
-    def _decide(self, w: _Work, logits: torch.Tensor, new_kv: KV) -> P.Verdict:
-        """logits [d+1, V]: target logits at the d+1 positions after pos-1. Commit and keep the valid K/V."""
+    def _decide(self, w: _Work, logits: torch.Tensor) -> P.Verdict:
+        """logits [d+1, V]: target logits at the d+1 positions after pos-1. Commit; roll the rest back."""
         s, req = w.session, w.req
-        outcome = self._outcome(s, req, w.q, logits)
+        outcome = self._outcome(s, req, w.draft, w.q, logits)
         n = outcome.n_accepted
-        uncached = len(s.tokens) - s.cached
-        s.kv = append_kv(s.kv, new_kv, keep=uncached + n)  # last committed token + accepted drafts
-        s.cached += uncached + n
-        s.tokens.extend(req.draft[:n])
+        self.store.truncate(s.key, len(s.tokens) + n)  # last committed token + accepted drafts stay cached
+        s.tokens.extend(w.draft[:n])
         if outcome.token is None:  # sampled rejection: the edge, holding q', finishes the draw
             verdict = resample.rejection_verdict(req.session, n, s.pending, s.strategy, s.shared, s.seed)
         else:
@@ -194,10 +289,11 @@ class Verifier:
         s.last_seq, s.last_draft, s.last_reply = req.seq, tuple(req.draft), verdict
         return verdict
 
-    def _outcome(self, s: CloudSession, req: P.Verify, q: torch.Tensor | None, logits: torch.Tensor) -> verify.Outcome:
+    def _outcome(self, s: CloudSession, req: P.Verify, draft_ids: list[int], q: torch.Tensor | None,
+                 logits: torch.Tensor) -> verify.Outcome:
         """The mode's acceptance rule on logits [d+1, V], with the counter-based draws at positions pos..pos+d."""
-        draft = torch.tensor(req.draft, dtype=torch.long)  # [d]
-        pos, d = req.pos, len(req.draft)
+        draft = torch.tensor(draft_ids, dtype=torch.long)  # [d]
+        pos, d = req.pos, len(draft_ids)
         if s.mode == Mode.GREEDY:
             return verify.greedy(draft, logits)
         if s.mode == Mode.COUPLED:
@@ -209,7 +305,7 @@ class Verifier:
         outcome = verify.sampled(draft, p, q, u, uniform(s.seed, pos + d, Purpose.BONUS))
         if outcome.token is None:
             n = outcome.n_accepted
-            s.pending = resample.Pending(req.seq, pos + n, p[n], req.draft[n])
+            s.pending = resample.Pending(req.seq, pos + n, p[n], draft_ids[n])
         return outcome
 
     def resample(self, key: SessionKey, req: P.Resample) -> P.Resampled:

@@ -209,18 +209,21 @@ class Error(Base):
 
 
 class Ready(Base):
-    """Worker -> broker on start: what it serves and how many sessions it takes."""
+    """Worker -> broker on start: what it serves and how many sessions it takes. kv_capacity: token slots in its
+    KV store (0: not reported; then its heartbeats' kv_free means nothing)."""
 
     model: str = ""
     vocab_size: int = 0
     max_sessions: int = 0
     max_batch: int = 0
+    kv_capacity: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class Heartbeat(Base):
-    """Both directions; from a worker it carries its load (open sessions)."""
+    """Both directions; from a worker it carries its load (open sessions) and its free KV token slots."""
 
     load: int = 0
+    kv_free: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class Disconnect(Base):

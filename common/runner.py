@@ -1,5 +1,6 @@
-"""Model runner shared by edge and cloud: any Hugging Face causal LM + tokenizer, incremental decoding
-with a KV cache, rollback of rejected positions (cache crop), and a ragged batched forward for verification.
+"""Model runner shared by edge and cloud: any Hugging Face causal LM + tokenizer, its context limit, incremental
+decoding with a KV cache, rollback of rejected positions (cache crop), and a ragged batched forward (the edge's
+drafter). The cloud verifies through its own KV store instead (cloud_worker/kvcache.py, attention.py).
 """
 
 from __future__ import annotations
@@ -46,6 +47,17 @@ class ModelRunner:
         except (OSError, ValueError) as exc:
             raise FatalError(f"cannot load model {name_or_path!r}: {exc}") from exc
         return cls(model, tokenizer, name=str(name_or_path))
+
+    @property
+    def max_context(self) -> int | None:
+        """The most positions the model takes (its config's max_position_embeddings or equivalent)."""
+        config = self.model.config
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx"):
+            value = getattr(config, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache()

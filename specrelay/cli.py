@@ -77,7 +77,8 @@ def cmd_cloud_worker(args) -> int:
         warning = warn_if_unreachable(args.broker, args.connect_timeout, worker=False, curve=curve)
         await serve(args.broker, args.model, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
                     max_wait_ms=args.max_wait_ms, health_port=args.health_port, health_host=args.health_host,
-                    max_cache_bytes=int(args.max_cache_mb * 2**20), curve=curve)
+                    max_cache_bytes=int(args.max_cache_mb * 2**20), kv_cache_fraction=args.kv_cache_fraction,
+                    deterministic=args.deterministic, prefill_tokens=args.prefill_tokens, curve=curve)
         warning.cancel()
 
     run_async(main())
@@ -256,8 +257,17 @@ def cloud_worker_flags(p) -> None:
     add_target(p)
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="target model weights")
-    p.add_argument("--max-cache-mb", type=cliargs.nonneg_float, default=2048,
-                   help="KV cache cap; least recently used sessions are evicted past it")
+    p.add_argument("--kv-cache-mb", "--max-cache-mb", dest="max_cache_mb", type=cliargs.nonneg_float, default=2048,
+                   help="size of the preallocated KV store (capped at 1024 full-context sessions)")
+    p.add_argument("--kv-cache-fraction", type=cliargs.nonneg_float, default=0.0,
+                   help="cuda only: give the KV store this share (< 1) of the device memory free after loading "
+                        "the model, instead of --kv-cache-mb")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant numerics: a session's logits do not depend on the other sessions in its "
+                        "batch or on prefill chunking, so seeded sampling repeats at any concurrency and after "
+                        "failover (slower; see README)")
+    p.add_argument("--prefill-tokens", type=cliargs.positive_int, default=64,
+                   help="prompt tokens prefilled per forward pass, beside the running sessions' verification")
     add_health(p)
     add_client_keys(p)
 

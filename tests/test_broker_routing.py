@@ -313,3 +313,16 @@ def test_replies_settle_the_request_they_answer():
     session.in_flight = [(MsgType.OPEN, 0), (MsgType.VERIFY, 3)]
     session.settle(MsgType.VERDICT, 99)  # unmatched: only the OPENs before it are settled
     assert session.in_flight == [(MsgType.VERIFY, 3)]
+
+
+def test_new_sessions_go_to_the_worker_with_the_most_free_kv_memory():
+    r = Router()
+    for w in (W1, W2):
+        r.from_worker([w, b"", *protocol.encode(protocol.Ready(max_sessions=100, kv_capacity=10_000))], 0.0)
+    assert [worker_of(only(edge_send(r, open_(s)))) for s in (1, 2)] == [W1, W2]  # no reports yet: by count
+    worker_send(r, W1, protocol.Heartbeat(load=1, kv_free=2_000), client=b"")  # one long session: 8000 used
+    worker_send(r, W2, protocol.Heartbeat(load=1, kv_free=9_800), client=b"")
+    assert [worker_of(only(edge_send(r, open_(s)))) for s in (3, 4, 5)] == [W2, W2, W2]
+    # W2 is expected to fill as it takes sessions (200 slots each, its average), W1 stays at 20 % free
+    worker_send(r, W2, protocol.Heartbeat(load=40, kv_free=1_000), client=b"")
+    assert worker_of(only(edge_send(r, open_(6)))) == W1

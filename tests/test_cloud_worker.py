@@ -153,6 +153,69 @@ async def test_ready_announces_the_model(fake_broker, start_worker, tiny_runners
     assert ready.model == tiny_runners[0].name
 
 
+async def test_ready_and_heartbeats_report_kv_memory(fake_broker, start_worker, tiny_runners):
+    target, _ = tiny_runners
+    broker = fake_broker()
+    worker = await start_worker(broker, heartbeat_interval=0.05)
+    ready = await broker.ready()
+    assert ready.kv_capacity == worker.verifier.store.capacity > 0
+    await broker.send(b"e", P.Open(3, ids_of(target, PROMPTS[0])))
+    await wait_until(lambda: any(m.load == 1 for _, m, _ in broker.of_type(P.Heartbeat)))
+    beat = next(m for _, m, _ in broker.of_type(P.Heartbeat) if m.load == 1)
+    assert beat.kv_free == worker.verifier.kv_free_tokens < ready.kv_capacity
+    assert worker.stats["kv_free_tokens"] == beat.kv_free
+
+
+async def test_a_prompt_longer_than_the_model_gets_bad_request_within_a_second(fake_broker, start_worker,
+                                                                              tiny_runners):
+    target, _ = tiny_runners
+    broker = fake_broker()
+    await start_worker(broker)
+    limit = target.model.config.max_position_embeddings
+    t0 = time.monotonic()
+    await broker.send(b"e", P.Open(4, [5] * (limit + 100)))
+    await broker.send(b"e", P.Verify(4, 1, limit + 100, [], [1]))
+    error = await broker.reply(b"e")
+    assert time.monotonic() - t0 < 1.0
+    assert error.code == ErrorCode.BAD_REQUEST and error.seq == 0 and f"at most {limit}" in error.message
+    assert (await broker.reply(b"e")).code == ErrorCode.UNKNOWN_SESSION  # the pipelined VERIFY
+
+
+async def test_short_sessions_keep_verifying_while_a_long_prompt_prefills(fake_broker, start_worker,
+                                                                         tiny_runners):
+    """prefill_tokens=16: a 400-token OPEN is prefilled in 25 chunks, one per forward pass, while three short
+    sessions go on verifying; its first verdict is the target's own next token."""
+    target, _ = tiny_runners
+    broker = fake_broker()
+    worker = await start_worker(broker, prefill_tokens=16)
+    long_ids = [5 + i % 200 for i in range(400)]
+    verdicts = {sid: 0 for sid in (1, 2, 3)}
+
+    async def short(sid: int, done: asyncio.Event) -> None:
+        client, ids = b"s%d" % sid, ids_of(target, PROMPTS[sid])
+        await broker.send(client, P.Open(sid, ids))
+        for seq in range(1, 1000):
+            await broker.send(client, P.Verify(sid, seq, len(ids), [], [1]))
+            verdict = await broker.reply(client)
+            ids += [1][:verdict.n_accepted] + [verdict.next_token]
+            verdicts[sid] += 1
+            if done.is_set():
+                return
+
+    done = asyncio.Event()
+    tasks = [asyncio.create_task(short(sid, done)) for sid in verdicts]
+    await wait_until(lambda: min(verdicts.values()) >= 1)
+    before = dict(verdicts)
+    await broker.send(b"long", P.Open(9, long_ids))
+    await broker.send(b"long", P.Verify(9, 1, len(long_ids), [], []))
+    verdict = await broker.reply(b"long")
+    done.set()
+    await asyncio.gather(*tasks)
+    assert all(verdicts[sid] - before[sid] >= 10 for sid in verdicts), (before, verdicts)
+    assert verdict.next_token == target.model(input_ids=torch.tensor([long_ids])).logits[0, -1].argmax().item()
+    assert worker.stats["prefill_tokens"] == 384  # 399 to prefill; the last 16 ride in the VERIFY row
+
+
 async def test_greedy_sessions_over_sockets_equal_target_generate(fake_broker, start_worker, tiny_runners):
     target, draft = tiny_runners
     broker = fake_broker()
@@ -349,7 +412,7 @@ async def test_model_failure_answers_internal_and_keeps_serving(fake_broker, sta
     worker = await start_worker(broker)
     ids = ids_of(target, PROMPTS[2])
 
-    def broken(requests):
+    def broken(requests, *args):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     monkeypatch.setattr(worker.verifier, "verify", broken)
@@ -378,9 +441,9 @@ async def test_heartbeats_carry_the_load_and_flow_during_a_long_forward(fake_bro
     await wait_until(lambda: any(m.load == 1 for _, m, _ in broker.of_type(P.Heartbeat)))
     verify = worker.verifier.verify
 
-    def slow(requests):
+    def slow(requests, *args):
         time.sleep(0.6)  # a long forward pass, in the executor thread
-        return verify(requests)
+        return verify(requests, *args)
 
     monkeypatch.setattr(worker.verifier, "verify", slow)
     t0 = time.monotonic()
@@ -419,7 +482,7 @@ async def test_stop_drains_the_running_batch_then_disconnects(fake_broker, start
     worker = await start_worker(broker)
     ids = ids_of(target, PROMPTS[0])
     verify = worker.verifier.verify
-    monkeypatch.setattr(worker.verifier, "verify", lambda requests: time.sleep(0.3) or verify(requests))
+    monkeypatch.setattr(worker.verifier, "verify", lambda *args: time.sleep(0.3) or verify(*args))
     await broker.send(b"e", P.Open(71, ids))
     await broker.send(b"e", P.Verify(71, 1, len(ids), [], [1]))
     await wait_until(lambda: worker.stats["queued"] == 0 and worker.stats["sessions_open"] == 1)
@@ -545,3 +608,20 @@ def test_batcher_keeps_each_sessions_order_and_the_batch_cap():
     assert isinstance(control[-1], P.Close) and [it.key[1] for it in batch] == [3]
     b.push(item(3, P.Verify(3, 2, 1)))
     assert b.take(batch, lambda it: None) is True  # session 3 is already in the batch: wait for it
+
+
+def test_batcher_holds_a_session_that_is_not_ready_without_blocking_others():
+    b = Batcher(max_batch=8, max_wait_s=0.002, idle_after_s=5.0)
+    for it in [item(1, P.Verify(1, 1, 900)), item(2, P.Verify(2, 1, 3)), item(1, P.Close(1)),
+               item(3, P.Open(3, [1])), item(3, P.Verify(3, 1, 1))]:
+        b.push(it)
+    control: list[P.Base] = []
+    batch: list[Item] = []
+    not_ready = {(b"c", 1)}
+    assert b.take(batch, lambda it: control.append(it.msg), ready=lambda key: key not in not_ready) is False
+    assert [it.key[1] for it in batch] == [2, 3] and [type(m) for m in control] == [P.Open]
+    assert [(it.key[1], type(it.msg)) for it in b.queue] == [(1, P.Verify), (1, P.Close)]  # held, in order
+    not_ready.clear()
+    batch = []
+    assert b.take(batch, lambda it: control.append(it.msg)) is True  # session 1's CLOSE waits for its VERIFY
+    assert [it.key[1] for it in batch] == [1] and len(b.queue) == 1

@@ -1,0 +1,217 @@
+"""The cloud worker's KV store: one preallocated buffer holding every session's keys and values.
+
+The buffer is `capacity` token slots of `bytes_per_token` each. A session owns a `Span`: `capacity`
+consecutive slots from `start` (both multiples of `block`), laid out as
+
+    span.kv: [layers, 2 (keys, values), kv_heads, span.capacity, head_dim]
+
+of which positions [0, span.length) hold its cached K/V. A forward pass writes only the new positions, in
+place (`cloud_worker.attention`), and attention reads a session's K/V as a view of its span: nothing is
+stacked, concatenated or copied per step. Rolling back rejected draft positions is `truncate` (a length
+change); closing or evicting a session is `free`.
+
+A span that must grow moves once to a larger range (capacity grows by half each time, so a session's moves
+copy O(its length) in total); when free space is fragmented the store compacts (moves spans towards the
+start). Both are rare whole-span copies, never per-step ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..common.errors import Overloaded
+
+GROWTH = 1.5  # a span that must move grows to this multiple of what it needs now
+
+
+@dataclass(eq=False)
+class Span:
+    start: int     # first slot, a multiple of the block size
+    capacity: int  # slots reserved, a multiple of the block size
+    length: int = 0  # positions holding valid K/V (the cached prefix)
+    kv: torch.Tensor | None = None  # [layers, 2, kv_heads, capacity, head_dim], a view of the store
+
+    @property
+    def end(self) -> int:
+        return self.start + self.capacity
+
+
+class KVFull(Overloaded):
+    """The store has no room for this many tokens (UNAVAILABLE: retry later or elsewhere)."""
+
+
+@dataclass(frozen=True)
+class KVShape:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * torch.empty(0, dtype=self.dtype).element_size()
+
+    @classmethod
+    def of(cls, config, dtype: torch.dtype) -> "KVShape":
+        """From a transformers config (the text config of a multimodal one)."""
+        c = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = c.num_attention_heads
+        kv_heads = getattr(c, "num_key_value_heads", None) or heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        return cls(c.num_hidden_layers, kv_heads, head_dim, dtype)
+
+
+class KVStore:
+    """Preallocated K/V for all sessions of a worker, addressed by session key."""
+
+    def __init__(self, shape: KVShape, capacity_tokens: int, device: torch.device | str = "cpu",
+                 block: int = 32) -> None:
+        if block < 1 or capacity_tokens < block:
+            raise ValueError(f"the KV store needs room for at least one block of {block} tokens, "
+                             f"got {capacity_tokens}")
+        self.shape, self.block = shape, block
+        self.capacity = capacity_tokens // block * block
+        self.rows_per_token = shape.layers * 2 * shape.kv_heads  # head_dim-sized rows one token slot holds
+        # torch.empty: pages are touched only when written, and every span is zeroed when it is handed out
+        self.data = torch.empty(self.capacity * self.rows_per_token, shape.head_dim, dtype=shape.dtype,
+                                device=device)  # [rows, head_dim]
+        self.spans: dict[object, Span] = {}
+        self.reserved = 0  # slots held by spans: a counter, so other threads (heartbeats) read it safely
+        self._top = 0      # every slot from here on is free
+        self.stats = {"moves": 0, "compactions": 0, "moved_tokens": 0}
+
+    @classmethod
+    def from_budget(cls, shape: KVShape, budget_bytes: int, device: torch.device | str = "cpu",
+                    block: int = 32) -> "KVStore":
+        return cls(shape, max(block, budget_bytes // shape.bytes_per_token), device, block)
+
+    # ---- accounting ---------------------------------------------------------------------------------
+
+    @property
+    def free_tokens(self) -> int:
+        return self.capacity - self.reserved
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity * self.shape.bytes_per_token
+
+    def round_up(self, tokens: int) -> int:
+        return -(-max(tokens, 1) // self.block) * self.block
+
+    def fits(self, tokens: int) -> bool:
+        return self.round_up(tokens) <= self.free_tokens
+
+    # ---- spans ----------------------------------------------------------------------------------------
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.spans
+
+    def span(self, key: object) -> Span:
+        return self.spans[key]
+
+    def reserve(self, key: object, tokens: int) -> Span:
+        """A new, empty span with room for `tokens` (replacing any span `key` had). Raises KVFull."""
+        self.free(key)
+        need = self.round_up(tokens)
+        start = self._find(need)
+        if start is None and need <= self.free_tokens:
+            self._compact()
+            start = self._find(need)
+        if start is None:
+            raise KVFull(f"the worker's KV store has {self.free_tokens} free token slots, {need} needed")
+        self.spans[key] = span = Span(start, need)
+        self.reserved += need
+        self._place(span)
+        span.kv.zero_()
+        return span
+
+    def ensure(self, key: object, tokens: int) -> Span:
+        """Make `key`'s span hold at least `tokens` positions, moving it (once) if it must grow."""
+        span = self.spans[key]
+        if tokens <= span.capacity:
+            return span
+        need = self.round_up(tokens)
+        if need - span.capacity > self.free_tokens:
+            raise KVFull(f"the worker's KV store has {self.free_tokens} free token slots; the session needs "
+                         f"{need - span.capacity} more")
+        want = min(self.round_up(int(need * GROWTH)), span.capacity + self.free_tokens)
+        start = self._find(want, exclude=span)
+        if start is not None:
+            self._move(span, start, want)
+            return span
+        # fragmented: set this span aside, pack the others towards slot 0, put it after them
+        saved = span.kv[:, :, :, :span.length].clone()
+        del self.spans[key]
+        self._compact()
+        self.spans[key] = span
+        self._move(span, self._find(want, exclude=span), want, saved)
+        return span
+
+    def truncate(self, key: object, length: int) -> None:
+        """Forget positions >= length (rejected drafts): a length change, nothing is copied."""
+        span = self.spans[key]
+        span.length = min(span.length, max(0, length))
+
+    def free(self, key: object) -> None:
+        span = self.spans.pop(key, None)
+        if span is not None:
+            self.reserved -= span.capacity
+
+    def clear(self) -> None:
+        self.spans.clear()
+        self.reserved = self._top = 0
+
+    def row_offset(self, span: Span) -> int:
+        """Index in `data` of the span's first row (layer 0, keys, head 0, position 0)."""
+        return span.start * self.rows_per_token
+
+    # ---- internals --------------------------------------------------------------------------------------
+
+    def _place(self, span: Span) -> None:
+        self._top = max(self._top, span.end)
+        s = self.shape
+        rows = self.data[self.row_offset(span):self.row_offset(span) + span.capacity * self.rows_per_token]
+        span.kv = rows.view(s.layers, 2, s.kv_heads, span.capacity, s.head_dim)
+
+    def _ordered(self, exclude: Span | None = None) -> list[Span]:
+        return sorted((s for s in self.spans.values() if s is not exclude), key=lambda s: s.start)
+
+    def _find(self, need: int, exclude: Span | None = None) -> int | None:
+        """Where `need` free slots start (`exclude`'s slots count as free): above every span when there is room
+        (O(1)), else the lowest hole that fits (first fit)."""
+        if self.capacity - self._top >= need:
+            return self._top
+        cursor, top = 0, 0
+        for s in self._ordered(exclude):
+            if s.start - cursor >= need:
+                return cursor
+            cursor = max(cursor, s.end)
+            top = max(top, s.end)
+        self._top = top if exclude is None else self._top
+        return cursor if self.capacity - cursor >= need else None
+
+    def _move(self, span: Span, start: int, capacity: int, saved: torch.Tensor | None = None) -> None:
+        """Re-home the span at [start, start + capacity): its valid K/V is copied (the one copy a move costs).
+        saved: its K/V when the caller already set it aside."""
+        n = span.length
+        if saved is None:
+            saved = span.kv[:, :, :, :n].clone()  # the old and new ranges may overlap
+        self.reserved += capacity - span.capacity
+        span.start, span.capacity = start, capacity
+        self._place(span)
+        span.kv[:, :, :, :n] = saved
+        span.kv[:, :, :, n:].zero_()
+        self.stats["moves"] += 1
+        self.stats["moved_tokens"] += n
+
+    def _compact(self) -> None:
+        """Move every span towards slot 0, in address order, so that the free slots form one range at the end."""
+        self.stats["compactions"] += 1
+        cursor = 0
+        for s in self._ordered():
+            if s.start != cursor:
+                self._move(s, cursor, s.capacity)
+            cursor = s.end
+        self._top = cursor

@@ -1,0 +1,437 @@
+"""Benchmarks of the cloud worker's KV store (issue 9). Each prints a table and writes JSON.
+
+    python -m specrelay.kvbench step          # verifier step vs the model's forward on a pre-stacked cache,
+                                              # contexts 64..max, batch 1/4/16; memory per session; sessions
+                                              # at a budget; the deterministic mode's cost
+    python -m specrelay.kvbench prefill       # worst verification latency of 15 short sessions while a
+                                              # 900-token prompt arrives (chunked vs not); a too-long prompt
+    python -m specrelay.kvbench determinism   # seeded sampling at concurrency 1, 8, 16 and after failover
+    python -m specrelay.kvbench concurrency   # 16 sessions vs 1 on one worker vs the in-process lockstep
+    python -m specrelay.kvbench all
+
+Results go to ./bench_results/kv_<name>.json (--out to change). Everything runs on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "models"
+
+
+def write(out: Path, name: str, data: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"kv_{name}.json"
+    path.write_text(json.dumps(data, indent=1))
+    print(f"-> {path}", file=sys.stderr)
+
+
+def prompts(n: int) -> list[str]:
+    lines = (MODELS / "heldout_prompts.jsonl").read_text().splitlines()
+    return [json.loads(x)["prompt"] for x in lines if x.strip()][:n]
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    cells = [headers] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |" for r in cells]
+    lines.insert(1, "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- step
+
+def bench_step(args) -> dict:
+    """One verification step of `batch` sessions at `context` cached tokens, d = 4 drafts each (greedy),
+    against the model's own forward over the same new tokens on a DynamicCache built from pre-stacked K/V."""
+    import torch
+
+    from .cloud_worker.verifier import OPEN_HEADROOM, Verifier, VerifierConfig
+    from .common.runner import ModelRunner
+
+    torch.set_num_threads(args.threads)
+    runner = ModelRunner.load(args.model, args.device)
+    limit = runner.max_context or 4096
+    contexts = [c for c in args.contexts if c + 8 <= limit]
+    budget = int(args.budget_mb * 2**20)
+    verifiers = {det: Verifier(runner, VerifierConfig(max_sessions=64, max_cache_bytes=budget, deterministic=det))
+                 for det in (False, True)}
+    rows, out = [], []
+    for ctx in contexts:
+        for batch in args.batches:
+            r = _step_row(runner, verifiers, ctx, batch, args.reps)
+            store = verifiers[False].store
+            per_session = store.shape.bytes_per_token * ctx
+            r |= {"kv_bytes_per_session": per_session,
+                  "sessions_at_budget": budget // store.shape.bytes_per_token // store.round_up(ctx + OPEN_HEADROOM)}
+            out.append(r)
+            rows.append([ctx, batch, r["forward_ms"], r["verifier_ms"], r["ratio"], r["deterministic_ms"],
+                         r["deterministic_cost"], r["main_path_ms"], f"{per_session / 2**20:.2f}",
+                         r["sessions_at_budget"]])
+    print(table(["context", "batch", "model forward ms", "verifier step ms", "ratio", "deterministic ms",
+                 "det. cost", "main's path ms", "KV MiB/session", f"sessions in {args.budget_mb:g} MiB"], rows))
+    worst16 = max((r["ratio"] for r in out if r["batch"] == 16 and 64 <= r["context"] <= 896), default=None)
+    return {"model": args.model, "threads": args.threads, "draft_len": 4, "reps": args.reps,
+            "kv_bytes_per_token": verifiers[False].store.shape.bytes_per_token, "budget_mb": args.budget_mb,
+            "rows": out, "worst_ratio_batch16_64_896": worst16,
+            "bar_ratio_le_1.15": worst16 is not None and worst16 <= 1.15}
+
+
+def _step_row(runner, verifiers: dict, ctx: int, batch: int, reps: int) -> dict:
+    import torch
+
+    from .common import protocol as P
+    from .common.runner import BatchRow, append_kv
+
+    gen = torch.Generator().manual_seed(ctx * 100 + batch)
+    ids = [torch.randint(1, runner.vocab_size, (ctx,), generator=gen).tolist() for _ in range(batch)]
+    drafts = [torch.randint(1, runner.vocab_size, (4,), generator=gen).tolist() for _ in range(batch)]
+    keys = [(b"bench", i) for i in range(batch)]
+    for v in verifiers.values():
+        v.reset()
+        for key, x in zip(keys, ids):
+            v.open(key, P.Open(key[1], x))
+        v.verify([], prefill_tokens=batch * ctx)  # each context cached but its last token
+    spans = [verifiers[False].store.span(k) for k in keys]
+    layers = [(torch.stack([s.kv[li, 0, :, :ctx - 1] for s in spans]), torch.stack([s.kv[li, 1, :, :ctx - 1]
+                                                                                     for s in spans]))
+              for li in range(runner.model.config.num_hidden_layers)]  # [batch, heads, ctx-1, d] per layer
+    new = torch.tensor([[x[-1]] + d for x, d in zip(ids, drafts)])  # [batch, 5]
+    positions = torch.arange(ctx - 1, ctx + 4).expand(batch, 5)
+
+    def model_forward():
+        from transformers import DynamicCache
+
+        cache = DynamicCache(ddp_cache_data=layers)
+        with torch.no_grad():
+            runner.model(input_ids=new, position_ids=positions, use_cache=True, **{runner._cache_kw: cache})
+
+    def verifier_step(v):
+        def run():
+            reqs = [(k, P.Verify(k[1], 1, ctx, [], d)) for k, d in zip(keys, drafts)]
+            v.verify(reqs)
+            for k, x in zip(keys, ids):  # back to the same state: context ctx, ctx - 1 cached
+                s = v.sessions[k]
+                s.tokens, s.last_seq, s.last_reply = list(x), -1, None
+                v.store.truncate(k, ctx - 1)
+        return run
+
+    per_row = [[(k[i], v[i]) for k, v in layers] for i in range(batch)]
+
+    def main_path():  # main's verifier: stack left-padded, DynamicCache concat, append the kept K/V
+        outs = runner.forward_batch([BatchRow(kv, ctx - 1, [x[-1]] + d) for kv, x, d in zip(per_row, ids, drafts)])
+        for kv, (_, new_kv) in zip(per_row, outs):
+            append_kv(kv, new_kv, keep=1)
+
+    fns = {"forward": model_forward, "verifier": verifier_step(verifiers[False]),
+           "deterministic": verifier_step(verifiers[True]), "main_path": main_path}
+    times = {name: [] for name in fns}
+    for rep in range(reps + 1):
+        for name, fn in fns.items():  # interleaved, so load changes hit every column alike
+            t0 = time.perf_counter()
+            fn()
+            if rep:  # the first round warms up
+                times[name].append(time.perf_counter() - t0)
+    ms = {name: statistics.median(t) * 1000 for name, t in times.items()}
+    return {"context": ctx, "batch": batch, "forward_ms": round(ms["forward"], 2),
+            "verifier_ms": round(ms["verifier"], 2), "ratio": round(ms["verifier"] / ms["forward"], 3),
+            "deterministic_ms": round(ms["deterministic"], 2),
+            "deterministic_cost": round(ms["deterministic"] / ms["verifier"], 3),
+            "main_path_ms": round(ms["main_path"], 2)}
+
+
+# ------------------------------------------------------------------------------------------- prefill
+
+def bench_prefill(args) -> dict:
+    """15 short sessions verifying in a loop; then a 900-token OPEN arrives. Worst VERIFY round trip of the
+    short sessions before and while it is prefilled, chunked (--prefill-tokens) and in one piece."""
+    from .cluster import LocalCluster
+
+    results = {}
+    for label, chunk in (("chunked", args.prefill_tokens), ("unchunked", 1_000_000)):
+        extra = ("--prefill-tokens", str(chunk))
+        with LocalCluster(args.model, threads=args.threads, extra_worker_args=extra) as c:
+            results[label] = asyncio.run(_prefill_run(c.frontend, args))
+    rows = [[label, r["baseline_worst_ms"], r["baseline_median_ms"], r["during_worst_ms"], r["long_first_verdict_ms"]]
+            for label, r in results.items()]
+    print(table(["prefill", "worst VERIFY ms before", "median before", "worst VERIFY ms during the 900-token "
+                 "OPEN", "900-token OPEN to its first VERDICT ms"], rows))
+    limit = results["chunked"]["too_long"]
+    print(f"OPEN of {limit['tokens']} tokens: {limit['code']} in {limit['ms']} ms: {limit['message']}")
+    return {"model": args.model, "prefill_tokens": args.prefill_tokens, "short_sessions": 15,
+            "long_prompt_tokens": 900, **results,
+            "bar_bad_request_within_1s": limit["code"] == "BAD_REQUEST" and limit["ms"] < 1000}
+
+
+class _Edge:
+    """A bare edge on the broker's frontend: raw protocol messages, one reply awaited per session."""
+
+    def __init__(self, frontend: str) -> None:
+        import zmq
+        import zmq.asyncio
+
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.linger = 0
+        self.sock.connect(frontend)
+        self.waiters: dict[int, asyncio.Future] = {}
+        self.receiver = asyncio.create_task(self._receive())
+
+    async def _receive(self) -> None:
+        from .common import protocol as P
+
+        while True:
+            msg = P.decode(await self.sock.recv_multipart())
+            fut = self.waiters.pop(msg.session, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+
+    async def send(self, msg) -> None:
+        from .common import protocol as P
+
+        await self.sock.send_multipart(P.encode(msg))
+
+    async def call(self, msg):
+        self.waiters[msg.session] = fut = asyncio.get_running_loop().create_future()
+        await self.send(msg)
+        return await asyncio.wait_for(fut, 60)
+
+    def close(self) -> None:
+        self.receiver.cancel()
+        self.sock.close()
+        self.ctx.term()
+
+
+async def _prefill_run(frontend: str, args) -> dict:
+    from transformers import AutoTokenizer
+
+    from .common import protocol as P
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    texts = prompts(40)
+    long_ids = [t for text in texts for t in tok(text).input_ids][:900]
+    edge = _Edge(frontend)
+    log: list[tuple[float, float]] = []  # (sent, latency) of the short sessions' VERIFYs
+    stop = asyncio.Event()
+
+    async def short(sid: int) -> None:
+        ids = tok(texts[sid]).input_ids[:60]
+        await edge.send(P.Open(sid, ids))
+        for seq in range(1, 10_000):
+            t0 = time.perf_counter()
+            verdict = await edge.call(P.Verify(sid, seq, len(ids), [], ids[-4:]))
+            log.append((t0, time.perf_counter() - t0))
+            ids = ids + ids[-4:][:verdict.n_accepted] + [verdict.next_token]
+            if stop.is_set() or len(ids) > 400:
+                return
+
+    try:
+        shorts = [asyncio.create_task(short(sid)) for sid in range(1, 16)]
+        await asyncio.sleep(3.0)
+        t_long = time.perf_counter()
+        await edge.send(P.Open(100, long_ids))
+        verdict = await edge.call(P.Verify(100, 1, len(long_ids), [], []))
+        t_done = time.perf_counter()
+        await asyncio.sleep(0.3)
+        stop.set()
+        await asyncio.gather(*shorts)
+        limit = await _too_long(edge.call, tok, texts)
+    finally:
+        edge.close()
+    assert isinstance(verdict, P.Verdict), verdict
+    before = [lat for t, lat in log if 1.0 < t - log[0][0] and t + lat < t_long]
+    during = [lat for t, lat in log if t + lat > t_long and t < t_done]
+    return {"baseline_worst_ms": round(max(before) * 1000, 1), "baseline_median_ms": round(
+        statistics.median(before) * 1000, 1), "during_worst_ms": round(max(during) * 1000, 1),
+        "during_verifies": len(during), "long_first_verdict_ms": round((t_done - t_long) * 1000, 1),
+        "too_long": limit}
+
+
+async def _too_long(call, tok, texts: list[str]) -> dict:
+    from .common import protocol as P
+
+    ids = [t for text in texts for t in tok(text).input_ids] * 4
+    ids = ids[:3125]
+    t0 = time.perf_counter()
+    reply = await call(P.Open(200, ids))
+    ms = round((time.perf_counter() - t0) * 1000, 1)
+    return {"tokens": len(ids), "ms": ms, "code": getattr(getattr(reply, "code", None), "name", "none"),
+            "message": getattr(reply, "message", "")}
+
+
+# --------------------------------------------------------------------------------------- determinism
+
+def bench_determinism(args) -> dict:
+    """16 prompts x 96 tokens at T = 0.8, seed 7, through broker + worker(s): concurrency 1, 8, 16 on one
+    worker, and 16 on two workers with one killed (SIGKILL) a third of the way in; for each worker numerics
+    (default, --deterministic) and session mode (sample, coupled)."""
+    from .cluster import LocalCluster
+
+    texts = prompts(16)
+    out: dict = {}
+    for numerics, extra in (("default", ()), ("deterministic", ("--deterministic",))):
+        for mode in args.session_modes:
+            runs = {}
+            with LocalCluster(args.model, threads=args.threads, extra_worker_args=extra) as c:
+                for conc in (1, 8, 16):
+                    runs[f"concurrency {conc}"] = asyncio.run(_generate(c.frontend, args, texts, conc, mode))
+            with LocalCluster(args.model, workers=2, threads=args.threads, extra_worker_args=extra) as c:
+                runs["failover"] = asyncio.run(_generate(c.frontend, args, texts, 16, mode, kill=c.procs[1]))
+            ref = runs["concurrency 1"]["outputs"]
+            out.setdefault(numerics, {})[mode] = {
+                name: {"identical_to_concurrency_1": sum(a == b for a, b in zip(r["outputs"], ref)),
+                       "first_divergence": [_diverge(a, b) for a, b in zip(r["outputs"], ref)],
+                       "tokens_per_s": r["tokens_per_s"], "retries": r["retries"], "outputs": r["outputs"]}
+                for name, r in runs.items()}
+    rows = [[numerics, mode, name, f"{r['identical_to_concurrency_1']}/16", r["tokens_per_s"], r["retries"]]
+            for numerics, modes in out.items() for mode, runs in modes.items() for name, r in runs.items()]
+    print(table(["worker numerics", "session mode", "run", "outputs identical to concurrency 1", "tokens/s",
+                 "edge retries"], rows))
+    det = [r for runs in out["deterministic"].values() for r in runs.values()]
+    return {"model": args.model, "prompts": 16, "max_new_tokens": args.max_new_tokens, "temperature": 0.8,
+            "seed": 7, **out, "bar_identical_everywhere_deterministic": all(
+                r["identical_to_concurrency_1"] == 16 for r in det)}
+
+
+def _diverge(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (None: identical)."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+async def _generate(frontend: str, args, texts: list[str], concurrency: int, mode: str, kill=None) -> dict:
+    """Seeded sampling (T = 0.8, seed 7) of every text; `kill` (a worker process) is SIGKILLed once a third of
+    the tokens are committed."""
+    import signal
+
+    from .common.sampling import SamplingParams
+    from .edge_worker.session import SessionConfig
+
+    config = SessionConfig(max_new_tokens=args.max_new_tokens, params=SamplingParams(0.8), seed=7, mode=mode)
+    total = [0]
+
+    def count(new: list[int]) -> None:
+        total[0] += len(new)
+        if kill is not None and kill.poll() is None and total[0] >= len(texts) * args.max_new_tokens // 3:
+            kill.send_signal(signal.SIGKILL)
+
+    res, wall = await _run_edge(frontend, args.draft, texts, concurrency, config, count)
+    n = sum(len(ids) for ids, _ in res)
+    return {"outputs": [ids for ids, _ in res], "tokens_per_s": round(n / wall, 1),
+            "retries": sum(s["retries"] for _, s in res)}
+
+
+async def _run_edge(frontend: str, draft: str, texts: list[str], concurrency: int, config, on_tokens=None,
+                    warm_up: bool = False) -> tuple[list, float]:
+    """Generate every text through the broker with an in-process edge, `concurrency` at a time:
+    ([(ids, stats)], wall seconds)."""
+    from .edge_worker.loading import load_edge
+
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(text: str):
+        async with gate:
+            return await edge.generate(edge.tokenizer(text).input_ids, config, on_tokens)
+
+    async with await load_edge(frontend, draft) as edge:
+        if warm_up:
+            await one(texts[0])  # first forward passes allocate
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(one(t) for t in texts))
+        return res, time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------------------- concurrency
+
+def bench_concurrency(args) -> dict:
+    """Verified tokens/s: 16 sessions at once vs 1 at a time through one worker (the existing `bench
+    concurrency` setup), against the same ratio in-process (`speculative_generate_batch`, lockstep)."""
+    import torch
+
+    from .cluster import LocalCluster
+    from .common.runner import ModelRunner
+    from .common.sampling import SamplingParams
+    from .edge_worker.drafter import Drafter
+    from .edge_worker.session import SessionConfig
+    from .speculative import speculative_generate_batch
+
+    torch.set_num_threads(args.threads)
+    texts, tokens = prompts(16), args.concurrency_tokens
+    with LocalCluster(args.model, max_batch=32, threads=args.threads) as c:
+        one = asyncio.run(_greedy(c.frontend, args.draft, texts[:4], 1, tokens))
+        sixteen = asyncio.run(_greedy(c.frontend, args.draft, texts, 16, tokens))
+    target, draft = ModelRunner.load(args.model), ModelRunner.load(args.draft)
+    ids = [target.tokenizer(t).input_ids for t in texts]
+    config = SessionConfig(max_new_tokens=tokens, params=SamplingParams(0.0))
+    drafter = Drafter(draft, target.vocab_size)
+    speculative_generate_batch(drafter, target, ids[:1], [config])  # warm-up
+    t0, n1 = time.perf_counter(), 0
+    for x in ids[:4]:
+        n1 += sum(len(o) for o, _ in speculative_generate_batch(drafter, target, [x], [config]))
+    lock1 = n1 / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    n16 = sum(len(o) for o, _ in speculative_generate_batch(drafter, target, ids, [config] * 16))
+    lock16 = n16 / (time.perf_counter() - t0)
+    dist, lock = sixteen / one, lock16 / lock1
+    print(table(["path", "1 session tokens/s", "16 sessions tokens/s", "speed-up"],
+                [["broker + worker", round(one, 1), round(sixteen, 1), round(dist, 2)],
+                 ["in-process lockstep", round(lock1, 1), round(lock16, 1), round(lock, 2)]]))
+    print(f"distributed speed-up / lockstep speed-up = {dist / lock:.3f} (bar >= 0.9)")
+    return {"model": args.model, "threads": args.threads, "max_new_tokens": args.concurrency_tokens,
+            "worker_1_tps": round(one, 2), "worker_16_tps": round(sixteen, 2), "worker_speedup": round(dist, 3),
+            "lockstep_1_tps": round(lock1, 2), "lockstep_16_tps": round(lock16, 2), "lockstep_speedup": round(lock, 3),
+            "ratio": round(dist / lock, 3), "bar_ge_0.9": dist / lock >= 0.9}
+
+
+async def _greedy(frontend: str, draft: str, texts: list[str], concurrency: int, tokens: int) -> float:
+    from .common.sampling import SamplingParams
+    from .edge_worker.session import SessionConfig
+
+    config = SessionConfig(max_new_tokens=tokens, params=SamplingParams(0.0))
+    res, wall = await _run_edge(frontend, draft, texts, concurrency, config, warm_up=True)
+    return sum(len(ids) for ids, _ in res) / wall
+
+
+BENCHES = {"step": bench_step, "prefill": bench_prefill, "determinism": bench_determinism,
+           "concurrency": bench_concurrency}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="specrelay bench kv", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("name", choices=[*BENCHES, "all"])
+    ap.add_argument("--model", default=str(MODELS / "demo-target"), help="target model (directory or hub id)")
+    ap.add_argument("--draft", default=str(MODELS / "demo-draft"), help="draft model (determinism, concurrency)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[64, 128, 256, 512, 896])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--reps", type=int, default=9, help="timed repetitions per cell (median)")
+    ap.add_argument("--budget-mb", type=float, default=2048, help="KV budget for the sessions-at-budget column")
+    ap.add_argument("--prefill-tokens", type=int, default=64, help="the worker's prefill chunk (prefill)")
+    ap.add_argument("--max-new-tokens", type=int, default=96, help="tokens per prompt (determinism)")
+    ap.add_argument("--session-modes", nargs="+", default=["sample", "coupled"], choices=["sample", "coupled"],
+                    help="sampling modes the determinism runs use")
+    ap.add_argument("--concurrency-tokens", type=int, default=64, help="tokens per prompt (concurrency)")
+    ap.add_argument("--out", type=Path, default=Path("bench_results"), help="directory for the JSON results")
+    args = ap.parse_args(argv)
+    from . import logs
+    logs.configure("warning")
+    os.environ.setdefault("SPECRELAY_LOG", "warning")  # the broker and workers we start
+    for name in BENCHES if args.name == "all" else [args.name]:
+        print(f"== {name}", file=sys.stderr)
+        write(args.out, name, BENCHES[name](args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -152,12 +152,26 @@ class Verify(Base):
     q: Annotated[bytes, msgspec.Meta(max_length=4 * MAX_DRAFT)] = b""
 
 
+HINT_EVERY = 4  # a worker attaches a LoadHint to a session's VERDICTs with seq % HINT_EVERY == 1 (1, 5, 9, ...)
+
+
+class LoadHint(Base):
+    """The worker's load when it verified a request, for the edge's goodput-driven draft length
+    (edge_worker/draftlen.py): batch = rows in the forward pass, forward_us = its duration, queue_us = how long
+    the request waited in the worker before it. Three small ints; sent on every HINT_EVERY-th VERDICT only."""
+
+    batch: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
+    forward_us: Annotated[int, msgspec.Meta(ge=0, le=2**40)] = 0
+    queue_us: Annotated[int, msgspec.Meta(ge=0, le=2**40)] = 0
+
+
 class Verdict(Base):
     """The cloud's answer to VERIFY. n_accepted: accepted draft prefix. next_token: recovered or bonus
     token (-1: the edge resolves the rejection itself from the fields below). p: float32 target
     probabilities at the rejected position over the shared vocabulary (resample full | hr). theta_o: mass of
     p outside the shared vocabulary (hr). candidates: SR-DV draws z ~ p in draw order (repeats kept);
-    cand_p: float32 p(z) once per distinct candidate, in order of first appearance."""
+    cand_p: float32 p(z) once per distinct candidate, in order of first appearance. load: the worker's
+    LoadHint (trailing, so a VERDICT without it is unchanged on the wire)."""
 
     session: U63
     seq: U63
@@ -167,6 +181,7 @@ class Verdict(Base):
     theta_o: float = 0.0
     candidates: list[TokenId] = []
     cand_p: bytes = b""
+    load: LoadHint | None = None
 
 
 class Resample(Base):

@@ -39,7 +39,10 @@ def cmd_cloud_worker(args) -> int:
 def cmd_edge_worker(args) -> int:
     set_threads()
     from .edge_worker.loading import serve
-    run_async(serve(args.broker, args.draft_model, args.listen, args.target_tokenizer, device=args.device))
+    from .edge_worker.server import EdgeConfig
+    config = EdgeConfig(health_port=args.health_port, health_host=args.health_host)
+    run_async(serve(args.broker, args.draft_model, args.listen, args.target_tokenizer, device=args.device,
+                    config=config))
     return 0
 
 
@@ -187,6 +190,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--target-tokenizer", default=None, help="the target's tokenizer when it differs from the draft's")
     p.add_argument("--listen", default="ipc:///tmp/specrelay-edge.sock", help="endpoint clients connect to")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--health-port", type=int, default=None, help="HTTP /healthz, /readyz and /metrics port")
+    p.add_argument("--health-host", default="127.0.0.1", help="address the health port binds (0.0.0.0 in a pod)")
     p.set_defaults(fn=cmd_edge_worker)
 
     p = sub.add_parser("generate", help="generate through the broker with an in-process edge")

@@ -28,6 +28,7 @@ SESSION_PRIOR_WEIGHT = 4.0   # a new session starts from the edge's pooled accep
 SESSION_DECAY = 0.9          # per round: a session's own counts (memory ~10 rounds)
 EDGE_DECAY = 0.995           # per round: the edge's pooled counts and timings (memory ~200 rounds)
 CLOUD_SLOPE_PRIOR = 0.05     # per-token cost of a row relative to its fixed cost, until measured
+EXPLORE_AFTER = 16           # rounds at d = 0 before one round drafts a token again (acceptance may have changed)
 
 
 class AcceptanceCounts:
@@ -158,17 +159,26 @@ class EdgeEstimates:
 class GoodputController:
     """One session's draft length: its own acceptance (starting from the edge's pooled rates), the edge's costs."""
 
+    probes = True  # at d = 0 the shell may still pre-draft the next token: a free acceptance sample
+
     def __init__(self, edge: EdgeEstimates | None = None, max_len: int = AUTO_MAX) -> None:
         self.edge = edge or EdgeEstimates()
         self.max_len = min(max_len, MAX_DRAFT)
         self.own = AcceptanceCounts(SESSION_DECAY)
+        self.zero_rounds = 0  # consecutive rounds at d = 0
 
     def rates(self, n: int) -> list[float]:
         return self.own.rates(n, self.edge.prior_rates(n), SESSION_PRIOR_WEIGHT)
 
     def choose(self, remaining: int) -> int:
-        """argmax_d E(d) / T(d) over 0 <= d <= min(max_len, remaining - 1)."""
+        """argmax_d E(d) / T(d) over 0 <= d <= min(max_len, remaining - 1); after EXPLORE_AFTER rounds at 0 with
+        nothing learnt meanwhile, one round at d = 1."""
         top = max(0, min(self.max_len, remaining - 1))
+        if top and self.zero_rounds >= EXPLORE_AFTER:
+            return 1
+        return self.best(top)
+
+    def best(self, top: int) -> int:
         a = self.rates(top + 1)
         best, best_rate, expected, p = 0, 0.0, 0.0, 1.0  # p = P_d, expected = E(d - 1)
         for d in range(top + 1):
@@ -181,8 +191,11 @@ class GoodputController:
         return best
 
     def observe_block(self, d: int, n_accepted: int, bonus_match: bool | None = None) -> None:
-        self.own.observe(d, n_accepted, bonus_match)
-        self.edge.acceptance.observe(d, n_accepted, bonus_match)
+        informative = d > 0 or bonus_match is not None
+        self.zero_rounds = 0 if informative else self.zero_rounds + 1
+        if informative:
+            self.own.observe(d, n_accepted, bonus_match)
+            self.edge.acceptance.observe(d, n_accepted, bonus_match)
 
     def observe_round(self, fresh: int, draft_s: float | None, latency_s: float, width: int,
                       hint: LoadHint | None) -> None:
@@ -190,17 +203,22 @@ class GoodputController:
 
 
 class FixedDraftLen:
-    """`--draft-len N`: always N (0 = the target alone through the same path)."""
+    """`--draft-len N`: always N (0 = the target alone through the same path). What its rounds measure still
+    feeds the edge's shared estimates, which are the edge's, not the policy's."""
 
-    def __init__(self, d: int) -> None:
-        self.d = d
+    probes = False
+
+    def __init__(self, d: int, edge: EdgeEstimates | None = None) -> None:
+        self.d, self.edge = d, edge
 
     def choose(self, remaining: int) -> int:
         return max(0, min(self.d, remaining - 1))
 
     def observe_block(self, d: int, n_accepted: int, bonus_match: bool | None = None) -> None:
-        pass
+        if self.edge is not None and d > 0:
+            self.edge.acceptance.observe(d, n_accepted, bonus_match)
 
     def observe_round(self, fresh: int, draft_s: float | None, latency_s: float, width: int,
                       hint: LoadHint | None) -> None:
-        pass
+        if self.edge is not None:
+            self.edge.observe_round(fresh, draft_s, latency_s, width, hint)

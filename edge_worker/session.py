@@ -99,7 +99,7 @@ class EdgeSession:
         self.seq = 0
         self.done = False
         d = self.config.draft_len
-        self.policy = GoodputController(self.estimates) if d is None else FixedDraftLen(d)
+        self.policy = GoodputController(self.estimates) if d is None else FixedDraftLen(d, self.estimates)
         self.state = self.drafter.new_state(self.prompt_ids)
         self._block: DraftBlock | None = None
         self._job: DraftJob | None = None          # the job that drafted the block in flight
@@ -170,7 +170,8 @@ class EdgeSession:
         remaining = self.config.max_new_tokens - len(self.generated) - len(chain.block.ids)
         d_next = self.policy.choose(remaining - 1)  # if the whole block and the bonus guess are accepted
         k = min(1 + d_next, remaining - 1)
-        return chain.continuation(job, self.drafter.to_draft, k) if d_next > 0 and k > 0 else None
+        worth = d_next > 0 or self.policy.probes    # at d = 0 only `auto` wants the guess (an acceptance sample)
+        return chain.continuation(job, self.drafter.to_draft, k) if worth and k > 0 else None
 
     def take_predraft(self, more: DraftBlock) -> None:
         """The pre-drafted continuation of the block in flight (call before `apply` of its VERDICT)."""

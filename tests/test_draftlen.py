@@ -144,3 +144,17 @@ def test_chain_continuation_job_starts_after_the_chain():
     base = DraftJob(state=None, context=list(range(10)), position=10, d=3, mode=0, params=None, seed=1)
     job = c.continuation(base, ident, 4)
     assert job.context == list(range(10)) + [5, 6, 7] and job.position == 13 and job.d == 4
+
+
+def test_controller_stuck_at_zero_explores_again():
+    from specrelay.edge_worker.draftlen import EXPLORE_AFTER
+
+    ctl = trained(0.0, rtt=0.02, draft_per_token=0.002, forward=(0.01, 0.0005))
+    assert ctl.choose(64) == 0
+    for _ in range(EXPLORE_AFTER):
+        ctl.observe_block(0, 0)          # target-alone rounds teach nothing about acceptance
+    assert ctl.choose(64) == 1
+    ctl.observe_block(1, 0)
+    assert ctl.choose(64) == 0
+    ctl.observe_block(0, 0, bonus_match=False)  # a pre-drafted guess is an acceptance sample: no exploring needed
+    assert ctl.zero_rounds == 0

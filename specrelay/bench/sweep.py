@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from . import theory
@@ -78,11 +79,14 @@ def run(args) -> dict:
     texts = load_prompts(args.prompts, args.num_prompts or max(8, 2 * args.sessions))
     configs = [(d, p) for d in lens for p in _predraft_modes(args.predraft, d)]
     rows, itl = [], {}
-    with LocalCluster(args.target, workers=args.workers, max_batch=args.max_batch, threads=args.threads) as cluster:
+    cluster = LocalCluster(args.target, workers=args.workers, max_batch=args.max_batch, threads=args.threads)
+    with started(cluster, args.draft, args.target_tokenizer) as loaded:
+        drafter, tokenizer = loaded
         for link in links:
             with LinkRelay(link, cluster.frontend) as relay:
                 probe = measure_rtt(relay.endpoint)
-                tallies = _run_async(_sweep_link(args, relay.endpoint, cluster.health_ports, texts, configs))
+                tallies = _run_async(_sweep_link(args, relay.endpoint, cluster.health_ports, texts, configs,
+                                                 drafter, tokenizer))
             for (d, predraft), tally in tallies.items():
                 row = make_row(args, link, probe, d, predraft, tally, tallies[(0, False)], len(texts))
                 rows.append(row)
@@ -96,6 +100,26 @@ def run(args) -> dict:
             "rows": rows, "bars": bars, "itl_ms_samples": itl}
 
 
+@contextmanager
+def started(cluster, draft: str, target_tokenizer: str | None):
+    """Start the cluster's processes while this process loads the draft model; yields (drafter, tokenizer) and
+    stops the processes afterwards."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ..edge_worker.loading import load_drafter
+
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            up = pool.submit(cluster.__enter__)
+            try:
+                loaded = load_drafter(draft, target_tokenizer)
+            finally:
+                up.result()
+        yield loaded
+    finally:
+        cluster.stop()
+
+
 def _predraft_modes(choice: str, d: int | str) -> list[bool]:
     if d == 0:
         return [False]  # nothing to pre-draft for the target alone
@@ -107,10 +131,10 @@ def _run_async(coro):
     return run_async(coro)
 
 
-async def _sweep_link(args, endpoint: str, worker_ports: list[int], texts: list[str], configs) -> dict:
+async def _sweep_link(args, endpoint: str, worker_ports: list[int], texts: list[str], configs, drafter,
+                      tokenizer) -> dict:
     from ..common.sampling import SamplingParams
-    from ..edge_worker.loading import load_edge
-    from ..edge_worker.server import EdgeConfig
+    from ..edge_worker.server import EdgeConfig, EdgeWorker
     from ..edge_worker.session import SessionConfig
     from tqdm.auto import tqdm
 
@@ -119,8 +143,7 @@ async def _sweep_link(args, endpoint: str, worker_ports: list[int], texts: list[
                              mode=args.mode, seed=args.seed, draft_len=None if d == AUTO else d)
 
     tallies = {c: Tally() for c in configs}
-    edge = await load_edge(endpoint, args.draft, args.target_tokenizer,
-                           config=EdgeConfig(request_timeout_s=120.0, retry_budget_s=120.0))
+    edge = EdgeWorker(endpoint, drafter, tokenizer, EdgeConfig(request_timeout_s=120.0, retry_budget_s=120.0))
     async with edge:
         await run_sessions(edge, texts[:args.sessions], session_config(AUTO), args.sessions)  # warm-up, learns
         total = len(configs) * args.repeat * len(texts) * args.max_new_tokens

@@ -232,11 +232,13 @@ class CloudWorker(transport.Service):
     def _finish_batch(self, batch: list[Item], replies: list[P.Base], started: float | None = None) -> None:
         forward = self._clock() - started if started is not None else 0.0
         self._stats.forward_seconds.observe(forward)
+        width = max(len(i.msg.tail) + len(i.msg.draft) + 1 for i in batch)  # new tokens per row, padded
         for item, reply in zip(batch, replies):  # spec-decode counters; the load hint for the edge's auto d
             if isinstance(reply, P.Verdict):
                 self._stats.spec.record(len(item.msg.draft), reply.n_accepted)
                 if reply.seq % P.HINT_EVERY == 1 and started is not None:
-                    reply.load = P.LoadHint(len(batch), int(forward * 1e6), int(max(0.0, started - item.arrived) * 1e6))
+                    wait = max(0.0, started - item.arrived)
+                    reply.load = P.LoadHint(len(batch), width, int(forward * 1e6), int(wait * 1e6))
         self._stats.batches += 1
         self._stats.batch_sizes[len(batch)] += 1
         self._stats.verify_requests += len(batch)

@@ -157,10 +157,12 @@ HINT_EVERY = 4  # a worker attaches a LoadHint to a session's VERDICTs with seq 
 
 class LoadHint(Base):
     """The worker's load when it verified a request, for the edge's goodput-driven draft length
-    (edge_worker/draftlen.py): batch = rows in the forward pass, forward_us = its duration, queue_us = how long
-    the request waited in the worker before it. Three small ints; sent on every HINT_EVERY-th VERDICT only."""
+    (edge_worker/draftlen.py): batch = rows in the forward pass, width = new tokens per row (padded), forward_us =
+    its duration, queue_us = how long the request waited in the worker before it. Four small ints; sent on every
+    HINT_EVERY-th VERDICT only."""
 
     batch: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
+    width: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
     forward_us: Annotated[int, msgspec.Meta(ge=0, le=2**40)] = 0
     queue_us: Annotated[int, msgspec.Meta(ge=0, le=2**40)] = 0
 

@@ -114,7 +114,9 @@ class DraftBatcher:
         self.batches += 1
         self.jobs += len(batch)
         self.batch_sizes[len(batch)] += 1
+        steps = max(job.d for job, _ in batch)
         for (_, fut), block in zip(batch, blocks):
+            block.steps = steps
             if not fut.done():
                 fut.set_result(block)
 

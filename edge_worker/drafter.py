@@ -53,6 +53,7 @@ class DraftBlock:
     ids: list[int] = field(default_factory=list)               # x_1..x_d as target ids
     q_tok: list[float] = field(default_factory=list)           # q'(x_i) (sample mode)
     q_rows: list[torch.Tensor] = field(default_factory=list)   # q' over the target vocabulary, [V_target] each
+    steps: int = 0  # lockstep steps of the batch that drafted it (its longest job), set by DraftBatcher
 
     def part(self, start: int, stop: int | None = None) -> "DraftBlock":
         """Tokens start..stop-1 with their q' (q lists are empty outside sample mode)."""

@@ -128,8 +128,9 @@ class EdgeEstimates:
 
     def observe_round(self, fresh: int, draft_s: float | None, latency_s: float, width: int,
                       hint: LoadHint | None) -> None:
-        """One VERIFY round: `fresh` draft tokens drafted on the critical path in `draft_s` (None: not timed),
-        the VERIFY's send-to-VERDICT latency, the row width it asked of the cloud (d + 1 + tail), the hint."""
+        """One VERIFY round: waited `draft_s` (None: not timed) for a draft of `fresh` lockstep steps (the
+        longest job of its draft batch: the mean-field x, like the cloud's padded width), then `latency_s`
+        from sending the VERIFY to its VERDICT; `width` = our row (d + 1 + tail); the worker's hint."""
         if draft_s is not None and fresh > 0:
             self.draft.observe(fresh, draft_s)
         if hint is None or hint.batch < 1:
@@ -137,7 +138,7 @@ class EdgeEstimates:
                 self.latency.observe(width, latency_s)
             return
         forward, queue = hint.forward_us * 1e-6, hint.queue_us * 1e-6
-        self.cloud.observe(width, forward / hint.batch)
+        self.cloud.observe(hint.width or width, forward / hint.batch)  # the batch's padded width, not ours
         self.batch.observe(hint.batch)
         self.kappa.observe(queue / forward if forward > 0 else 0.0)
         self.rtt.observe(max(0.0, latency_s - forward - queue))

@@ -106,7 +106,7 @@ class EdgeSession:
         self._reused = DraftBlock()                # the start of the next block, taken from the chain
         self._chain: DraftChain | None = None      # the block in flight and its pre-drafted continuation
         self._hint: P.LoadHint | None = None
-        self._fresh = self._width = 0              # last block: freshly drafted tokens, cloud row width
+        self._fresh = self._width = 0              # last block: draft steps waited for, cloud row width
         self._rejection: Rejection | None = None
         self._pending: P.Resample | None = None
 
@@ -147,7 +147,7 @@ class EdgeSession:
     def request_for(self, block: DraftBlock) -> P.Verify:
         """The VERIFY for the freshly drafted `block` (after whatever the chain provided)."""
         self._block, reused = self._reused + block, len(self._reused.ids)
-        self._reused, self._fresh = DraftBlock(), len(block.ids)
+        self._reused, self._fresh = DraftBlock(), block.steps or len(block.ids)  # lockstep steps waited for
         self._width = len(self.tokens) - self.cloud_len + len(self._block.ids) + 1  # the row the cloud runs
         self.seq += 1
         self.stats.draft_tokens += len(self._block.ids)

@@ -27,7 +27,7 @@ def trained(alpha: float, rtt: float, draft_per_token: float, forward: tuple[flo
         ctl.observe_block(d, n)
         fwd = batch * (g0 + g1 * (d + 1))
         ctl.observe_round(d, draft_per_token * d, rtt + fwd, d + 1,
-                          LoadHint(batch, int(fwd * 1e6), 0))
+                          LoadHint(batch, d + 1, int(fwd * 1e6), 0))
     return ctl
 
 

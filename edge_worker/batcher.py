@@ -39,7 +39,7 @@ class PreDraft:
 
 
 class DraftBatcher:
-    def __init__(self, drafter: Drafter, pool: Executor, max_batch: int = 64, chunk: int = 2) -> None:
+    def __init__(self, drafter: Drafter, pool: Executor, max_batch: int = 64, chunk: int = 1) -> None:
         self.drafter, self.pool, self.max_batch, self.chunk = drafter, pool, max_batch, chunk
         self._queue: list[tuple[DraftJob, asyncio.Future]] = []
         self._pre: list[PreDraft] = []

@@ -3,11 +3,13 @@ per second, from what the edge measures. The model, in full, is in docs/draftlen
 
     E(d) = sum_{k=0..d} P_k,   P_0 = 1,  P_k = prod_{j<k} a_j     tokens one round commits (a_j: acceptance at
                                                                    draft position j, given 0..j-1 accepted)
-    T(d) = (1 - h(d)) * D(d)  +  R  +  (1 + kappa) * F(d)          seconds one round takes
-    D(d) = c + t * d  (d > 0; D(0) = 0)                            drafting on the critical path
+    T(d) = D(d) - P_{d+1} * t * min(d, b - 1)                      seconds one round takes: drafting on the
+           + R + (1 + kappa) * F(d)                                critical path, less what pre-drafting saves,
+                                                                   the link, the cloud (queue + forward)
+    D(d) = c + t * d  (d > 0; D(0) = 0)                            a lockstep draft of d steps
     F(d) = B * (g0 + g1 * (d + 1))                                 the cloud's forward pass at its load: B rows,
                                                                    each as wide as ours (mean field)
-    h(d) = P_{d+1}  with pre-drafting, else 0                      the next block was drafted while we waited
+    b    = pre-draft budget: tokens the draft thread makes while waiting for the VERDICT (or for R/2)
     d*   = argmax_d E(d) / T(d)
 
 Pure: no clocks, no sockets. The edge shell feeds it what it measured (`observe_round`) and the verdicts
@@ -29,6 +31,7 @@ SESSION_DECAY = 0.9          # per round: a session's own counts (memory ~10 rou
 EDGE_DECAY = 0.995           # per round: the edge's pooled counts and timings (memory ~200 rounds)
 CLOUD_SLOPE_PRIOR = 0.05     # per-token cost of a row relative to its fixed cost, until measured
 EXPLORE_AFTER = 16           # rounds at d = 0 before one round drafts a token again (acceptance may have changed)
+TIE = 0.02                   # a shorter draft within 2 % of the best rate wins (estimates are noisy; it wastes less)
 
 
 class AcceptanceCounts:
@@ -112,6 +115,7 @@ class EdgeEstimates:
     With no timing observed (in-process use) the costs are unit-free defaults, so `auto` is deterministic."""
 
     predraft: bool = False
+    predraft_window: str = "wait"  # pre-draft during the whole wait, or only while the VERIFY goes up ("uplink")
     acceptance: AcceptanceCounts = field(default_factory=lambda: AcceptanceCounts(EDGE_DECAY))
     draft: EWLine = field(default_factory=lambda: EWLine(EDGE_DECAY, 1.0))   # seconds vs fresh draft tokens
     cloud: EWLine = field(default_factory=lambda: EWLine(EDGE_DECAY, CLOUD_SLOPE_PRIOR))  # per-row forward s
@@ -143,12 +147,28 @@ class EdgeEstimates:
         self.kappa.observe(queue / forward if forward > 0 else 0.0)
         self.rtt.observe(max(0.0, latency_s - forward - queue))
 
+    def predraft_budget(self) -> int:
+        """Tokens worth pre-drafting per round: what the draft thread does during the whole wait for the VERDICT
+        (window "wait", the default: an edge device of its own), or only while the VERIFY is on its way up the
+        link (R/2, window "uplink"), so that pre-drafting never slows a cloud worker sharing the machine's CPU.
+        0 until the link and the draft speed are measured."""
+        if not (self.predraft and self.draft.known and self.cloud.known):
+            return 0
+        c, t = self.draft.fit()
+        window = self.rtt.value / 2
+        if self.predraft_window == "wait":
+            g0, g1 = self.cloud.fit()
+            window = self.rtt.value + (1 + self.kappa.value) * self.batch.value * (g0 + g1)
+        return max(0, int((window - c) / t)) if t > 0 else 0
+
     def round_time(self, d: int, p_next: float) -> float:
-        """T(d) for a round drafting d tokens; p_next = P_{d+1} (the chance the next block is pre-drafted)."""
+        """T(d) for a round drafting d tokens; p_next = P_{d+1}: the chance that the whole block and the bonus
+        guess are accepted, so the pre-drafted chain (the guess, then budget - 1 tokens) starts the next block."""
         draft = 0.0
         if d > 0:
             c, t = self.draft.fit() if self.draft.known else (0.0, 1.0)
-            draft = (c + t * d) * (1.0 - (p_next if self.predraft else 0.0))
+            ahead = min(d, max(0, self.predraft_budget() - 1))
+            draft = c + t * d - p_next * t * ahead
         if self.cloud.known:
             g0, g1 = self.cloud.fit()
             cloud = (1 + self.kappa.value) * self.batch.value * (g0 + g1 * (d + 1))
@@ -181,15 +201,14 @@ class GoodputController:
 
     def best(self, top: int) -> int:
         a = self.rates(top + 1)
-        best, best_rate, expected, p = 0, 0.0, 0.0, 1.0  # p = P_d, expected = E(d - 1)
+        rates, expected, p = [], 0.0, 1.0  # p = P_d, expected = E(d)
         for d in range(top + 1):
             expected += p
             p_next = p * a[d]
-            rate = expected / max(self.edge.round_time(d, p_next), 1e-9)
-            if rate > best_rate * 1.0001:  # ties go to the shorter draft
-                best, best_rate = d, rate
+            rates.append(expected / max(self.edge.round_time(d, p_next), 1e-9))
             p = p_next
-        return best
+        best = max(rates)
+        return next(d for d, rate in enumerate(rates) if rate >= (1 - TIE) * best)
 
     def observe_block(self, d: int, n_accepted: int, bonus_match: bool | None = None) -> None:
         informative = d > 0 or bonus_match is not None

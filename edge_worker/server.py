@@ -64,6 +64,8 @@ class EdgeConfig:
     linger_ms: int = 100
     heartbeat_s: float = 1.0          # ZMTP heartbeats on the broker connection (drop a dead TCP peer)
     predraft: bool = True             # draft ahead while a VERIFY is in flight (edge_worker/predraft.py)
+    predraft_window: str = "wait"     # the whole wait for the VERDICT, or only while it goes up ("uplink":
+                                      # when a cloud worker shares this machine's CPU)
     health_port: int | None = None    # HTTP /healthz /readyz /metrics (0 = any free port)
     health_host: str = "127.0.0.1"
 
@@ -75,6 +77,8 @@ class EdgeConfig:
         if not 0 <= self.linger_ms <= 5000:
             raise ValueError("linger_ms must be in [0, 5000] so shutdown cannot hang")
         SessionConfig(resample=self.default_resample, draft_len=self.default_draft_len)  # validates both
+        if self.predraft_window not in ("uplink", "wait"):
+            raise ValueError("predraft_window must be 'uplink' or 'wait'")
 
 
 class _Route:
@@ -133,7 +137,7 @@ class EdgeWorker(transport.Service):
         self._batcher: DraftBatcher | None = None
         self._health = None
         self.health_port = self.config.health_port
-        self.estimates = EdgeEstimates(predraft=self.config.predraft)  # auto draft length, shared by sessions
+        self.estimates = EdgeEstimates(self.config.predraft, self.config.predraft_window)  # shared by sessions
         self.metrics = telemetry.EdgeMetrics()
         self._log = log.bind(broker=broker)
 
@@ -260,6 +264,7 @@ class EdgeWorker(transport.Service):
         pre = self._predraft(session) if expect is P.Verdict else None
         try:
             reply = await self._wait(session, waiter, request.seq)
+            latency = time.perf_counter() - sent
             if pre is not None:
                 session.take_predraft(await self._batcher.collect(pre))
         finally:
@@ -267,7 +272,6 @@ class EdgeWorker(transport.Service):
                 self._batcher.cancel(pre)
         new = session.apply(reply)  # an ERROR reply raises its RequestError
         if isinstance(reply, P.Verdict):
-            latency = time.perf_counter() - sent
             session.record_timing(draft_s, latency)
             self.metrics.on_round(len(request.draft), reply.n_accepted, draft_s, latency)
         return new

@@ -169,7 +169,8 @@ class EdgeSession:
             return None
         remaining = self.config.max_new_tokens - len(self.generated) - len(chain.block.ids)
         d_next = self.policy.choose(remaining - 1)  # if the whole block and the bonus guess are accepted
-        k = min(1 + d_next, remaining - 1)
+        budget = self.estimates.predraft_budget() if self.estimates is not None else 0
+        k = min(1 + d_next, remaining - 1, budget)
         worth = d_next > 0 or self.policy.probes    # at d = 0 only `auto` wants the guess (an acceptance sample)
         return chain.continuation(job, self.drafter.to_draft, k) if worth and k > 0 else None
 

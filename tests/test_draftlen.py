@@ -39,11 +39,13 @@ def goodput(a: list[float], d: int, t: float) -> float:
     return e / t
 
 
-def test_controller_picks_the_argmax_of_expected_tokens_per_second():
+def test_controller_picks_the_shortest_draft_within_2_percent_of_the_best_rate():
     ctl = trained(0.8, rtt=0.05, draft_per_token=0.002, forward=(0.01, 0.0005))
     a = ctl.rates(33)
-    best = max(range(30), key=lambda d: goodput(a, d, ctl.edge.round_time(d, 0.0)))
-    assert ctl.choose(31) == best
+    rates = [goodput(a, d, ctl.edge.round_time(d, 0.0)) for d in range(31)]
+    chosen = ctl.choose(31)
+    assert rates[chosen] >= 0.98 * max(rates) and all(r < 0.98 * max(rates) for r in rates[:chosen])
+    assert chosen >= 4  # a 50 ms link makes long drafts pay
 
 
 def test_longer_drafts_on_a_slower_link():

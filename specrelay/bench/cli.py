@@ -36,6 +36,8 @@ def _output(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON lines on stdout (the rows) instead of tables")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--tag", default="", help="suffix of the result file names (sweep-TAG.json)")
+    p.add_argument("--no-pin", action="store_true", help="do not pin the edge side to CPU 0 and the cloud side "
+                   "(broker, workers, relay) to the other CPUs (pinning emulates separate machines)")
 
 
 def parser() -> argparse.ArgumentParser:

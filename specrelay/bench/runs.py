@@ -107,6 +107,39 @@ def totals(out: list[tuple[list[int], dict]]) -> dict:
     return {k: sum(s[k] for _, s in out) for k in keys}
 
 
+def cpu_seconds(pid: int | None = None) -> float:
+    """CPU time (user + system) of a process so far: this one (all its threads) when pid is None."""
+    if pid is None:
+        import resource
+
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pin(pid: int | None, cpus: set[int]) -> None:
+    """Restrict every thread of a process (None: this one) to `cpus`."""
+    base = f"/proc/{pid or os.getpid()}/task"
+    for tid in os.listdir(base):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, PermissionError, OSError):
+            pass  # a thread that ended meanwhile
+
+
+def split_cpus(enabled: bool) -> tuple[set[int], set[int]] | None:
+    """(edge cpus, cloud cpus) when pinning: the edge side gets CPU 0, the cloud side (broker, workers, relay)
+    the others, so the edge and the cloud compute as if on separate machines. None: no pinning (or 1 CPU)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not enabled or len(cpus) < 2:
+        return None
+    return {cpus[0]}, set(cpus[1:])
+
+
 # ------------------------------------------------------------------------------------------ provenance
 
 def machine() -> dict:

@@ -18,8 +18,8 @@ SWEEP_ROW: dict[str, tuple[tuple[type, ...], str]] = {
     "prompts": ((int,), "generations per run"),
     "max_new_tokens": ((int,), "tokens per generation (at most)"),
     "repeats": ((int,), "runs of this configuration (interleaved with the others)"),
-    "tokens_per_s": (NUM, "generated tokens / wall time, median over the runs"),
-    "tokens_per_s_runs": ((list,), "tokens/s of every run"),
+    "tokens_per_s": (NUM, "generated tokens / wall time, over all the runs of this configuration"),
+    "tokens_per_s_runs": ((list,), "tokens/s of each repeat"),
     "target_alone_tokens_per_s": (NUM, "the same with --draft-len 0 (the target alone, same path)"),
     "speedup_vs_target_alone": (NUM, "tokens_per_s / target_alone_tokens_per_s"),
     "generated_tokens": ((int,), "tokens generated over all runs"),
@@ -36,6 +36,9 @@ SWEEP_ROW: dict[str, tuple[tuple[type, ...], str]] = {
     "itl_ms_p50": (OPT_NUM, "inter-token latency (time between commits a stream sees), median, ms"),
     "itl_ms_p99": (OPT_NUM, "the same, 99th percentile"),
     "tpot_ms": (OPT_NUM, "time per output token after the first, mean over sessions, ms"),
+    "cpu_ms_per_token": (NUM, "CPU ms per generated token, every process (edge, broker, workers, relay): the "
+                              "cost a shared machine's load does not distort"),
+    "edge_cpu_ms_per_token": (NUM, "of which the edge (drafting, event loop)"),
     "uplink_bits_per_token": (NUM, "edge -> cloud bits per generated token"),
     "downlink_bits_per_token": (NUM, "cloud -> edge bits per generated token"),
     "outputs_identical_to_target_alone": ((bool,), "every output equals the --draft-len 0 run's (greedy and "

@@ -25,7 +25,8 @@ from pathlib import Path
 from ..common import protocol as P
 from .link import LinkRelay, LinkSpec, measure_rtt
 from .runs import load_prompts
-from .sweep import _pct, scrape
+from .runs import split_cpus
+from .sweep import _pct, _pin, scrape
 
 REQUEST_TIMEOUT_S = 300.0
 
@@ -123,6 +124,7 @@ def run(args) -> dict:
     from ..cluster import LocalCluster, free_port
 
     link, texts = LinkSpec.parse(args.link), load_prompts(args.prompts, args.num_prompts or 20)
+    cpus = split_cpus(not args.no_pin)
     warmup = args.warmup if args.warmup is not None else max(20.0, 0.1 * args.duration)
     refs = references(args, tqdm(texts, desc="target-alone references", leave=False, disable=None))
     with LocalCluster(args.target, workers=args.cloud_workers, max_batch=args.max_batch,
@@ -142,9 +144,13 @@ def run(args) -> dict:
                      **{f"edge-{i}": p.pid for i, (_, p) in enumerate(edges)}}
             if relay.proc is not None:
                 procs["link-relay"] = relay.proc.pid
+            _pin(cpus, [None, *(p.pid for _, p in edges)], [pid for name, pid in procs.items()
+                                                            if not name.startswith("edge-")])
             from ..runtime import run_async
             measured = run_async(_load(args, [e for e, _ in edges], texts, warmup, procs, cluster.health_ports))
-    return summarise(args, link, probe, warmup, measured, refs)
+    result = summarise(args, link, probe, warmup, measured, refs)
+    result["summary"]["cpu_pinning"] = None if cpus is None else {"edge": sorted(cpus[0]), "cloud": sorted(cpus[1])}
+    return result
 
 
 async def _load(args, endpoints: list[str], texts: list[str], warmup: float, procs: dict, worker_ports) -> dict:

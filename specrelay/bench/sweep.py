@@ -2,8 +2,10 @@
 theory, acceptance per position, inter-token latency, and whether the outputs equal the target alone's.
 
 One broker and `--workers` cloud workers run as child processes; per link a relay (bench/link.py) sits in front
-of the broker's frontend and one in-process edge connects through it. Configurations run interleaved, `--repeat`
-times (the order rotates), so a slow spell of a shared machine hits them alike; tokens/s is the median run.
+of the broker's frontend and in-process edges connect through it. Configurations run interleaved slice by slice
+(`--sessions` prompts at a time, the order rotating), `--repeat` times, so a slow spell of a shared machine hits
+them alike; tokens/s = all tokens / all wall time of a configuration. By default the edge side is pinned to CPU
+0 and the cloud side to the other CPUs (`--no-pin` to share), as if on separate machines.
 `--draft-len 0` (the target alone through the same path) always runs: it is the reference for speed and output.
 """
 
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 
 from . import theory
 from .link import LinkRelay, LinkSpec, measure_rtt
-from .runs import SessionRun, load_prompts, run_sessions
+from .runs import SessionRun, cpu_seconds, load_prompts, pin, run_sessions, split_cpus
 
 AUTO = "auto"
 
@@ -39,15 +41,25 @@ def parse_lens(text: str) -> list[int | str]:
 class Tally:
     """Everything one configuration (link, draft length, pre-drafting) measured over its runs."""
 
-    runs_tps: list[float] = field(default_factory=list)
     runs: list[list[SessionRun]] = field(default_factory=list)
-    cloud: dict[str, float] = field(default_factory=dict)
+    tokens: dict[int, int] = field(default_factory=dict)    # by repeat
+    wall: dict[int, float] = field(default_factory=dict)    # by repeat
+    cloud: dict[str, float] = field(default_factory=dict)   # cloud counters and CPU seconds, summed
 
-    def add(self, runs: list[SessionRun], wall: float, cloud_delta: dict[str, float]) -> None:
+    def add(self, repeat: int, runs: list[SessionRun], wall: float, cloud_delta: dict[str, float]) -> None:
         self.runs.append(runs)
-        self.runs_tps.append(sum(len(r.ids) for r in runs) / wall)
+        self.tokens[repeat] = self.tokens.get(repeat, 0) + sum(len(r.ids) for r in runs)
+        self.wall[repeat] = self.wall.get(repeat, 0.0) + wall
         for k, v in cloud_delta.items():
             self.cloud[k] = self.cloud.get(k, 0.0) + v
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(self.tokens.values()) / sum(self.wall.values())
+
+    @property
+    def runs_tps(self) -> list[float]:
+        return [self.tokens[r] / self.wall[r] for r in sorted(self.tokens)]
 
     @property
     def sessions(self) -> list[SessionRun]:
@@ -80,13 +92,17 @@ def run(args) -> dict:
     configs = [(d, p) for d in lens for p in _predraft_modes(args.predraft, d)]
     rows, itl = [], {}
     cluster = LocalCluster(args.target, workers=args.workers, max_batch=args.max_batch, threads=args.threads)
+    cpus = split_cpus(not args.no_pin)
     with started(cluster, args.draft, args.target_tokenizer) as loaded:
         drafter, tokenizer = loaded
+        _pin(cpus, [None], [p.pid for p in cluster.procs])
         for link in links:
             with LinkRelay(link, cluster.frontend) as relay:
+                _pin(cpus, [], [relay.proc.pid] if relay.proc else [])
                 probe = measure_rtt(relay.endpoint)
-                tallies = _run_async(_sweep_link(args, relay.endpoint, cluster.health_ports, texts, configs,
-                                                 drafter, tokenizer))
+                cloud_pids = [proc.pid for proc in cluster.procs] + ([relay.proc.pid] if relay.proc else [])
+                tallies = _run_async(_sweep_link(args, relay.endpoint, cluster.health_ports, cloud_pids, texts,
+                                                 configs, drafter, tokenizer))
             for (d, predraft), tally in tallies.items():
                 row = make_row(args, link, probe, d, predraft, tally, tallies[(0, False)], len(texts))
                 rows.append(row)
@@ -96,6 +112,7 @@ def run(args) -> dict:
     return {"config": {"links": [x.label for x in links], "draft_lens": lens, "sessions": args.sessions,
                        "prompts": len(texts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeat,
                        "predraft": args.predraft, "workers": args.workers, "temperature": args.temperature,
+                       "cpu_pinning": None if cpus is None else {"edge": sorted(cpus[0]), "cloud": sorted(cpus[1])},
                        "mode": args.mode or ("greedy" if args.temperature == 0 else "sample")},
             "rows": rows, "bars": bars, "itl_ms_samples": itl}
 
@@ -120,6 +137,15 @@ def started(cluster, draft: str, target_tokenizer: str | None):
         cluster.stop()
 
 
+def _pin(cpus, edge_pids: list, cloud_pids: list[int]) -> None:
+    """Edge side on its CPU, cloud side on the others: as if on separate machines (split_cpus)."""
+    if cpus is not None:
+        for pid in edge_pids:
+            pin(pid, cpus[0])
+        for pid in cloud_pids:
+            pin(pid, cpus[1])
+
+
 def _predraft_modes(choice: str, d: int | str) -> list[bool]:
     if d == 0:
         return [False]  # nothing to pre-draft for the target alone
@@ -131,31 +157,56 @@ def _run_async(coro):
     return run_async(coro)
 
 
-async def _sweep_link(args, endpoint: str, worker_ports: list[int], texts: list[str], configs, drafter,
-                      tokenizer) -> dict:
-    from ..common.sampling import SamplingParams
-    from ..edge_worker.server import EdgeConfig, EdgeWorker
-    from ..edge_worker.session import SessionConfig
+async def _sweep_link(args, endpoint: str, worker_ports: list[int], pids: list[int], texts: list[str], configs,
+                      drafter, tokenizer) -> dict:
+    """Run every configuration on every slice of `sessions` prompts, slice by slice and configuration after
+    configuration (the order rotates), `repeat` times: a slow spell of a shared machine hits all alike. `auto`
+    runs on an edge of its own (one per pre-drafting setting), so it learns only from its own rounds."""
+    from contextlib import AsyncExitStack
+
     from tqdm.auto import tqdm
 
-    def session_config(d):
-        return SessionConfig(max_new_tokens=args.max_new_tokens, params=SamplingParams(args.temperature),
-                             mode=args.mode, seed=args.seed, draft_len=None if d == AUTO else d)
+    from ..edge_worker.server import EdgeConfig, EdgeWorker
 
     tallies = {c: Tally() for c in configs}
-    edge = EdgeWorker(endpoint, drafter, tokenizer, EdgeConfig(request_timeout_s=120.0, retry_budget_s=120.0))
-    async with edge:
-        await run_sessions(edge, texts[:args.sessions], session_config(AUTO), args.sessions)  # warm-up, learns
+    slices = [texts[i:i + args.sessions] for i in range(0, len(texts), args.sessions)]
+    async with AsyncExitStack() as stack:
+        edges = {}
+        for key in {_edge_key(d, predraft) for d, predraft in configs}:
+            config = EdgeConfig(request_timeout_s=120.0, retry_budget_s=120.0, predraft=key[1])
+            edges[key] = await stack.enter_async_context(EdgeWorker(endpoint, drafter, tokenizer, config))
+            if key[0] == AUTO:  # warm-up: the controller learns this link and this load
+                await run_sessions(edges[key], slices[0], _session_config(args, AUTO), args.sessions)
         total = len(configs) * args.repeat * len(texts) * args.max_new_tokens
         with tqdm(total=total, unit="tok", desc="sweep", leave=False, disable=None) as bar:
             for r in range(args.repeat):
-                for d, predraft in configs[r % len(configs):] + configs[:r % len(configs)]:
-                    edge.config.predraft = edge.estimates.predraft = predraft
-                    before = await asyncio.to_thread(scrape, worker_ports)
-                    runs, wall = await run_sessions(edge, texts, session_config(d), args.sessions, bar)
-                    after = await asyncio.to_thread(scrape, worker_ports)
-                    tallies[(d, predraft)].add(runs, wall, {k: after[k] - before[k] for k in after})
+                for i, part in enumerate(slices):
+                    turn = (r * len(slices) + i) % len(configs)
+                    for d, predraft in configs[turn:] + configs[:turn]:
+                        edge = edges[_edge_key(d, predraft)]
+                        before = await asyncio.to_thread(scrape, worker_ports) | _cpu(pids)
+                        runs, wall = await run_sessions(edge, part, _session_config(args, d), args.sessions, bar)
+                        after = await asyncio.to_thread(scrape, worker_ports) | _cpu(pids)
+                        tallies[(d, predraft)].add(r, runs, wall, {k: after[k] - before[k] for k in after})
     return tallies
+
+
+def _edge_key(d, predraft: bool) -> tuple[str, bool]:
+    return ("auto" if d == AUTO else "fixed", predraft)
+
+
+def _session_config(args, d):
+    from ..common.sampling import SamplingParams
+    from ..edge_worker.session import SessionConfig
+
+    return SessionConfig(max_new_tokens=args.max_new_tokens, params=SamplingParams(args.temperature),
+                         mode=args.mode, seed=args.seed, draft_len=None if d == AUTO else d)
+
+
+def _cpu(pids: list[int]) -> dict[str, float]:
+    """CPU seconds so far: this process (the edge: event loop and draft thread) and the others (broker, workers,
+    relay). On a shared machine wall-clock rates swing with other jobs; CPU per token does not."""
+    return {"edge_cpu_s": cpu_seconds(), "other_cpu_s": sum(cpu_seconds(pid) for pid in pids)}
 
 
 def make_row(args, link: LinkSpec, probe: dict, d, predraft: bool, tally: Tally, base: Tally, n_prompts: int) -> dict:
@@ -168,15 +219,15 @@ def make_row(args, link: LinkSpec, probe: dict, d, predraft: bool, tally: Tally,
     a = theory.acceptance_per_position(pool["reached_per_pos"], pool["accepted_per_pos"])
     theo = theory.theoretical_calls_per_token(a, pool["rounds_by_draft_len"])
     calls = tally.cloud.get("verify_requests", 0.0) / tokens
-    tps, base_tps = statistics.median(tally.runs_tps), statistics.median(base.runs_tps)
-    reference = {r.prompt: r.ids for r in base.runs[0]}
+    tps, base_tps = tally.tokens_per_s, base.tokens_per_s
+    reference = {r.prompt: r.ids for r in base.sessions}
     gaps = [g for r in ok for g in r.gaps_ms()]
     tpot = [(r.commits[-1][0] - r.commits[0][0]) * 1e3 / (len(r.ids) - 1) for r in ok if len(r.ids) > 1]
     return {
         "draft_len": d, "predraft": predraft, "link": link.describe(), "link_rtt_ms": round(link.rtt_s * 1e3, 3),
         "link_rate_mbit": None if link.rate_bps is None else link.rate_bps / 1e6, **probe,
         "sessions": args.sessions, "prompts": n_prompts, "max_new_tokens": args.max_new_tokens,
-        "repeats": len(tally.runs), "tokens_per_s": round(tps, 2),
+        "repeats": len(tally.tokens), "tokens_per_s": round(tps, 2),
         "tokens_per_s_runs": [round(x, 2) for x in tally.runs_tps], "target_alone_tokens_per_s": round(base_tps, 2),
         "speedup_vs_target_alone": round(tps / base_tps, 3), "generated_tokens": tokens,
         "cloud_calls_per_token": round(calls, 4),
@@ -190,6 +241,8 @@ def make_row(args, link: LinkSpec, probe: dict, d, predraft: bool, tally: Tally,
         "predraft_tokens_fraction": round(total("predraft_tokens") / max(1, total("draft_tokens")), 4),
         "itl_ms_p50": _pct(gaps, 50), "itl_ms_p99": _pct(gaps, 99),
         "tpot_ms": round(statistics.mean(tpot), 2) if tpot else None,
+        "cpu_ms_per_token": round((tally.cloud["edge_cpu_s"] + tally.cloud["other_cpu_s"]) * 1e3 / tokens, 3),
+        "edge_cpu_ms_per_token": round(tally.cloud["edge_cpu_s"] * 1e3 / tokens, 3),
         "uplink_bits_per_token": round(8 * total("uplink_bytes") / tokens, 1),
         "downlink_bits_per_token": round(8 * total("downlink_bytes") / tokens, 1),
         "outputs_identical_to_target_alone": bool(ok) and all(r.ids == reference.get(r.prompt) for r in ok),

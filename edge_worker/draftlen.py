@@ -31,6 +31,8 @@ SESSION_DECAY = 0.9          # per round: a session's own counts (memory ~10 rou
 EDGE_DECAY = 0.995           # per round: the edge's pooled counts and timings (memory ~200 rounds)
 CLOUD_SLOPE_PRIOR = 0.05     # per-token cost of a row relative to its fixed cost, until measured
 EXPLORE_AFTER = 16           # rounds at d = 0 before one round drafts a token again (acceptance may have changed)
+PREDRAFT_SHARE = 0.7         # pre-drafting stops this far into the expected wait: the draft thread is idle (and
+                             # the GIL free) when the VERDICT arrives, so its handling is not delayed
 TIE = 0.02                   # a shorter draft within 2 % of the best rate wins (estimates are noisy; it wastes less)
 
 
@@ -158,7 +160,8 @@ class EdgeEstimates:
         window = self.rtt.value / 2
         if self.predraft_window == "wait":
             g0, g1 = self.cloud.fit()
-            window = self.rtt.value + (1 + self.kappa.value) * self.batch.value * (g0 + g1)
+            wait = self.rtt.value + (1 + self.kappa.value) * self.batch.value * (g0 + g1)
+            window = PREDRAFT_SHARE * wait
         return max(0, int((window - c) / t)) if t > 0 else 0
 
     def round_time(self, d: int, p_next: float) -> float:

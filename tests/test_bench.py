@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from specrelay.bench.report import render_docs
-from specrelay.bench.schema import SWEEP_ROW, validate
+from specrelay.bench.schema import STRESS_SUMMARY, SWEEP_ROW, validate
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -51,3 +51,18 @@ def test_legacy_benches_run_as_a_module_into_the_working_directory(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     wire = json.loads((tmp_path / "bench_results" / "wire.json").read_text())  # ./bench_results by default
     assert wire["any d"]["VERDICT (accepted + next token)"] == 9
+
+
+def test_stress_smoke_real_processes(tiny_pair, tmp_path):
+    target, draft = tiny_pair
+    out = tmp_path / "results"
+    run = bench("stress", "--target", str(target), "--draft", str(draft), "--edges", "1", "--sessions-per-edge", "2",
+                "--cloud-workers", "1", "--duration", "4", "--warmup", "2", "--sample-every", "0.5", "--link", "10ms",
+                "--num-prompts", "3", "--max-new-tokens", "8", "--json", "--out", str(out))
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    summary = json.loads(run.stdout.splitlines()[-1])
+    assert validate(summary, STRESS_SUMMARY) == [], summary
+    assert summary["errors"] == 0 and summary["outputs_mismatched"] == 0 and summary["outputs_checked"] > 0
+    assert set(summary["rss"]) == {"broker", "cloud-worker-0", "edge-0", "link-relay"}
+    result = json.loads((out / "stress.json").read_text())
+    assert result["bars"]["zero_errors"] and (out / "stress_rss.png").exists()

@@ -212,6 +212,7 @@ def summarise(args, link: LinkSpec, probe: dict, warmup: float, m: dict, refs: d
     checked = [g for g in gens if g.error is None]
     mismatched = [g for g in checked if g.ids != refs.get(g.prompt)]
     busy = m["cloud"]["end"]["forward_seconds"] - m["cloud"]["warm"]["forward_seconds"] if len(m["cloud"]) == 2 else None
+    tokens_in_scrape = sum(len(g.ids) for g in ok if g.end <= m["end_at"])  # the span the busy time covers
     rss = rss_growth(m["rss"], warmup)
     growth = [v["growth"] for v in rss.values() if v["growth"] is not None]
     summary = {
@@ -222,7 +223,7 @@ def summarise(args, link: LinkSpec, probe: dict, warmup: float, m: dict, refs: d
         "session_tokens_per_s_p50": round(statistics.median(per_session), 2) if per_session else 0.0,
         "session_tokens_per_s_p10": round(per_session[len(per_session) // 10], 2) if per_session else 0.0,
         "itl_ms_p50": _pct(gaps, 50), "itl_ms_p99": _pct(gaps, 99),
-        "cloud_busy_s_per_token": round(busy / tokens, 5) if busy is not None and tokens else None,
+        "cloud_busy_s_per_token": round(busy / tokens_in_scrape, 5) if busy is not None and tokens_in_scrape else None,
         "errors": sum(errors.values()), "errors_by_code": errors, "outputs_checked": len(checked),
         "outputs_mismatched": len(mismatched), "rss_growth_max": max(growth) if growth else None, "rss": rss,
     }

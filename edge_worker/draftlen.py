@@ -33,6 +33,8 @@ CLOUD_SLOPE_PRIOR = 0.05     # per-token cost of a row relative to its fixed cos
 EXPLORE_AFTER = 16           # rounds at d = 0 before one round drafts a token again (acceptance may have changed)
 PREDRAFT_SHARE = 0.7         # pre-drafting stops this far into the expected wait: the draft thread is idle (and
                              # the GIL free) when the VERDICT arrives, so its handling is not delayed
+DITHER = (0, 2, 0, -2)       # offsets every session of an edge takes together, DITHER_PERIOD rounds each: the
+DITHER_PERIOD = 16           # batch steps and widths then vary, so the cost slopes can be learnt (see docs)
 TIE = 0.02                   # a shorter draft within 2 % of the best rate wins (estimates are noisy; it wastes less)
 
 
@@ -125,6 +127,11 @@ class EdgeEstimates:
     rtt: EWMean = field(default_factory=lambda: EWMean(EDGE_DECAY, 0.0))     # link: latency - cloud time
     batch: EWMean = field(default_factory=lambda: EWMean(EDGE_DECAY, 1.0))   # rows per forward
     kappa: EWMean = field(default_factory=lambda: EWMean(EDGE_DECAY, 0.0))   # queue wait / forward
+    rounds: int = 0                                                           # rounds observed (all sessions)
+
+    def offset(self) -> int:
+        """The dither all sessions apply now (0 until timings are measured: in-process `auto` is deterministic)."""
+        return DITHER[(self.rounds // DITHER_PERIOD) % len(DITHER)] if self.draft.known else 0
 
     def prior_rates(self, n: int) -> list[float]:
         """Pooled acceptance per position; past the last measured position, the last measured rate."""
@@ -137,6 +144,7 @@ class EdgeEstimates:
         """One VERIFY round: waited `draft_s` (None: not timed) for a draft of `fresh` lockstep steps (the
         longest job of its draft batch: the mean-field x, like the cloud's padded width), then `latency_s`
         from sending the VERIFY to its VERDICT; `width` = our row (d + 1 + tail); the worker's hint."""
+        self.rounds += 1
         if draft_s is not None and fresh > 0:
             self.draft.observe(fresh, draft_s)
         if hint is None or hint.batch < 1:
@@ -195,14 +203,15 @@ class GoodputController:
         return self.own.rates(n, self.edge.prior_rates(n), SESSION_PRIOR_WEIGHT)
 
     def choose(self, remaining: int) -> int:
-        """argmax_d E(d) / T(d) over 0 <= d <= min(max_len, remaining - 1); after EXPLORE_AFTER rounds at 0 with
-        nothing learnt meanwhile, one round at d = 1."""
+        """The best d (`best`) plus the edge's current dither, within 0 <= d <= min(max_len, remaining - 1); after
+        EXPLORE_AFTER rounds at 0 with nothing learnt meanwhile, one round at d = 1."""
         top = max(0, min(self.max_len, remaining - 1))
         if top and self.zero_rounds >= EXPLORE_AFTER:
             return 1
-        return self.best(top)
+        return min(top, max(0, self.best(top) + self.edge.offset()))
 
     def best(self, top: int) -> int:
+        """The shortest d within TIE of max E(d) / T(d), 0 <= d <= top."""
         a = self.rates(top + 1)
         rates, expected, p = [], 0.0, 1.0  # p = P_d, expected = E(d)
         for d in range(top + 1):

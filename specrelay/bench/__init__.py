@@ -5,6 +5,7 @@
     specrelay bench calls | concurrency | hf | xvocab | wire | srdv_k | all     (the first benchmarks)
     specrelay bench report                                                     (docs/benchmarks.md)
     specrelay bench schema                                                     (the JSON schema)
+    specrelay bench kv ...      (issue 9's specrelay.kvbench, registered in cli.EXTERNAL, when installed)
 
 `python -m specrelay.bench ...` is the same program. Results go to ./bench_results (`--out DIR`).
 """

@@ -131,8 +131,24 @@ def _relative(path: Path, start: Path) -> str:
 _NOTES = {
     "sweep": "Greedy unless the command says otherwise. `d` is the draft length (`auto` = goodput-driven, "
              "docs/draftlen.md); `0` is the target alone through the same path. Cloud calls are counted by the "
-             "workers; theory = rounds / Σ E(d) at the measured per-position acceptance (bench/theory.py).",
+             "workers; theory = rounds / Σ E(d) at the measured per-position acceptance (bench/theory.py). "
+             "The edge side runs on CPU 0 and the cloud side on the other CPU unless the command says --no-pin.",
     "stress": "Real processes: `specrelay broker`, `specrelay cloud-worker` ×K, `specrelay edge-worker` ×N, each "
               "edge behind its own emulated link; clients keep S greedy generations in flight per edge and "
               "check every output against the target alone.",
+    "calls": "Greedy, held-out stdlib code, default (auto) draft length, 8 sessions in flight, through broker + "
+             "cloud worker processes, against `--draft-len 0` (the target alone through the same path).",
+    "concurrency": "One cloud worker, 1 torch thread per process: verified tokens/s with 16 concurrent sessions vs "
+                   "1. On two CPU cores the 16-session case is compute-bound: one batched verification of 16 "
+                   "sessions costs the same FLOPs as 16 separate passes, so batching removes only per-call "
+                   "overhead, and the edge's draft model shares the cores with the target.",
+    "hf": "One session over loopback against HF `target.generate(assistant_model=draft, do_sample=False)` "
+          "in-process; outputs compared token for token.",
+    "xvocab": "`demo-draft-xv` (Metaspace/byte-fallback, 4352 tokens) drafting for `demo-target` (byte-level BPE, "
+              "8192) at T = 1 through broker + cloud worker. Uplink includes the one-time OPEN (prompt ids and "
+              "the 1 KiB shared-vocabulary bitmap). X-CoSD-E reports 266–384 bits per token for SR-DV.",
+    "srdv_k": "SR-DV candidates per round K, in-process, cross-vocabulary pair at T = 1: K = 1 and 2 fall back to "
+              "`hr` (a large payload) too often; a large K sends candidates that are never needed.",
+    "wire": "Bytes on the wire (header + body frames) with realistic values: a per-edge session id of 37, token "
+            "ids near 8000, position 300.",
 }

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from ..common.metrics import Histogram, SpecDecodeCounters
+
 
 @dataclass
 class WorkerConfig:
@@ -68,3 +70,5 @@ class WorkerStats:
     heartbeats_received: int = 0
     bad_broker_messages: int = 0
     reconnects: int = 0
+    spec: SpecDecodeCounters = field(default_factory=SpecDecodeCounters)  # vLLM's spec_decode_* counters
+    forward_seconds: Histogram = field(default_factory=Histogram)         # one verification forward pass

@@ -21,6 +21,8 @@ import structlog
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from .metrics import Histogram
+
 log = structlog.get_logger("specrelay.health")
 
 READ_TIMEOUT = 5.0
@@ -92,7 +94,7 @@ class StatsCollector:
 
     Flat ints/floats become counters (`<prefix><name>_total`) or, if named in `gauges`, gauges;
     `errors` ({code: n}) a counter labelled by code; `batch_sizes` ({size: batches}) a histogram;
-    `accepted_per_position` ([n_0, n_1, ...]) a counter labelled by draft position.
+    `*_per_pos` ([n_0, n_1, ...]) a counter labelled by draft position; a `metrics.Histogram` a histogram.
     """
 
     def __init__(self, prefix: str, stats: Callable[[], Mapping[str, object]], gauges: Iterable[str]) -> None:
@@ -108,6 +110,9 @@ class StatsCollector:
                 yield family
             elif name == "batch_sizes":
                 yield _histogram(self.prefix + "batch_size", value)
+            elif isinstance(value, Histogram):
+                yield HistogramMetricFamily(metric, name.replace("_", " "), buckets=value.cumulative(),
+                                            sum_value=value.total)
             elif name.endswith("_per_pos"):
                 family = CounterMetricFamily(metric, name.replace("_", " "), labels=["position"])
                 for position, n in enumerate(value):

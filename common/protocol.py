@@ -153,13 +153,29 @@ class Verify(Base):
     q: Annotated[bytes, msgspec.Meta(max_length=4 * MAX_DRAFT)] = b""
 
 
+HINT_EVERY = 4  # a worker attaches a LoadHint to a session's VERDICTs with seq % HINT_EVERY == 1 (1, 5, 9, ...)
+
+
+class LoadHint(Base):
+    """The worker's load when it verified a request, for the edge's goodput-driven draft length
+    (edge_worker/draftlen.py): batch = rows in the forward pass, width = new tokens per row (padded), forward_us =
+    its duration, queue_us = how long the request waited in the worker before it. Four small ints; sent on every
+    HINT_EVERY-th VERDICT only."""
+
+    batch: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
+    width: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
+    forward_us: Annotated[int, msgspec.Meta(ge=0, le=2**40)] = 0
+    queue_us: Annotated[int, msgspec.Meta(ge=0, le=2**40)] = 0
+
+
 class Verdict(Base):
     """The cloud's answer to VERIFY. n_accepted: accepted draft prefix. next_token: recovered or bonus
     token (-1: the edge resolves the rejection itself from the fields below). candidates: SR-DV draws z in
     draw order (repeats kept); cand_p: float32 p(z) once per distinct candidate, in order of first appearance.
     p: float32 target probabilities at the rejected position over the shared vocabulary (resample full | hr);
-    theta_o: mass of p outside the shared vocabulary (hr). Fields are ordered so each verdict kind leaves the
-    others' defaults off the end (a greedy verdict is 4 numbers, an SR-DV one carries no empty p / theta_o)."""
+    theta_o: mass of p outside the shared vocabulary (hr). load: the worker's LoadHint (every HINT_EVERY-th
+    verdict). Fields are ordered so each verdict kind leaves the others' defaults off the end (a greedy verdict
+    is 4 numbers, an SR-DV one carries no empty p / theta_o, a verdict without a hint is unchanged)."""
 
     session: U63
     seq: U63
@@ -169,6 +185,7 @@ class Verdict(Base):
     cand_p: bytes = b""
     p: bytes = b""
     theta_o: float = 0.0
+    load: LoadHint | None = None
 
 
 class Resample(Base):

@@ -2,58 +2,150 @@
 
 The draft model runs in one worker thread; while it drafts a batch, new jobs queue up and form the next
 batch, so batching grows with load and costs nothing to a lone session (no waiting).
+
+Pre-drafts (edge_worker/predraft.py) have the lowest priority: they run only while no real draft waits, a few
+tokens at a time (`chunk`), so a real draft waits for at most one chunk. `collect` stops a pre-draft and hands
+back what it drafted so far.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from concurrent.futures import Executor
 
 from .drafter import DraftBlock, Drafter, DraftJob
 
 
+class PreDraft:
+    """A pre-draft in progress: the job it continues, what it drafted so far, whether it may go on."""
+
+    def __init__(self, job: DraftJob, drafter: Drafter) -> None:
+        self.job, self.drafter = job, drafter
+        self.block = DraftBlock()
+        self.stopped = False
+        self.running: asyncio.Future | None = None  # the chunk in the draft thread, if any
+
+    @property
+    def finished(self) -> bool:
+        ids = self.block.ids
+        return self.stopped or len(ids) >= self.job.d or bool(ids and ids[-1] in self.drafter.eos_ids)
+
+    def next_chunk(self, chunk: int) -> DraftJob:
+        """A job for the next `chunk` tokens after the ones drafted so far."""
+        j, n = self.job, len(self.block.ids)
+        context = j.context + [self.drafter.to_draft(x) for x in self.block.ids]
+        return DraftJob(j.state, context, j.position + n, min(chunk, j.d - n), j.mode, j.params, j.seed)
+
+
 class DraftBatcher:
-    def __init__(self, drafter: Drafter, pool: Executor, max_batch: int = 64) -> None:
-        self.drafter, self.pool, self.max_batch = drafter, pool, max_batch
+    def __init__(self, drafter: Drafter, pool: Executor, max_batch: int = 64, chunk: int = 1) -> None:
+        self.drafter, self.pool, self.max_batch, self.chunk = drafter, pool, max_batch, chunk
         self._queue: list[tuple[DraftJob, asyncio.Future]] = []
+        self._pre: list[PreDraft] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.batches = 0
         self.jobs = 0
+        self.batch_sizes: Counter = Counter()  # real draft batches by number of sessions
+        self.predraft_chunks = 0
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
 
     async def draft(self, job: DraftJob) -> DraftBlock:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="edge-draft-batcher")
+        if job.d <= 0:
+            return DraftBlock()
+        self._ensure_running()
         future = asyncio.get_running_loop().create_future()
         self._queue.append((job, future))
         self._wake.set()
         return await future
 
+    def predraft(self, job: DraftJob) -> PreDraft:
+        """Start drafting `job` in the background, whenever the draft thread has nothing better to do."""
+        pre = PreDraft(job, self.drafter)
+        if job.d > 0:
+            self._ensure_running()
+            self._pre.append(pre)
+            self._wake.set()
+        return pre
+
+    async def collect(self, pre: PreDraft) -> DraftBlock:
+        """Stop `pre` and return what it drafted; a chunk already in the draft thread is waited for."""
+        pre.stopped = True
+        if pre.running is not None:
+            await asyncio.gather(asyncio.shield(pre.running), return_exceptions=True)
+        return pre.block
+
+    def cancel(self, pre: PreDraft) -> None:
+        pre.stopped = True
+
+    def _ensure_running(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="edge-draft-batcher")
+
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             self._wake.clear()
             for _ in range(3):  # sessions woken by the same reply burst enqueue too
                 await asyncio.sleep(0)
-            batch, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
             if self._queue:
+                await self._run_drafts()
+            elif self._pre:
+                await self._run_predrafts()
+            if self._queue or self._pre:
                 self._wake.set()
-            batch = [(job, fut) for job, fut in batch if not fut.cancelled()]
-            if not batch:
-                continue
-            try:
-                blocks = await loop.run_in_executor(self.pool, self.drafter.draft_batch, [j for j, _ in batch])
-            except Exception as exc:  # the draft model failed: fail these requests, keep serving
-                for _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(exc)
-                continue
-            self.batches += 1
-            self.jobs += len(batch)
-            for (_, fut), block in zip(batch, blocks):
+
+    async def _run_drafts(self) -> None:
+        batch, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
+        batch = [(job, fut) for job, fut in batch if not fut.cancelled()]
+        if not batch:
+            return
+        try:
+            blocks = await self._in_thread([j for j, _ in batch])
+        except Exception as exc:  # the draft model failed: fail these requests, keep serving
+            for _, fut in batch:
                 if not fut.done():
-                    fut.set_result(block)
+                    fut.set_exception(exc)
+            return
+        self.batches += 1
+        self.jobs += len(batch)
+        self.batch_sizes[len(batch)] += 1
+        steps = max(job.d for job, _ in batch)
+        for (_, fut), block in zip(batch, blocks):
+            block.steps = steps
+            if not fut.done():
+                fut.set_result(block)
+
+    async def _run_predrafts(self) -> None:
+        """One chunk of every live pre-draft, in one lockstep batch."""
+        self._pre = [pre for pre in self._pre if not pre.finished]
+        live = self._pre[:self.max_batch]
+        if not live:
+            return
+        future = self._in_thread([pre.next_chunk(self.chunk) for pre in live])
+
+        def extend(done: asyncio.Future) -> None:  # runs before anyone awaiting the chunk resumes
+            for pre in live:
+                pre.running = None
+            if done.cancelled() or done.exception() is not None:  # no head start, nothing worse
+                for pre in live:
+                    pre.stopped = True
+                return
+            for pre, block in zip(live, done.result()):
+                pre.block = pre.block + block
+
+        future.add_done_callback(extend)
+        for pre in live:
+            pre.running = future
+        self.predraft_chunks += 1
+        await asyncio.gather(asyncio.shield(future), return_exceptions=True)
+
+    def _in_thread(self, jobs: list[DraftJob]):
+        return asyncio.get_running_loop().run_in_executor(self.pool, self.drafter.draft_batch, jobs)
 
     async def close(self) -> None:
         if self._task is not None:

@@ -54,6 +54,14 @@ class DraftBlock:
     q_tok: list[float] = field(default_factory=list)           # q'(x_i) (sample mode)
     q_rows: list[torch.Tensor] = field(default_factory=list)   # q' over the target vocabulary, [V_target] each
     drafted: list[int] = field(default_factory=list)          # draft-vocabulary ids, when `finish` converts them
+    steps: int = 0  # lockstep steps of the batch that drafted it (its longest job), set by DraftBatcher
+
+    def part(self, start: int, stop: int | None = None) -> "DraftBlock":
+        """Tokens start..stop-1 with their q' (q lists are empty outside sample mode)."""
+        return DraftBlock(self.ids[start:stop], self.q_tok[start:stop], self.q_rows[start:stop])
+
+    def __add__(self, other: "DraftBlock") -> "DraftBlock":
+        return DraftBlock(self.ids + other.ids, self.q_tok + other.q_tok, self.q_rows + other.q_rows)
 
 
 class Drafter:

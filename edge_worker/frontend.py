@@ -55,7 +55,7 @@ async def handle_generate(edge, msg: P.Generate, emit: Emit) -> None:
         tail = text.flush()
         if tail:
             await emit(P.Tokens(msg.request, [], tail))
-        await emit(P.Done(msg.request, stats))
+        await emit(P.Done(msg.request, {k: v for k, v in stats.items() if isinstance(v, (int, float))}))
     except zmq.ZMQError:
         raise  # the client is gone: nobody to tell
     except RequestError as exc:

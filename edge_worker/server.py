@@ -13,6 +13,10 @@ Drafting runs in ONE worker thread (the draft model is shared by every session, 
 loop keeps moving bytes while a block is drafted. Recovery never loses or repeats a committed token: a retry
 re-OPENs with the whole committed context and redrafts; counter-based randomness makes the redraft identical.
 Retries go on for `retry_budget_s` seconds of consecutive failures (a broker restart, a gap with no worker).
+
+While a VERIFY is in flight the draft thread, when idle, pre-drafts the session's chain on (`predraft`); the
+measured draft wait and round-trip latency of every round feed the auto draft length (edge_worker/draftlen.py,
+one `EdgeEstimates` per edge). `metrics` (telemetry.py) counts what loading.EdgeHealth serves on /metrics.
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ from ..common import transport
 from ..common.errors import (AuthenticationFailed, ConnectionLost, FatalError, GenerationTimeout, InvalidRequest,
                              Overloaded, RequestError, UnknownSession)
 from ..common.protocol import DEFAULT_SAMPLED_MODE, DEFAULT_STRATEGY, Mode, Strategy
+from . import telemetry
 from .batcher import DraftBatcher
+from .draftlen import EdgeEstimates
 from .drafter import Drafter
 from .frontend import ClientFrontend
 from .session import EdgeSession, SessionConfig
@@ -63,6 +69,9 @@ class EdgeConfig:
     default_draft_len: int | None = None  # None = auto
     linger_ms: int = 100
     heartbeat_s: float = 1.0          # ZMTP heartbeats on the broker connection (drop a dead TCP peer)
+    predraft: bool = True             # draft ahead while a VERIFY is in flight (edge_worker/predraft.py)
+    predraft_window: str = "wait"     # the whole wait for the VERDICT, or only while it goes up ("uplink":
+                                      # when a cloud worker shares this machine's CPU)
 
     def __post_init__(self) -> None:
         if not self.request_timeout_s > 0:
@@ -74,6 +83,8 @@ class EdgeConfig:
         SessionConfig(resample=self.default_resample, draft_len=self.default_draft_len)  # validates both
         if self.sampling_mode == Mode.GREEDY:
             raise ValueError("sampling_mode is the mode at temperature > 0: sample or coupled")
+        if self.predraft_window not in ("uplink", "wait"):
+            raise ValueError("predraft_window must be 'uplink' or 'wait'")
 
 
 class _Route:
@@ -138,6 +149,8 @@ class EdgeWorker(transport.Service):
         self._next_sid = 1
         self._pool: ThreadPoolExecutor | None = None
         self._batcher: DraftBatcher | None = None
+        self.estimates = EdgeEstimates(self.config.predraft, self.config.predraft_window)  # shared by sessions
+        self.metrics = telemetry.EdgeMetrics()
         self._log = log.bind(broker=broker)
 
     @property
@@ -203,10 +216,10 @@ class EdgeWorker(transport.Service):
         if len(prompt_ids) + config.max_new_tokens > P.MAX_CONTEXT:
             raise InvalidRequest(f"prompt ({len(prompt_ids)} tokens) plus max_new_tokens exceeds the "
                                  f"{P.MAX_CONTEXT}-token context limit", field="prompt")
-        session = EdgeSession(list(prompt_ids), config, self.drafter, sid=self._new_sid())
+        session = EdgeSession(list(prompt_ids), config, self.drafter, sid=self._new_sid(), estimates=self.estimates)
         route = self._routes[session.sid] = _Route(session)
         slog = self._log.bind(session=session.sid)
-        t0, retries = time.perf_counter(), 0
+        t0, retries, error = time.perf_counter(), 0, None
         try:
             self._send(session, session.open_message())
             failing_since: float | None = None
@@ -217,8 +230,10 @@ class EdgeWorker(transport.Service):
                     now = time.monotonic()
                     failing_since = failing_since if failing_since is not None else now
                     if not self._retryable(exc) or now - failing_since > self.config.retry_budget_s:
+                        error = exc.code.name
                         raise
                     retries += 1
+                    self.metrics.retries += 1
                     await self._recover(session, route, exc, retries, slog)
                     continue
                 failing_since = None
@@ -228,9 +243,13 @@ class EdgeWorker(transport.Service):
                         result = await result
                     if result is False:  # the caller has what it wants (a stop string): end here
                         break
+        except BaseException as exc:
+            error = error or ("CANCELLED" if isinstance(exc, asyncio.CancelledError) else type(exc).__name__)
+            raise
         finally:
             self._routes.pop(session.sid, None)
             self._send(session, session.close_message())  # also on cancellation: free the cloud's KV
+            self.metrics.on_generation(asdict(session.stats), error)
         stats = asdict(session.stats) | {"retries": retries, "wall_s": time.perf_counter() - t0}
         slog.debug("generation done", **stats)
         return list(session.generated), stats
@@ -244,22 +263,49 @@ class EdgeWorker(transport.Service):
         raise Overloaded(f"this edge already runs {len(self._routes)} sessions; retry later")
 
     async def _step(self, session: EdgeSession, route: _Route) -> list[int]:
-        """Draft (in the draft thread) or take the pending RESAMPLE, send it, apply the reply."""
+        """Draft (in the draft thread) or take the pending RESAMPLE, send it (pre-drafting on while it is in
+        flight), apply the reply, and report the round's timings to the session's draft-length policy."""
         job = session.draft_job()  # None while a RESAMPLE is pending
-        request = session.next_request() if job is None else session.request_for(await self._batcher.draft(job))
+        draft_s = None
+        if job is None:
+            request = session.next_request()
+        else:
+            t0 = time.perf_counter()
+            request = session.request_for(await self._batcher.draft(job))
+            draft_s = time.perf_counter() - t0
         if route.stash is not None:  # the OPEN already failed: do not send on top of it
             reply, route.stash = route.stash, None
             return session.apply(reply)
         expect = P.Verdict if isinstance(request, P.Verify) else P.Resampled
         waiter = route.wait_for(request.seq, expect)
         self._send(session, request)
+        sent = time.perf_counter()
+        pre = self._predraft(session) if expect is P.Verdict else None
+        try:
+            reply = await self._wait(session, waiter, request.seq)
+            latency = time.perf_counter() - sent
+            if pre is not None:
+                session.take_predraft(await self._batcher.collect(pre))
+        finally:
+            if pre is not None:
+                self._batcher.cancel(pre)
+        new = session.apply(reply)  # an ERROR reply raises its RequestError
+        if isinstance(reply, P.Verdict):
+            session.record_timing(draft_s, latency)
+            self.metrics.on_round(len(request.draft), reply.n_accepted, draft_s, latency)
+        return new
+
+    def _predraft(self, session: EdgeSession):
+        job = session.predraft_job() if self.config.predraft else None
+        return self._batcher.predraft(job) if job is not None else None
+
+    async def _wait(self, session: EdgeSession, waiter: asyncio.Future, seq: int) -> P.Base:
         timeout = self.config.request_timeout_s
         try:
-            reply = await asyncio.wait_for(waiter, timeout)
+            return await asyncio.wait_for(waiter, timeout)
         except asyncio.TimeoutError:
-            raise GenerationTimeout(f"no reply from the cloud for session {session.sid} (seq {request.seq}) "
+            raise GenerationTimeout(f"no reply from the cloud for session {session.sid} (seq {seq}) "
                                     f"within {timeout:g} s") from None
-        return session.apply(reply)  # an ERROR reply raises its RequestError
 
     @staticmethod
     def _retryable(exc: RequestError) -> bool:
@@ -279,7 +325,9 @@ class EdgeWorker(transport.Service):
     def _send(self, session: EdgeSession, msg: P.Base) -> None:
         """Queue a message to the broker without awaiting (safe in `finally` during cancellation)."""
         frames = P.encode(msg)
-        session.stats.uplink_bytes += sum(map(len, frames))
+        nbytes = sum(map(len, frames))
+        session.stats.uplink_bytes += nbytes
+        self.metrics.uplink_bytes += nbytes
         if self._sock is None:
             return
         error = transport.send_nowait(self._sock, frames)
@@ -320,6 +368,8 @@ class EdgeWorker(transport.Service):
         except InvalidRequest as exc:
             self._log.warning("bad reply from the broker", error=str(exc))
             return
+        nbytes = sum(map(len, frames))
+        self.metrics.downlink_bytes += nbytes
         route = self._routes.get(getattr(msg, "session", -1))
         if route is not None:
-            route.deliver(msg, sum(map(len, frames)))
+            route.deliver(msg, nbytes)

@@ -5,6 +5,11 @@ The session knows which committed tokens the cloud already holds (`cloud_len`), 
 itself after a rejection travels once, as the `tail` of the next VERIFY; on a retry
 `open_message()` carries the whole history and the cloud re-prefills from it (after UNKNOWN_SESSION,
 WORKER_LOST or a timeout).
+
+The draft length of each block comes from a policy (edge_worker/draftlen.py): fixed, or `auto` = goodput-driven
+from the acceptance this session measures and the timings the shell reports (`record_timing`). While a VERIFY
+is in flight the shell may pre-draft the chain on (`predraft_job` / `take_predraft`, edge_worker/predraft.py);
+the next `draft_job` then starts from the part of it that the verdict confirmed.
 """
 
 from __future__ import annotations
@@ -16,9 +21,9 @@ from ..common.errors import ErrorCode, InvalidRequest, from_wire
 from ..common.protocol import DEFAULT_SAMPLED_MODE, DEFAULT_STRATEGY, Mode, Strategy
 from ..common.resample import Rejection
 from ..common.sampling import SamplingParams
+from .draftlen import EdgeEstimates, FixedDraftLen, GoodputController
 from .drafter import DraftBlock, Drafter, DraftJob
-
-AUTO_START, AUTO_MIN, AUTO_MAX = 6, 1, 16  # auto draft length: +2 after a fully accepted block, -1 otherwise
+from .predraft import DraftChain
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,21 @@ class SessionStats:
     uplink_bytes: int = 0
     downlink_bytes: int = 0
     reopens: int = 0
+    predraft_tokens: int = 0       # draft tokens taken from a pre-drafted chain instead of drafted anew
+    predraft_rounds: int = 0       # blocks that started with pre-drafted tokens
+    draft_s: float = 0.0           # waited for drafts (the critical path), seconds
+    verify_s: float = 0.0          # waited for VERDICTs, seconds
+    accepted_per_pos: list[int] = field(default_factory=list)    # accepted draft tokens by position (vLLM)
+    reached_per_pos: list[int] = field(default_factory=list)     # rounds whose position j was drafted and tested
+    rounds_by_draft_len: dict[int, int] = field(default_factory=dict)  # VERIFY rounds by draft length
+
+    def record_block(self, d: int, n: int) -> None:
+        """A VERIFY round of d draft tokens, n accepted: positions 0..n were tested (n only if n < d)."""
+        for counts, upto in ((self.reached_per_pos, min(n + 1, d)), (self.accepted_per_pos, n)):
+            counts.extend([0] * (d - len(counts)))
+            for j in range(upto):
+                counts[j] += 1
+        self.rounds_by_draft_len[d] = self.rounds_by_draft_len.get(d, 0) + 1
 
 
 @dataclass
@@ -67,6 +87,7 @@ class EdgeSession:
     drafter: Drafter
     sid: int = 1
     stats: SessionStats = field(default_factory=SessionStats)
+    estimates: EdgeEstimates | None = None  # shared by an edge's sessions (auto draft length)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -77,9 +98,15 @@ class EdgeSession:
         self.cloud_len = 0                       # how many of self.tokens the cloud holds
         self.seq = 0
         self.done = False
-        self.draft_len = self.config.draft_len if self.config.draft_len is not None else AUTO_START
+        d = self.config.draft_len
+        self.policy = GoodputController(self.estimates) if d is None else FixedDraftLen(d, self.estimates)
         self.state = self.drafter.new_state(self.prompt_ids)
-        self._block = None
+        self._block: DraftBlock | None = None
+        self._job: DraftJob | None = None          # the job that drafted the block in flight
+        self._reused = DraftBlock()                # the start of the next block, taken from the chain
+        self._chain: DraftChain | None = None      # the block in flight and its pre-drafted continuation
+        self._hint: P.LoadHint | None = None
+        self._fresh = self._width = 0              # last block: draft steps waited for, cloud row width
         self._rejection: Rejection | None = None
         self._pending: P.Resample | None = None
 
@@ -99,21 +126,65 @@ class EdgeSession:
         return self._pending if job is None else self.request_for(self.drafter.draft_batch([job])[0])
 
     def draft_job(self) -> DraftJob | None:
-        """What to draft next (None while a RESAMPLE is pending); an edge batches these across sessions."""
+        """What to draft next (None while a RESAMPLE is pending); an edge batches these across sessions.
+        Tokens a pre-drafted chain already holds are taken from it: the job drafts only the rest (maybe 0)."""
         if self._pending is not None:
             return None
-        remaining = self.config.max_new_tokens - len(self.generated)
-        d = max(0, min(self.draft_len, remaining - 1))
+        d = self.policy.choose(self.config.max_new_tokens - len(self.generated))
         c = self.config
-        context = self.drafter.draft_context(self.state, self.tokens)
-        return DraftJob(self.state, context, len(self.tokens), d, self.mode, c.params, c.seed)
+        context = list(self.drafter.draft_context(self.state, self.tokens))
+        chain, self._chain = self._chain, None
+        self._reused = chain.reusable(self.tokens, context, d, self.drafter.to_draft) if chain else DraftBlock()
+        n = len(self._reused.ids)
+        if n and self._reused.ids[-1] in self.drafter.eos_ids:
+            d = n  # the chain ended the generation: draft nothing past it
+        self._job = DraftJob(self.state, context, len(self.tokens), d, self.mode, c.params, c.seed)
+        if not n:
+            return self._job
+        more = context + [self.drafter.to_draft(x) for x in self._reused.ids]
+        return DraftJob(self.state, more, len(self.tokens) + n, d - n, self.mode, c.params, c.seed)
 
     def request_for(self, block: DraftBlock) -> P.Verify:
-        self._block = block
+        """The VERIFY for the freshly drafted `block` (after whatever the chain provided)."""
+        self._block, reused = self._reused + block, len(self._reused.ids)
+        self._reused, self._fresh = DraftBlock(), block.steps or len(block.ids)  # lockstep steps waited for
+        self._width = len(self.tokens) - self.cloud_len + len(self._block.ids) + 1  # the row the cloud runs
         self.seq += 1
         self.stats.draft_tokens += len(self._block.ids)
+        self.stats.predraft_tokens += reused
+        self.stats.predraft_rounds += reused > 0
+        job = self._job
+        self._chain = DraftChain(len(self.tokens), job.context, self._block, len(self._block.ids)) if job else None
         return P.Verify(self.sid, self.seq, len(self.tokens), self.tokens[self.cloud_len:], self._block.ids,
                         P.f32(self._block.q_tok) if self.mode == Mode.SAMPLE else b"")
+
+    # ---------------------------------------------------------------------------- pre-drafting
+    def predraft_job(self) -> DraftJob | None:
+        """While the VERIFY is in flight: a job drafting the chain on (the bonus guess, then the next block as
+        long as the policy would draft now). None when there is nothing worth drafting."""
+        chain, job = self._chain, self._job
+        if chain is None or job is None or self._pending is not None or self.done:
+            return None
+        if chain.block.ids and chain.block.ids[-1] in self.drafter.eos_ids:
+            return None
+        remaining = self.config.max_new_tokens - len(self.generated) - len(chain.block.ids)
+        d_next = self.policy.choose(remaining - 1)  # if the whole block and the bonus guess are accepted
+        budget = self.estimates.predraft_budget() if self.estimates is not None else 0
+        k = min(1 + d_next, remaining - 1, budget)
+        worth = d_next > 0 or self.policy.probes    # at d = 0 only `auto` wants the guess (an acceptance sample)
+        return chain.continuation(job, self.drafter.to_draft, k) if worth and k > 0 else None
+
+    def take_predraft(self, more: DraftBlock) -> None:
+        """The pre-drafted continuation of the block in flight (call before `apply` of its VERDICT)."""
+        if self._chain is not None:
+            self._chain.extend(more)
+
+    def record_timing(self, draft_s: float | None, latency_s: float) -> None:
+        """What the shell measured for the last VERIFY round: seconds waited for its draft (None: not timed)
+        and from sending it to its VERDICT. Feeds the auto draft length."""
+        self.stats.draft_s += draft_s or 0.0
+        self.stats.verify_s += latency_s
+        self.policy.observe_round(self._fresh, draft_s, latency_s, self._width, self._hint)
 
     # ---------------------------------------------------------------------------- replies
     def apply(self, reply: P.Base) -> list[int]:
@@ -135,8 +206,9 @@ class EdgeSession:
             raise InvalidRequest(f"n_accepted {n} exceeds the draft length {len(block.ids)}", field="n_accepted")
         self.stats.cloud_calls += 1
         self.stats.accepted_tokens += n
-        if self.config.draft_len is None:
-            self.draft_len = min(AUTO_MAX, self.draft_len + 2) if n == len(block.ids) else max(AUTO_MIN, self.draft_len - 1)
+        self.stats.record_block(len(block.ids), n)
+        self._hint = v.load
+        self.policy.observe_block(len(block.ids), n, self._bonus_match(n, v.next_token))
         start = len(self.generated)
         self._commit(block.ids[:n])
         if v.next_token >= 0:
@@ -148,6 +220,15 @@ class EdgeSession:
                                         len(self.tokens), v.seq, self.sid, self.config.resample)
             self._resolve(self._rejection.step(v))
         return self.generated[start:]
+
+    def _bonus_match(self, n: int, token: int) -> bool | None:
+        """After a fully accepted block: did the chain's guess for the bonus token match? (None: no guess, or
+        SAMPLE mode, where the bonus is drawn from p and a match is not an acceptance.)"""
+        chain = self._chain
+        if chain is None or n < chain.sent or token < 0 or self.mode == Mode.SAMPLE:
+            return None
+        guess = chain.guess(n)
+        return None if guess is None else guess == token
 
     def _resolve(self, outcome) -> list[int]:
         if isinstance(outcome, P.Resample):

@@ -19,6 +19,7 @@ from .common.protocol import Mode
 from .common.rng import Purpose, gumbel, sample_index, uniform
 from .common.runner import Decoder, ModelRunner
 from .common.sampling import SamplingParams, probs_from_logits
+from .edge_worker.draftlen import EdgeEstimates
 from .edge_worker.drafter import Drafter
 from .edge_worker.session import EdgeSession, SessionConfig
 
@@ -42,7 +43,9 @@ def speculative_generate_batch(draft: ModelRunner | Drafter, target: ModelRunner
     verifier = target if isinstance(target, Verifier) else Verifier(
         target, VerifierConfig(max_sessions=max(1024, len(prompts))))
     drafter = draft if isinstance(draft, Drafter) else Drafter(draft, verifier.runner.vocab_size)
-    sessions = [EdgeSession(list(p), c, drafter, sid=i + 1) for i, (p, c) in enumerate(zip(prompts, configs))]
+    estimates = EdgeEstimates()  # shared, as on an edge; no timings in-process, so `auto` is deterministic
+    sessions = [EdgeSession(list(p), c, drafter, sid=i + 1, estimates=estimates)
+                for i, (p, c) in enumerate(zip(prompts, configs))]
     t0 = time.perf_counter()
     for s in sessions:
         verifier.open((b"", s.sid), s.open_message())

@@ -1,79 +1,32 @@
-"""Benchmarks: programs that print the numbers the issues ask for and write them as JSON.
+"""The first benchmarks (issues 2-4), each a function of the parsed arguments returning its JSON result:
 
-    python -m specrelay.bench calls         # cloud calls per token: default draft length vs --draft-len 0
-    python -m specrelay.bench concurrency   # one cloud worker: 16 concurrent sessions vs 1 (verified tokens/s)
-    python -m specrelay.bench hf            # one session over loopback vs HF assisted generation in-process
-    python -m specrelay.bench xvocab        # cross-vocab pair, T=1: bits/token up+down for full|hr|srdv|coupled
-    python -m specrelay.bench wire          # bytes of each message for d = 4 and d = 8
-    python -m specrelay.bench srdv_k        # SR-DV candidates per round: downlink bits vs extra round trips
-    python -m specrelay.bench all
+    calls         cloud calls per token: the default draft length vs --draft-len 0
+    concurrency   one cloud worker: 16 concurrent sessions vs 1 (verified tokens/s)
+    hf            one session over loopback vs HF assisted generation in-process
+    xvocab        cross-vocabulary pair, T=1: bits/token up+down for full|hr|srdv|coupled
+    wire          bytes of each message for d = 4 and d = 8
+    srdv_k        SR-DV candidates per round: downlink bits vs extra round trips
 
-Results go to bench_results/<name>.json. Everything runs on 127.0.0.1 with the demo models.
+Everything runs on 127.0.0.1 (broker and workers as child processes, `specrelay.cluster`).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
-import sys
 import time
-from pathlib import Path
 
-from .common.protocol import Mode, Strategy
-
-ROOT = Path(__file__).resolve().parent.parent
-MODELS = ROOT / "models"
-OUT = ROOT / "bench_results"
-
-
-def prompts(n: int) -> list[str]:
-    lines = (MODELS / "heldout_prompts.jsonl").read_text().splitlines()
-    return [json.loads(x)["prompt"] for x in lines if x.strip()][:n]
-
-
-def write(name: str, data: dict) -> None:
-    OUT.mkdir(exist_ok=True)
-    (OUT / f"{name}.json").write_text(json.dumps(data, indent=1))
-    print(json.dumps(data, indent=1))
-    print(f"-> {OUT / (name + '.json')}", file=sys.stderr)
-
-
-async def run_edge(frontend: str, draft: str, texts: list[str], concurrency: int, target_tok: str | None = None,
-                   **cfg) -> tuple[list[tuple[list[int], dict]], float]:
-    """Generate `texts` through the broker with an in-process edge; returns per-prompt (ids, stats), wall."""
-    from .common.sampling import SamplingParams
-    from .edge_worker.loading import load_edge
-    from .edge_worker.session import SessionConfig
-
-    params = SamplingParams(cfg.pop("temperature", 0.0))
-    config = SessionConfig(params=params, **cfg)
-    gate = asyncio.Semaphore(concurrency)
-
-    async def one(text: str):
-        async with gate:
-            return await edge.generate(edge.tokenizer(text).input_ids, config)
-
-    async with await load_edge(frontend, draft, target_tok) as edge:
-        await one(texts[0])  # warm-up: first forward passes allocate
-        t0 = time.perf_counter()
-        out = await asyncio.gather(*(one(t) for t in texts))
-        return out, time.perf_counter() - t0
-
-
-def totals(out: list[tuple[list[int], dict]]) -> dict:
-    keys = ("generated_tokens", "draft_tokens", "accepted_tokens", "cloud_calls", "uplink_bytes", "downlink_bytes")
-    return {k: sum(s[k] for _, s in out) for k in keys}
+from ..common.protocol import Mode, Strategy
+from .runs import load_prompts, run_edge, totals
 
 
 def bench_calls(args) -> dict:
-    from .cluster import LocalCluster
+    from ..cluster import LocalCluster
 
-    texts = prompts(args.prompts)
-    with LocalCluster(str(MODELS / "demo-target")) as c:
-        spec, _ = asyncio.run(run_edge(c.frontend, str(MODELS / "demo-draft"), texts, 8,
+    texts = load_prompts(args.prompts, args.num_prompts)
+    with LocalCluster(args.target) as c:
+        spec, _ = asyncio.run(run_edge(c.frontend, args.draft, texts, 8,
                                        max_new_tokens=args.max_new_tokens))
-        base, _ = asyncio.run(run_edge(c.frontend, str(MODELS / "demo-draft"), texts, 8,
+        base, _ = asyncio.run(run_edge(c.frontend, args.draft, texts, 8,
                                        max_new_tokens=args.max_new_tokens, draft_len=0))
     s, b = totals(spec), totals(base)
     identical = all(a[0] == z[0] for a, z in zip(spec, base))
@@ -88,17 +41,17 @@ def bench_calls(args) -> dict:
 
 
 def bench_concurrency(args) -> dict:
-    from .cluster import LocalCluster
+    from ..cluster import LocalCluster
 
     import torch
 
-    texts = prompts(16)
+    texts = load_prompts(args.prompts, 16)
     rows = {}
     torch.set_num_threads(args.threads)  # the edge (this process) and the worker share the machine's cores
-    with LocalCluster(str(MODELS / "demo-target"), max_batch=32, threads=args.threads) as c:
+    with LocalCluster(args.target, max_batch=32, threads=args.threads) as c:
         for n in (1, 16):
             batch = texts[:n] if n > 1 else texts[:4]
-            out, wall = asyncio.run(run_edge(c.frontend, str(MODELS / "demo-draft"), batch, n,
+            out, wall = asyncio.run(run_edge(c.frontend, args.draft, batch, n,
                                              max_new_tokens=args.max_new_tokens))
             t = totals(out)
             rows[n] = {"sessions": n, "generated_tokens": t["generated_tokens"], "wall_s": round(wall, 3),
@@ -111,12 +64,12 @@ def bench_hf(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .cluster import LocalCluster
+    from ..cluster import LocalCluster
 
-    texts = prompts(args.prompts)
-    tok = AutoTokenizer.from_pretrained(MODELS / "demo-target")
-    target = AutoModelForCausalLM.from_pretrained(MODELS / "demo-target").eval()
-    draft = AutoModelForCausalLM.from_pretrained(MODELS / "demo-draft").eval()
+    texts = load_prompts(args.prompts, args.num_prompts)
+    tok = AutoTokenizer.from_pretrained(args.target)
+    target = AutoModelForCausalLM.from_pretrained(args.target).eval()
+    draft = AutoModelForCausalLM.from_pretrained(args.draft).eval()
     n_hf, t0 = 0, time.perf_counter()
     hf_out = []
     for text in texts:
@@ -127,8 +80,8 @@ def bench_hf(args) -> dict:
         n_hf += len(hf_out[-1])
     hf_wall = time.perf_counter() - t0
     del target
-    with LocalCluster(str(MODELS / "demo-target")) as c:
-        out, wall = asyncio.run(run_edge(c.frontend, str(MODELS / "demo-draft"), texts, 1,
+    with LocalCluster(args.target) as c:
+        out, wall = asyncio.run(run_edge(c.frontend, args.draft, texts, 1,
                                          max_new_tokens=args.max_new_tokens))
     ours = totals(out)["generated_tokens"] / wall
     hf = n_hf / hf_wall
@@ -138,16 +91,16 @@ def bench_hf(args) -> dict:
 
 
 def bench_xvocab(args) -> dict:
-    from .cluster import LocalCluster
+    from ..cluster import LocalCluster
 
-    texts = prompts(args.prompts)
+    texts = load_prompts(args.prompts, args.num_prompts)
     rows = {}
-    with LocalCluster(str(MODELS / "demo-target")) as c:
+    with LocalCluster(args.target) as c:
         for strategy in ("full", "hr", "srdv", "coupled"):
             cfg = {"mode": Mode.COUPLED} if strategy == "coupled" else {"mode": Mode.SAMPLE,
                                                                         "resample": Strategy[strategy.upper()]}
-            out, wall = asyncio.run(run_edge(c.frontend, str(MODELS / "demo-draft-xv"), texts, 8,
-                                             target_tok=str(MODELS / "demo-target"), temperature=1.0, seed=7,
+            out, wall = asyncio.run(run_edge(c.frontend, args.draft, texts, 8,
+                                             target_tok=args.target_tokenizer or args.target, temperature=1.0, seed=7,
                                              max_new_tokens=args.max_new_tokens, **cfg))
             t = totals(out)
             n = t["generated_tokens"]
@@ -163,16 +116,16 @@ def bench_xvocab(args) -> dict:
 def bench_srdv_k(args) -> dict:
     """SR-DV candidates per round K, in-process on the cross-vocab demo pair at T = 1: downlink bits per token
     (VERDICT + RESAMPLED) and extra round trips. Picks the K the protocol uses (common.resample)."""
-    from .common import resample
-    from .common.runner import ModelRunner
-    from .common.sampling import SamplingParams
-    from .edge_worker.loading import load_drafter
-    from .edge_worker.session import SessionConfig
-    from .speculative import speculative_generate_batch
+    from ..common import resample
+    from ..common.runner import ModelRunner
+    from ..common.sampling import SamplingParams
+    from ..edge_worker.loading import load_drafter
+    from ..edge_worker.session import SessionConfig
+    from ..speculative import speculative_generate_batch
 
-    target = ModelRunner.load(str(MODELS / "demo-target"))
-    drafter, tok = load_drafter(str(MODELS / "demo-draft-xv"), str(MODELS / "demo-target"))
-    ids = [tok(t).input_ids for t in prompts(args.prompts)]
+    target = ModelRunner.load(args.target)
+    drafter, tok = load_drafter(args.draft, args.target_tokenizer or args.target)
+    ids = [tok(t).input_ids for t in load_prompts(args.prompts, args.num_prompts)]
     rows, default = {}, resample.SRDV_CANDIDATES
     try:
         for k in (1, 2, 4, 8):
@@ -191,7 +144,7 @@ def bench_srdv_k(args) -> dict:
 def bench_wire(args) -> dict:
     """Bytes on the wire (header + body frames) of each message, for d = 4 and d = 8 draft tokens.
     Realistic field values: a small per-edge session id (37), token ids near 8000, position 300."""
-    from .common import protocol as P
+    from ..common import protocol as P
 
     sid, ids = 37, lambda n: [8000 + i for i in range(n)]
     size = lambda m: sum(map(len, P.encode(m)))
@@ -207,6 +160,8 @@ def bench_wire(args) -> dict:
         "OPEN (sample, cross-vocab bitmap 8192)": size(P.Open(sid, ids(100), P.Mode.SAMPLE, 1.0, 0, 1.0, 7,
                                                               P.Strategy.HR, b"\xff" * 1024, 8192)),
         "VERDICT (accepted + next token)": size(P.Verdict(sid, 57, 3, 8001)),
+        f"VERDICT + load hint (1 in {P.HINT_EVERY})": size(P.Verdict(sid, 57, 3, 8001,
+                                                                     load=P.LoadHint(16, 5, 41000, 3000))),
         "VERDICT srdv (4 candidates)": size(P.Verdict(sid, 57, 1, -1, candidates=ids(4), cand_p=P.f32([0.1] * 4))),
         "VERDICT hr (|V_c| = 2950 floats)": size(P.Verdict(sid, 57, 1, -1, p=P.f32([0.0] * 2950), theta_o=0.1)),
         "VERDICT full (8192 floats)": size(P.Verdict(sid, 57, 1, -1, p=P.f32([0.0] * 8192))),
@@ -220,24 +175,5 @@ def bench_wire(args) -> dict:
     return rows
 
 
-BENCHES = {"wire": bench_wire, "srdv_k": bench_srdv_k, "calls": bench_calls, "concurrency": bench_concurrency, "hf": bench_hf, "xvocab": bench_xvocab}
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="specrelay bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("name", choices=[*BENCHES, "all"])
-    ap.add_argument("--prompts", type=int, default=20)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per process (edge and each worker)")
-    args = ap.parse_args(argv)
-    from . import logs
-    logs.configure("warning")
-    for name in BENCHES if args.name == "all" else [args.name]:
-        print(f"== {name}", file=sys.stderr)
-        write(name, BENCHES[name](args))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+LEGACY = {"wire": bench_wire, "srdv_k": bench_srdv_k, "calls": bench_calls, "concurrency": bench_concurrency,
+          "hf": bench_hf, "xvocab": bench_xvocab}

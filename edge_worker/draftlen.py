@@ -1,0 +1,256 @@
+"""Goodput-driven draft length (`--draft-len auto`): pick d (0 allowed) to maximise expected committed tokens
+per second, from what the edge measures. The model, in full, is in docs/draftlen.md:
+
+    E(d) = sum_{k=0..d} P_k,   P_0 = 1,  P_k = prod_{j<k} a_j     tokens one round commits (a_j: acceptance at
+                                                                   draft position j, given 0..j-1 accepted)
+    T(d) = D(d) - P_{d+1} * t * min(d, b - 1)                      seconds one round takes: drafting on the
+           + R + (1 + kappa) * F(d)                                critical path, less what pre-drafting saves,
+                                                                   the link, the cloud (queue + forward)
+    D(d) = c + t * d  (d > 0; D(0) = 0)                            a lockstep draft of d steps
+    F(d) = B * (g0 + g1 * (d + 1))                                 the cloud's forward pass at its load: B rows,
+                                                                   each as wide as ours (mean field)
+    b    = pre-draft budget: tokens the draft thread makes while waiting for the VERDICT (or for R/2)
+    d*   = argmax_d E(d) / T(d)
+
+Pure: no clocks, no sockets. The edge shell feeds it what it measured (`observe_round`) and the verdicts
+(`observe_block`); the estimates every session of an edge shares (link, cloud load, draft speed, pooled
+acceptance) live in `EdgeEstimates`, each session's own acceptance in its `GoodputController`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..common.protocol import MAX_DRAFT, LoadHint
+
+AUTO_MAX = 32                # longest block auto will draft
+PRIOR_ACCEPT = 0.7           # acceptance assumed at a position nobody has measured yet
+PRIOR_WEIGHT = 2.0           # ... worth this many rounds
+SESSION_PRIOR_WEIGHT = 4.0   # a new session starts from the edge's pooled acceptance, worth this many rounds
+SESSION_DECAY = 0.9          # per round: a session's own counts (memory ~10 rounds)
+EDGE_DECAY = 0.995           # per round: the edge's pooled counts and timings (memory ~200 rounds)
+CLOUD_SLOPE_PRIOR = 0.05     # per-token cost of a row relative to its fixed cost, until measured
+EXPLORE_AFTER = 16           # rounds at d = 0 before one round drafts a token again (acceptance may have changed)
+PREDRAFT_SHARE = 0.7         # pre-drafting stops this far into the expected wait: the draft thread is idle (and
+                             # the GIL free) when the VERDICT arrives, so its handling is not delayed
+DITHER = (0, 2, 0, -2)       # offsets every session of an edge takes together, DITHER_PERIOD rounds each: the
+DITHER_PERIOD = 16           # batch steps and widths then vary, so the cost slopes can be learnt (see docs)
+TIE = 0.02                   # a shorter draft within 2 % of the best rate wins (estimates are noisy; it wastes less)
+
+
+class AcceptanceCounts:
+    """Exponentially decayed per-position counts: how often draft position j was reached / accepted."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.reached: list[float] = []
+        self.accepted: list[float] = []
+
+    def observe(self, d: int, n_accepted: int, bonus_match: bool | None = None) -> None:
+        """A block of d drafts with n accepted; bonus_match: whether the draft's guess for the token after a
+        fully accepted block was the target's (known when that guess was pre-drafted), i.e. position d."""
+        top = d + 1 if (n_accepted == d and bonus_match is not None) else d
+        self._grow(top)
+        self.reached = [r * self.decay for r in self.reached]
+        self.accepted = [a * self.decay for a in self.accepted]
+        for j in range(min(n_accepted + 1, top)):  # positions 0..n reached; 0..n-1 accepted
+            self.reached[j] += 1.0
+            self.accepted[j] += 1.0 if j < n_accepted or (j == d and bonus_match) else 0.0
+
+    def _grow(self, n: int) -> None:
+        if len(self.reached) < n:
+            self.reached.extend([0.0] * (n - len(self.reached)))
+            self.accepted.extend([0.0] * (n - len(self.accepted)))
+
+    def rates(self, n: int, prior: list[float], weight: float) -> list[float]:
+        """a_0..a_{n-1}: counts shrunk toward `prior` (worth `weight` rounds)."""
+        out = []
+        for j in range(n):
+            r = self.reached[j] if j < len(self.reached) else 0.0
+            a = self.accepted[j] if j < len(self.accepted) else 0.0
+            out.append((a + weight * prior[j]) / (r + weight))
+        return out
+
+
+class EWLine:
+    """y = c + s * x by exponentially weighted least squares, shrunk toward a prior line that the first
+    observation sets (c0 = y, s0 = slope_ratio * y): a slope is learnt only once x varies."""
+
+    def __init__(self, decay: float, slope_ratio: float, prior_weight: float = 1.0) -> None:
+        self.decay, self.slope_ratio, self.prior_weight = decay, slope_ratio, prior_weight
+        self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.prior: tuple[float, float] | None = None
+
+    def observe(self, x: float, y: float) -> None:
+        if self.prior is None:
+            self.prior = (y / (1 + self.slope_ratio * x), self.slope_ratio * y / (1 + self.slope_ratio * x))
+        g = self.decay
+        self.sw, self.sx, self.sy = g * self.sw + 1, g * self.sx + x, g * self.sy + y
+        self.sxx, self.sxy = g * self.sxx + x * x, g * self.sxy + x * y
+
+    @property
+    def known(self) -> bool:
+        return self.prior is not None
+
+    def fit(self) -> tuple[float, float]:
+        """(c, s): ridge solution of the weighted normal equations plus the prior as pseudo-observations."""
+        c0, s0 = self.prior
+        lam = self.prior_weight
+        # minimise sum w (y - c - s x)^2 + lam (c - c0)^2 + lam * 10 (s - s0)^2  (2x2 normal equations)
+        a11, a12, a22 = self.sw + lam, self.sx, self.sxx + 10 * lam
+        b1, b2 = self.sy + lam * c0, self.sxy + 10 * lam * s0
+        det = a11 * a22 - a12 * a12
+        c, s = (b1 * a22 - a12 * b2) / det, (a11 * b2 - a12 * b1) / det
+        return max(c, 0.0), max(s, 0.0)
+
+
+class EWMean:
+    def __init__(self, decay: float, default: float) -> None:
+        self.decay, self.value, self.weight = decay, default, 0.0
+
+    def observe(self, x: float) -> None:
+        self.weight = self.decay * self.weight + 1
+        self.value += (x - self.value) / self.weight
+
+
+@dataclass
+class EdgeEstimates:
+    """What all sessions of an edge share: pooled acceptance, draft speed, link round trip, cloud load.
+    With no timing observed (in-process use) the costs are unit-free defaults, so `auto` is deterministic."""
+
+    predraft: bool = False
+    predraft_window: str = "wait"  # pre-draft during the whole wait, or only while the VERIFY goes up ("uplink")
+    acceptance: AcceptanceCounts = field(default_factory=lambda: AcceptanceCounts(EDGE_DECAY))
+    draft: EWLine = field(default_factory=lambda: EWLine(EDGE_DECAY, 1.0))   # seconds vs fresh draft tokens
+    cloud: EWLine = field(default_factory=lambda: EWLine(EDGE_DECAY, CLOUD_SLOPE_PRIOR))  # per-row forward s
+    latency: EWLine = field(default_factory=lambda: EWLine(EDGE_DECAY, CLOUD_SLOPE_PRIOR))  # without hints
+    rtt: EWMean = field(default_factory=lambda: EWMean(EDGE_DECAY, 0.0))     # link: latency - cloud time
+    batch: EWMean = field(default_factory=lambda: EWMean(EDGE_DECAY, 1.0))   # rows per forward
+    kappa: EWMean = field(default_factory=lambda: EWMean(EDGE_DECAY, 0.0))   # queue wait / forward
+    rounds: int = 0                                                           # rounds observed (all sessions)
+
+    def offset(self) -> int:
+        """The dither all sessions apply now (0 until timings are measured: in-process `auto` is deterministic)."""
+        return DITHER[(self.rounds // DITHER_PERIOD) % len(DITHER)] if self.draft.known else 0
+
+    def prior_rates(self, n: int) -> list[float]:
+        """Pooled acceptance per position; past the last measured position, the last measured rate."""
+        rates = self.acceptance.rates(min(n, len(self.acceptance.reached)), [PRIOR_ACCEPT] * n, PRIOR_WEIGHT)
+        tail = rates[-1] if rates else PRIOR_ACCEPT
+        return rates + [tail] * (n - len(rates))
+
+    def observe_round(self, fresh: int, draft_s: float | None, latency_s: float, width: int,
+                      hint: LoadHint | None) -> None:
+        """One VERIFY round: waited `draft_s` (None: not timed) for a draft of `fresh` lockstep steps (the
+        longest job of its draft batch: the mean-field x, like the cloud's padded width), then `latency_s`
+        from sending the VERIFY to its VERDICT; `width` = our row (d + 1 + tail); the worker's hint."""
+        self.rounds += 1
+        if draft_s is not None and fresh > 0:
+            self.draft.observe(fresh, draft_s)
+        if hint is None or hint.batch < 1:
+            if not self.cloud.known:
+                self.latency.observe(width, latency_s)
+            return
+        forward, queue = hint.forward_us * 1e-6, hint.queue_us * 1e-6
+        self.cloud.observe(hint.width or width, forward / hint.batch)  # the batch's padded width, not ours
+        self.batch.observe(hint.batch)
+        self.kappa.observe(queue / forward if forward > 0 else 0.0)
+        self.rtt.observe(max(0.0, latency_s - forward - queue))
+
+    def predraft_budget(self) -> int:
+        """Tokens worth pre-drafting per round: what the draft thread does during the whole wait for the VERDICT
+        (window "wait", the default: an edge device of its own), or only while the VERIFY is on its way up the
+        link (R/2, window "uplink"), so that pre-drafting never slows a cloud worker sharing the machine's CPU.
+        0 until the link and the draft speed are measured."""
+        if not (self.predraft and self.draft.known and self.cloud.known):
+            return 0
+        c, t = self.draft.fit()
+        window = self.rtt.value / 2
+        if self.predraft_window == "wait":
+            g0, g1 = self.cloud.fit()
+            wait = self.rtt.value + (1 + self.kappa.value) * self.batch.value * (g0 + g1)
+            window = PREDRAFT_SHARE * wait
+        return max(0, int((window - c) / t)) if t > 0 else 0
+
+    def round_time(self, d: int, p_next: float) -> float:
+        """T(d) for a round drafting d tokens; p_next = P_{d+1}: the chance that the whole block and the bonus
+        guess are accepted, so the pre-drafted chain (the guess, then budget - 1 tokens) starts the next block."""
+        draft = 0.0
+        if d > 0:
+            c, t = self.draft.fit() if self.draft.known else (0.0, 1.0)
+            ahead = min(d, max(0, self.predraft_budget() - 1))
+            draft = c + t * d - p_next * t * ahead
+        if self.cloud.known:
+            g0, g1 = self.cloud.fit()
+            cloud = (1 + self.kappa.value) * self.batch.value * (g0 + g1 * (d + 1))
+            return draft + self.rtt.value + cloud
+        l0, l1 = self.latency.fit() if self.latency.known else (10.0, 10.0 * CLOUD_SLOPE_PRIOR)
+        return draft + l0 + l1 * (d + 1)
+
+
+class GoodputController:
+    """One session's draft length: its own acceptance (starting from the edge's pooled rates), the edge's costs."""
+
+    probes = True  # at d = 0 the shell may still pre-draft the next token: a free acceptance sample
+
+    def __init__(self, edge: EdgeEstimates | None = None, max_len: int = AUTO_MAX) -> None:
+        self.edge = edge or EdgeEstimates()
+        self.max_len = min(max_len, MAX_DRAFT)
+        self.own = AcceptanceCounts(SESSION_DECAY)
+        self.zero_rounds = 0  # consecutive rounds at d = 0
+
+    def rates(self, n: int) -> list[float]:
+        return self.own.rates(n, self.edge.prior_rates(n), SESSION_PRIOR_WEIGHT)
+
+    def choose(self, remaining: int) -> int:
+        """The best d (`best`) plus the edge's current dither, within 0 <= d <= min(max_len, remaining - 1); after
+        EXPLORE_AFTER rounds at 0 with nothing learnt meanwhile, one round at d = 1."""
+        top = max(0, min(self.max_len, remaining - 1))
+        if top and self.zero_rounds >= EXPLORE_AFTER:
+            return 1
+        return min(top, max(0, self.best(top) + self.edge.offset()))
+
+    def best(self, top: int) -> int:
+        """The shortest d within TIE of max E(d) / T(d), 0 <= d <= top."""
+        a = self.rates(top + 1)
+        rates, expected, p = [], 0.0, 1.0  # p = P_d, expected = E(d)
+        for d in range(top + 1):
+            expected += p
+            p_next = p * a[d]
+            rates.append(expected / max(self.edge.round_time(d, p_next), 1e-9))
+            p = p_next
+        best = max(rates)
+        return next(d for d, rate in enumerate(rates) if rate >= (1 - TIE) * best)
+
+    def observe_block(self, d: int, n_accepted: int, bonus_match: bool | None = None) -> None:
+        informative = d > 0 or bonus_match is not None
+        self.zero_rounds = 0 if informative else self.zero_rounds + 1
+        if informative:
+            self.own.observe(d, n_accepted, bonus_match)
+            self.edge.acceptance.observe(d, n_accepted, bonus_match)
+
+    def observe_round(self, fresh: int, draft_s: float | None, latency_s: float, width: int,
+                      hint: LoadHint | None) -> None:
+        self.edge.observe_round(fresh, draft_s, latency_s, width, hint)
+
+
+class FixedDraftLen:
+    """`--draft-len N`: always N (0 = the target alone through the same path). What its rounds measure still
+    feeds the edge's shared estimates, which are the edge's, not the policy's."""
+
+    probes = False
+
+    def __init__(self, d: int, edge: EdgeEstimates | None = None) -> None:
+        self.d, self.edge = d, edge
+
+    def choose(self, remaining: int) -> int:
+        return max(0, min(self.d, remaining - 1))
+
+    def observe_block(self, d: int, n_accepted: int, bonus_match: bool | None = None) -> None:
+        if self.edge is not None and d > 0:
+            self.edge.acceptance.observe(d, n_accepted, bonus_match)
+
+    def observe_round(self, fresh: int, draft_s: float | None, latency_s: float, width: int,
+                      hint: LoadHint | None) -> None:
+        if self.edge is not None:
+            self.edge.observe_round(fresh, draft_s, latency_s, width, hint)

@@ -1,0 +1,16 @@
+"""Benchmarks: programs that print the numbers the issues ask for and write them as JSON, markdown and plots.
+
+    specrelay bench sweep  [--link 50ms,20mbit] [--sessions 16] --draft-lens 0,2,4,8,auto [--json]
+    specrelay bench stress --edges 4 --sessions-per-edge 16 --cloud-workers 2 --duration 600 [--link 50ms]
+    specrelay bench calls | concurrency | hf | xvocab | wire | srdv_k | all     (the first benchmarks)
+    specrelay bench report                                                     (docs/benchmarks.md)
+    specrelay bench schema                                                     (the JSON schema)
+    specrelay bench kv | fuzz | xvdraft ...   (modules of their own: specrelay.kvbench, .bench_fuzz, .bench_xvocab)
+
+`python -m specrelay.bench ...` is the same program. Results go to ./bench_results (`--out DIR`).
+"""
+
+from .cli import main
+from .runs import run_edge, totals
+
+__all__ = ["main", "run_edge", "totals"]

@@ -1,0 +1,165 @@
+"""`specrelay bench NAME ...` (also `python -m specrelay.bench NAME ...`): every benchmark's command line.
+
+Each run writes OUT/<name>.json (schema: `specrelay bench schema`, docs/benchmarks.md), a markdown table
+OUT/<name>.md and PNG plots OUT/<name>_*.png; OUT defaults to ./bench_results. `report` turns whatever JSON is
+in OUT into docs/benchmarks.md with the plots next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+from .runs import DEFAULT_OUT, DEMO_DRAFT, DEMO_DRAFT_XV, DEMO_TARGET, meta, write_result
+
+# benchmarks that live in their own module: NAME -> (module, function taking argv)
+EXTERNAL: dict[str, tuple[str, str]] = {
+    "kv": ("specrelay.kvbench", "main"),               # KV store, chunked prefill, determinism (issue 9)
+    "fuzz": ("specrelay.bench_fuzz", "main"),          # legit sessions under malformed / abusive traffic
+    "xvdraft": ("specrelay.bench_xvocab", "main"),     # cross-vocabulary drafts: plain vs distilled, TLI vs retok
+}
+
+
+def _models(p: argparse.ArgumentParser, draft: str = DEMO_DRAFT, target_tokenizer: str | None = None) -> None:
+    p.add_argument("--target", default=DEMO_TARGET, help="target model directory or hub id (default: demo target)")
+    p.add_argument("--draft", default=draft, help="draft model directory or hub id (default: demo draft)")
+    p.add_argument("--target-tokenizer", default=target_tokenizer,
+                   help="the target's tokenizer when the draft's vocabulary differs")
+    p.add_argument("--prompts", default=None, help="JSON lines file, {\"prompt\": ...} per line (default: held-out "
+                   "stdlib prompts); a bare number N means --num-prompts N")
+    p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process (edge and each worker)")
+
+
+def _output(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default=DEFAULT_OUT, help="results directory (default ./bench_results)")
+    p.add_argument("--json", action="store_true", help="print JSON lines on stdout (the rows) instead of tables")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--tag", default="", help="suffix of the result file names (sweep-TAG.json)")
+    p.add_argument("--no-pin", action="store_true", help="do not pin the edge side to CPU 0 and the cloud side "
+                   "(broker, workers, relay) to the other CPUs (pinning emulates separate machines)")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="specrelay bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="name", required=True)
+
+    p = sub.add_parser("sweep", help="tokens/s, cloud calls and acceptance per draft length, per emulated link")
+    _models(p)
+    _output(p)
+    p.add_argument("--link", action="append", default=None, metavar="RTT[,RATE]",
+                   help="emulated edge<->broker link, e.g. 50ms or 50ms,20mbit (repeat for several; default 0)")
+    p.add_argument("--sessions", type=int, default=16, help="sessions in flight at once")
+    p.add_argument("--draft-lens", default="0,2,4,8,auto", help="comma-separated draft lengths, 'auto' included")
+    p.add_argument("--predraft", choices=("on", "off", "compare"), default="on",
+                   help="pre-drafting while a VERIFY is in flight; compare = every draft length with and without")
+    p.add_argument("--repeat", type=int, default=1, help="runs per configuration, interleaved (median tokens/s)")
+    p.add_argument("--workers", type=int, default=1, help="cloud workers")
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--mode", choices=("greedy", "sample", "coupled"), default=None)
+    p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("stress", help="edge-worker, broker and cloud-worker processes under load for a duration")
+    _models(p)
+    _output(p)
+    p.add_argument("--edges", type=int, default=4)
+    p.add_argument("--sessions-per-edge", type=int, default=16)
+    p.add_argument("--cloud-workers", type=int, default=2)
+    p.add_argument("--duration", type=float, default=600.0, help="seconds of load after the warm-up")
+    p.add_argument("--warmup", type=float, default=None, help="seconds before RSS growth is measured from "
+                   "(default: 10%% of --duration, at least 20 s)")
+    p.add_argument("--link", default="0", metavar="RTT[,RATE]", help="emulated link of every edge")
+    p.add_argument("--draft-len", default="auto")
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--sample-every", type=float, default=2.0, help="seconds between RSS samples")
+
+    p = sub.add_parser("report", help="render docs/benchmarks.md (tables + plots) from the JSON in --out")
+    p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--docs", default="docs/benchmarks.md", help="markdown file to write")
+    p.add_argument("--images", default="docs/bench", help="directory the plots are copied to")
+
+    sub.add_parser("schema", help="print the JSON schema of sweep rows and stress results")
+
+    from .legacy import LEGACY
+    xv = {"xvocab", "srdv_k"}
+    for name in LEGACY:
+        p = sub.add_parser(name, help=f"the {name} benchmark (see specrelay.bench.legacy)")
+        _models(p, DEMO_DRAFT_XV if name in xv else DEMO_DRAFT, DEMO_TARGET if name in xv else None)
+        _output(p)
+    for name, (module, _) in EXTERNAL.items():  # listed for --help; main() hands their arguments to the module
+        sub.add_parser(name, help=f"{module} (specrelay bench {name} --help)")
+    p = sub.add_parser("all", help="every benchmark in specrelay.bench.legacy, default settings")
+    _models(p)
+    _output(p)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in EXTERNAL:
+        module, fn = EXTERNAL[argv[0]]
+        try:
+            return getattr(importlib.import_module(module), fn)(argv[1:]) or 0
+        except ModuleNotFoundError as exc:
+            raise SystemExit(f"specrelay bench {argv[0]}: {module} is not installed ({exc})") from None
+    args = parser().parse_args(argv)
+    _normalise(args)
+    import os
+
+    from .. import logs
+    os.environ.setdefault("SPECRELAY_LOG", "warning")  # child processes (broker, workers, edges) log warnings only
+    logs.configure("warning")
+    if getattr(args, "threads", None):
+        import torch
+
+        from ..edge_worker.loading import GIL_SWITCH_S
+        torch.set_num_threads(args.threads)  # the in-process edge shares the cores with the workers
+        sys.setswitchinterval(GIL_SWITCH_S)  # as in an edge-worker process
+    if args.name == "schema":
+        from .schema import describe
+        print(json.dumps(describe(), indent=1))
+        return 0
+    if args.name == "report":
+        from .report import render_docs
+        print(f"-> {render_docs(args.out, args.docs, args.images)}", file=sys.stderr)
+        return 0
+    return _run(args, argv)
+
+
+def _normalise(args: argparse.Namespace) -> None:
+    prompts = getattr(args, "prompts", None)
+    if prompts is not None and prompts.isdigit() and not Path(prompts).exists():
+        args.prompts, args.num_prompts = None, int(prompts)  # `--prompts 20` of the first benchmarks
+
+
+def _run(args: argparse.Namespace, argv: list[str]) -> int:
+    from . import report
+    from .legacy import LEGACY
+
+    if args.name in ("sweep", "stress"):
+        module = importlib.import_module(f".{args.name}", __package__)
+        result = {"bench": args.name, "meta": meta(argv), **module.run(args)}
+        name = args.name + (f"-{args.tag}" if args.tag else "")
+        write_result(args.out, name, result)
+        report.write_outputs(args.out, name, result, plots=not args.no_plots)
+        rows = result.get("rows", [result.get("summary", {})])
+        for row in rows:
+            print(json.dumps(row) if args.json else report.row_line(row), flush=True)
+        print(f"bars: {json.dumps(result.get('bars', {}))}", file=sys.stderr)
+        return 0  # the run worked; whether a bar is met is in the result
+    for name in LEGACY if args.name == "all" else [args.name]:
+        print(f"== {name}", file=sys.stderr)
+        bench_args = argparse.Namespace(**vars(args))
+        if args.name == "all" and name in ("xvocab", "srdv_k"):  # the cross-vocabulary pair
+            bench_args.draft, bench_args.target_tokenizer = DEMO_DRAFT_XV, args.target
+        result = {"bench": name, "meta": meta(argv), **LEGACY[name](bench_args)}
+        write_result(args.out, name, result)
+        report.write_outputs(args.out, name, result, plots=not args.no_plots)
+        print(json.dumps(result, indent=None if args.json else 1))
+    return 0

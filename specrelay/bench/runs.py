@@ -1,0 +1,189 @@
+"""What the benchmarks share: models and prompts, an in-process edge that records what a benchmark needs
+(outputs, per-session stats, the time of every committed chunk), the machine a run was on, results on disk."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from ..paths import packaged_models
+
+ROOT = Path(__file__).resolve().parents[2]  # a source checkout's root (for the git revision in `meta`)
+MODELS = packaged_models() or ROOT / "models"  # the demo pair and the held-out prompts (shipped in the wheel)
+DEMO_TARGET = str(MODELS / "demo-target")
+DEMO_DRAFT = str(MODELS / "demo-draft")
+DEMO_DRAFT_XV = str(MODELS / "demo-draft-xv")
+HELDOUT = MODELS / "heldout_prompts.jsonl"
+DEFAULT_OUT = "bench_results"  # relative to the working directory, never inside the installed package
+
+__all__ = ["DEMO_DRAFT", "DEMO_TARGET", "DEMO_DRAFT_XV", "load_prompts", "SessionRun", "run_sessions", "run_edge",
+           "totals", "meta", "write_result"]
+
+
+def load_prompts(path: str | None = None, n: int | None = None) -> list[str]:
+    """Prompts from a JSON-lines file ({"prompt": ...} per line; default: the held-out stdlib prompts)."""
+    source = Path(path) if path else HELDOUT
+    if not source.exists():
+        raise SystemExit(f"prompts file {source} not found (JSON lines, {{\"prompt\": ...}} per line)")
+    prompts = []
+    for i, line in enumerate(source.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                prompts.append(json.loads(line)["prompt"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise SystemExit(f"{source}:{i}: expected a JSON object with a \"prompt\" string") from None
+    if not prompts:
+        raise SystemExit(f"{source} holds no prompts")
+    return prompts[:n] if n else prompts
+
+
+@dataclass
+class SessionRun:
+    """One generation as a benchmark saw it: output, the edge's stats, commit events (seconds since its start,
+    tokens committed)."""
+
+    prompt: str
+    ids: list[int] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+    commits: list[tuple[float, int]] = field(default_factory=list)
+    error: str | None = None
+
+    def gaps_ms(self) -> list[float]:
+        """Inter-token latency as a streaming client sees it: the time between consecutive commits."""
+        times = [t for t, _ in self.commits]
+        return [(b - a) * 1e3 for a, b in zip(times, times[1:])]
+
+
+async def run_sessions(edge, texts: list[str], config, concurrency: int, progress=None) -> tuple[list[SessionRun], float]:
+    """Generate every text with at most `concurrency` sessions in flight; returns (runs in input order, wall s).
+    A failed generation is a run with `error` set (the others go on)."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(text: str) -> SessionRun:
+        run = SessionRun(text)
+        async with gate:
+            t0 = time.perf_counter()
+
+            def on_tokens(new: list[int]) -> None:
+                run.commits.append((time.perf_counter() - t0, len(new)))
+                if progress is not None:
+                    progress.update(len(new))
+
+            try:
+                run.ids, run.stats = await edge.generate(edge.tokenizer(text).input_ids, config, on_tokens)
+            except Exception as exc:  # counted, not fatal: a benchmark reports failures
+                run.error = f"{type(exc).__name__}: {exc}"
+        return run
+
+    t0 = time.perf_counter()
+    runs = await asyncio.gather(*(one(t) for t in texts))
+    return list(runs), time.perf_counter() - t0
+
+
+async def run_edge(frontend: str, draft: str, texts: list[str], concurrency: int, target_tok: str | None = None,
+                   **cfg) -> tuple[list[tuple[list[int], dict]], float]:
+    """Generate `texts` through the broker with an in-process edge; returns per-prompt (ids, stats), wall."""
+    from ..common.sampling import SamplingParams
+    from ..edge_worker.loading import load_edge
+    from ..edge_worker.session import SessionConfig
+
+    config = SessionConfig(params=SamplingParams(cfg.pop("temperature", 0.0)), **cfg)
+    async with await load_edge(frontend, draft, target_tok) as edge:
+        await run_sessions(edge, texts[:1], config, 1)  # warm-up: first forward passes allocate
+        runs, wall = await run_sessions(edge, texts, config, concurrency)
+    for run in runs:
+        if run.error:
+            raise RuntimeError(run.error)
+    return [(r.ids, r.stats) for r in runs], wall
+
+
+def totals(out: list[tuple[list[int], dict]]) -> dict:
+    keys = ("generated_tokens", "draft_tokens", "accepted_tokens", "cloud_calls", "uplink_bytes", "downlink_bytes")
+    return {k: sum(s[k] for _, s in out) for k in keys}
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    """CPU time (user + system) of a process so far: this one (all its threads) when pid is None."""
+    if pid is None:
+        import resource
+
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pin(pid: int | None, cpus: set[int]) -> None:
+    """Restrict every thread of a process (None: this one) to `cpus`."""
+    base = f"/proc/{pid or os.getpid()}/task"
+    for tid in os.listdir(base):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, PermissionError, OSError):
+            pass  # a thread that ended meanwhile
+
+
+def split_cpus(enabled: bool) -> tuple[set[int], set[int]] | None:
+    """(edge cpus, cloud cpus) when pinning: the edge side gets CPU 0, the cloud side (broker, workers, relay)
+    the others, so the edge and the cloud compute as if on separate machines. None: no pinning (or 1 CPU)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not enabled or len(cpus) < 2:
+        return None
+    return {cpus[0]}, set(cpus[1:])
+
+
+# ------------------------------------------------------------------------------------------ provenance
+
+def machine() -> dict:
+    """The machine a run was on (benchmarks on a shared box are only comparable within one run)."""
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
+                if line.startswith("model name")), platform.processor() or "unknown")
+    mem = next((int(line.split()[1]) // 1024 for line in _read("/proc/meminfo").splitlines()
+                if line.startswith("MemTotal")), None)
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_mb": mem, "load_average_at_start": os.getloadavg(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "torch_threads": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__,
+            "platform": platform.platform()}
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def meta(argv: list[str]) -> dict:
+    return {"command": " ".join(["specrelay", "bench", *argv]), "date": datetime.now(timezone.utc).isoformat(
+        timespec="seconds"), "git": git_commit(), "machine": machine()}
+
+
+def write_result(out_dir: str | Path, name: str, data: dict) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(data, indent=1))
+    print(f"-> {path}", file=sys.stderr)
+    return path

@@ -1,0 +1,296 @@
+"""`specrelay bench sweep`: for every emulated link and draft length, tokens/s, cloud calls per token against
+theory, acceptance per position, inter-token latency, and whether the outputs equal the target alone's.
+
+One broker and `--workers` cloud workers run as child processes; per link a relay (bench/link.py) sits in front
+of the broker's frontend and in-process edges connect through it. Configurations run interleaved slice by slice
+(`--sessions` prompts at a time, the order rotating), `--repeat` times, so a slow spell of a shared machine hits
+them alike; tokens/s = all tokens / all wall time of a configuration. By default the edge side is pinned to CPU
+0 and the cloud side to the other CPUs (`--no-pin` to share), as if on separate machines.
+`--draft-len 0` (the target alone through the same path) always runs: it is the reference for speed and output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import urllib.request
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from . import theory
+from .link import LinkRelay, LinkSpec, measure_rtt
+from .runs import SessionRun, cpu_seconds, load_prompts, pin, run_sessions, split_cpus
+
+AUTO = "auto"
+
+
+def parse_lens(text: str) -> list[int | str]:
+    lens: list[int | str] = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if part == AUTO:
+            lens.append(AUTO)
+        elif part.isdigit():
+            lens.append(int(part))
+        else:
+            raise SystemExit(f"--draft-lens takes integers and 'auto', got {part!r}")
+    return ([0] if 0 not in lens else []) + lens
+
+
+@dataclass
+class Tally:
+    """Everything one configuration (link, draft length, pre-drafting) measured over its runs."""
+
+    runs: list[list[SessionRun]] = field(default_factory=list)
+    tokens: dict[int, int] = field(default_factory=dict)    # by repeat
+    wall: dict[int, float] = field(default_factory=dict)    # by repeat
+    cloud: dict[str, float] = field(default_factory=dict)   # cloud counters and CPU seconds, summed
+
+    def add(self, repeat: int, runs: list[SessionRun], wall: float, cloud_delta: dict[str, float]) -> None:
+        self.runs.append(runs)
+        self.tokens[repeat] = self.tokens.get(repeat, 0) + sum(len(r.ids) for r in runs)
+        self.wall[repeat] = self.wall.get(repeat, 0.0) + wall
+        for k, v in cloud_delta.items():
+            self.cloud[k] = self.cloud.get(k, 0.0) + v
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(self.tokens.values()) / sum(self.wall.values())
+
+    @property
+    def runs_tps(self) -> list[float]:
+        return [self.tokens[r] / self.wall[r] for r in sorted(self.tokens)]
+
+    @property
+    def sessions(self) -> list[SessionRun]:
+        return [r for runs in self.runs for r in runs]
+
+
+def scrape(ports: list[int]) -> dict[str, float]:
+    """Sum of the cloud workers' counters that matter here, read from their Prometheus /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = {"specrelay_cloud_verify_requests_total": "verify_requests",
+              "specrelay_cloud_forward_passes_total": "forward_passes",
+              "specrelay_cloud_forward_seconds_sum": "forward_seconds"}
+    out = dict.fromkeys(wanted.values(), 0.0)
+    for port in ports:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in wanted:
+                    out[wanted[sample.name]] += sample.value
+    return out
+
+
+def run(args) -> dict:
+    from ..cluster import LocalCluster
+
+    links = [LinkSpec.parse(x) for x in (args.link or ["0"])]
+    lens = parse_lens(args.draft_lens)
+    texts = load_prompts(args.prompts, args.num_prompts or max(8, 2 * args.sessions))
+    configs = [(d, p) for d in lens for p in _predraft_modes(args.predraft, d)]
+    rows, itl = [], {}
+    cluster = LocalCluster(args.target, workers=args.workers, max_batch=args.max_batch, threads=args.threads)
+    cpus = split_cpus(not args.no_pin)
+    with started(cluster, args.draft, args.target_tokenizer) as loaded:
+        drafter, tokenizer = loaded
+        _pin(cpus, [None], [p.pid for p in cluster.procs])
+        for link in links:
+            with LinkRelay(link, cluster.frontend) as relay:
+                _pin(cpus, [], [relay.proc.pid] if relay.proc else [])
+                probe = measure_rtt(relay.endpoint)
+                cloud_pids = [proc.pid for proc in cluster.procs] + ([relay.proc.pid] if relay.proc else [])
+                tallies = _run_async(_sweep_link(args, relay.endpoint, cluster.health_ports, cloud_pids, texts,
+                                                 configs, drafter, tokenizer))
+            for (d, predraft), tally in tallies.items():
+                row = make_row(args, link, probe, d, predraft, tally, tallies[(0, False)], len(texts))
+                rows.append(row)
+                itl[f"{link.label} d={d}{'' if predraft else ' no-predraft'}"] = sorted(
+                    round(g, 2) for r in tally.sessions for g in r.gaps_ms())
+    bars = evaluate(rows)
+    return {"config": {"links": [x.label for x in links], "draft_lens": lens, "sessions": args.sessions,
+                       "prompts": len(texts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeat,
+                       "predraft": args.predraft, "workers": args.workers, "temperature": args.temperature,
+                       "cpu_pinning": None if cpus is None else {"edge": sorted(cpus[0]), "cloud": sorted(cpus[1])},
+                       "mode": args.mode or ("greedy" if args.temperature == 0 else "sample")},
+            "rows": rows, "bars": bars, "itl_ms_samples": itl}
+
+
+@contextmanager
+def started(cluster, draft: str, target_tokenizer: str | None):
+    """Start the cluster's processes while this process loads the draft model; yields (drafter, tokenizer) and
+    stops the processes afterwards."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ..edge_worker.loading import load_drafter
+
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            up = pool.submit(cluster.__enter__)
+            try:
+                loaded = load_drafter(draft, target_tokenizer)
+            finally:
+                up.result()
+        yield loaded
+    finally:
+        cluster.stop()
+
+
+def _pin(cpus, edge_pids: list, cloud_pids: list[int]) -> None:
+    """Edge side on its CPU, cloud side on the others: as if on separate machines (split_cpus)."""
+    if cpus is not None:
+        for pid in edge_pids:
+            pin(pid, cpus[0])
+        for pid in cloud_pids:
+            pin(pid, cpus[1])
+
+
+def _predraft_modes(choice: str, d: int | str) -> list[bool]:
+    if d == 0:
+        return [False]  # nothing to pre-draft for the target alone
+    return {"on": [True], "off": [False], "compare": [True, False]}[choice]
+
+
+def _run_async(coro):
+    from ..runtime import run_async
+    return run_async(coro)
+
+
+async def _sweep_link(args, endpoint: str, worker_ports: list[int], pids: list[int], texts: list[str], configs,
+                      drafter, tokenizer) -> dict:
+    """Run every configuration on every slice of `sessions` prompts, slice by slice and configuration after
+    configuration (the order rotates), `repeat` times: a slow spell of a shared machine hits all alike. `auto`
+    runs on an edge of its own (one per pre-drafting setting), so it learns only from its own rounds."""
+    from contextlib import AsyncExitStack
+
+    from tqdm.auto import tqdm
+
+    from ..edge_worker.server import EdgeConfig, EdgeWorker
+
+    tallies = {c: Tally() for c in configs}
+    slices = [texts[i:i + args.sessions] for i in range(0, len(texts), args.sessions)]
+    async with AsyncExitStack() as stack:
+        edges = {}
+        for key in {_edge_key(d, predraft) for d, predraft in configs}:
+            config = EdgeConfig(request_timeout_s=120.0, retry_budget_s=120.0, predraft=key[1])
+            edges[key] = await stack.enter_async_context(EdgeWorker(endpoint, drafter, tokenizer, config))
+            if key[0] == AUTO:  # warm-up: the controller learns this link and this load
+                await run_sessions(edges[key], slices[0], _session_config(args, AUTO), args.sessions)
+        total = len(configs) * args.repeat * len(texts) * args.max_new_tokens
+        with tqdm(total=total, unit="tok", desc="sweep", leave=False, disable=None) as bar:
+            for r in range(args.repeat):
+                for i, part in enumerate(slices):
+                    turn = (r * len(slices) + i) % len(configs)
+                    for d, predraft in configs[turn:] + configs[:turn]:
+                        edge = edges[_edge_key(d, predraft)]
+                        before = await asyncio.to_thread(scrape, worker_ports) | _cpu(pids)
+                        runs, wall = await run_sessions(edge, part, _session_config(args, d), args.sessions, bar)
+                        after = await asyncio.to_thread(scrape, worker_ports) | _cpu(pids)
+                        tallies[(d, predraft)].add(r, runs, wall, {k: after[k] - before[k] for k in after})
+    return tallies
+
+
+def _edge_key(d, predraft: bool) -> tuple[str, bool]:
+    return ("auto" if d == AUTO else "fixed", predraft)
+
+
+def _session_config(args, d):
+    from ..common.sampling import SamplingParams
+    from ..edge_worker.session import SessionConfig
+
+    return SessionConfig(max_new_tokens=args.max_new_tokens, params=SamplingParams(args.temperature),
+                         mode=args.mode, seed=args.seed, draft_len=None if d == AUTO else d)
+
+
+def _cpu(pids: list[int]) -> dict[str, float]:
+    """CPU seconds so far: this process (the edge: event loop and draft thread) and the others (broker, workers,
+    relay). On a shared machine wall-clock rates swing with other jobs; CPU per token does not."""
+    return {"edge_cpu_s": cpu_seconds(), "other_cpu_s": sum(cpu_seconds(pid) for pid in pids)}
+
+
+def make_row(args, link: LinkSpec, probe: dict, d, predraft: bool, tally: Tally, base: Tally, n_prompts: int) -> dict:
+    sessions = tally.sessions
+    ok = [r for r in sessions if r.error is None]
+    stats = [r.stats for r in ok]
+    total = lambda key: sum(s.get(key, 0) for s in stats)
+    tokens = max(1, total("generated_tokens"))
+    pool = theory.pooled(stats)
+    a = theory.acceptance_per_position(pool["reached_per_pos"], pool["accepted_per_pos"])
+    theo = theory.theoretical_calls_per_token(a, pool["rounds_by_draft_len"])
+    calls = tally.cloud.get("verify_requests", 0.0) / tokens
+    tps, base_tps = tally.tokens_per_s, base.tokens_per_s
+    reference = {r.prompt: r.ids for r in base.sessions}
+    gaps = [g for r in ok for g in r.gaps_ms()]
+    tpot = [(r.commits[-1][0] - r.commits[0][0]) * 1e3 / (len(r.ids) - 1) for r in ok if len(r.ids) > 1]
+    return {
+        "draft_len": d, "predraft": predraft, "link": link.describe(), "link_rtt_ms": round(link.rtt_s * 1e3, 3),
+        "link_rate_mbit": None if link.rate_bps is None else link.rate_bps / 1e6, **probe,
+        "sessions": args.sessions, "prompts": n_prompts, "max_new_tokens": args.max_new_tokens,
+        "repeats": len(tally.tokens), "tokens_per_s": round(tps, 2),
+        "tokens_per_s_runs": [round(x, 2) for x in tally.runs_tps], "target_alone_tokens_per_s": round(base_tps, 2),
+        "speedup_vs_target_alone": round(tps / base_tps, 3), "generated_tokens": tokens,
+        "cloud_calls_per_token": round(calls, 4),
+        "cloud_forward_passes_per_token": round(tally.cloud.get("forward_passes", 0.0) / tokens, 4),
+        "theoretical_cloud_calls_per_token": None if theo is None else round(theo, 4),
+        "calls_vs_theory": None if not theo else round(calls / theo, 4),
+        "acceptance_per_position": [round(x, 4) for x in a],
+        "acceptance_rate": round(total("accepted_tokens") / max(1, total("draft_tokens")), 4),
+        "mean_draft_len": round(total("draft_tokens") / max(1, total("cloud_calls")), 3),
+        "draft_len_histogram": {str(k): v for k, v in sorted(pool["rounds_by_draft_len"].items())},
+        "predraft_tokens_fraction": round(total("predraft_tokens") / max(1, total("draft_tokens")), 4),
+        "itl_ms_p50": _pct(gaps, 50), "itl_ms_p99": _pct(gaps, 99),
+        "tpot_ms": round(statistics.mean(tpot), 2) if tpot else None,
+        "cpu_ms_per_token": round((tally.cloud["edge_cpu_s"] + tally.cloud["other_cpu_s"]) * 1e3 / tokens, 3),
+        "edge_cpu_ms_per_token": round(tally.cloud["edge_cpu_s"] * 1e3 / tokens, 3),
+        "uplink_bits_per_token": round(8 * total("uplink_bytes") / tokens, 1),
+        "downlink_bits_per_token": round(8 * total("downlink_bytes") / tokens, 1),
+        "outputs_identical_to_target_alone": bool(ok) and all(r.ids == reference.get(r.prompt) for r in ok),
+        "errors": len(sessions) - len(ok),
+    }
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    import numpy as np
+    return round(float(np.percentile(values, q)), 2)
+
+
+def evaluate(rows: list[dict]) -> dict:
+    """The issue's bars, from this run's rows."""
+    calls = [r["calls_vs_theory"] for r in rows if r["draft_len"] != 0 and r["calls_vs_theory"] is not None]
+    out: dict = {"calls_vs_theory_max": max(calls) if calls else None,
+                 "calls_le_1.02x_theory": bool(calls) and max(calls) <= 1.02, "auto_vs_best_fixed": {},
+                 "predraft_gain": {}}
+    for (link, predraft), group in _groups(rows).items():
+        auto = next((r for r in group if r["draft_len"] == AUTO), None)
+        fixed = [r for r in group if r["draft_len"] != AUTO]
+        if auto and fixed:
+            best = max(fixed, key=lambda r: r["tokens_per_s"])
+            out["auto_vs_best_fixed"][f"{link} predraft={predraft}"] = {
+                "auto": auto["tokens_per_s"], "best_fixed_draft_len": best["draft_len"],
+                "best_fixed": best["tokens_per_s"], "ratio": round(auto["tokens_per_s"] / best["tokens_per_s"], 3),
+                "auto_ge_0.97x_best": auto["tokens_per_s"] >= 0.97 * best["tokens_per_s"],
+                "auto_ge_target_alone": auto["speedup_vs_target_alone"] >= 1.0,
+                "speedup_vs_target_alone": auto["speedup_vs_target_alone"]}
+    for r in rows:
+        twin = next((x for x in rows if x["link"] == r["link"] and x["draft_len"] == r["draft_len"]
+                     and r["predraft"] and not x["predraft"]), None)
+        if twin:
+            gain = r["tokens_per_s"] / twin["tokens_per_s"] - 1
+            out["predraft_gain"][f"{r['link']} d={r['draft_len']}"] = {
+                "gain": round(gain, 4), "ge_5pct": gain >= 0.05,
+                "outputs_identical": r["outputs_identical_to_target_alone"] and twin["outputs_identical_to_target_alone"]}
+    return out
+
+
+def _groups(rows: list[dict]) -> dict:
+    """(link, pre-drafting) -> its speculative rows plus that link's target-alone row."""
+    groups: dict = {}
+    for r in rows:
+        if r["draft_len"] != 0:
+            groups.setdefault((r["link"], r["predraft"]), []).append(r)
+    for (link, _), group in groups.items():
+        group += [r for r in rows if r["link"] == link and r["draft_len"] == 0]
+    return groups

@@ -1,0 +1,68 @@
+"""CI smoke of `specrelay bench` on the tiny models (well under 60 s): the sweep's JSON lines follow the
+documented schema, greedy outputs equal the target alone's, the result files and plots are written, and
+`report` turns them into a markdown page."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specrelay.bench.report import render_docs
+from specrelay.bench.schema import STRESS_SUMMARY, SWEEP_ROW, validate
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def bench(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specrelay.cli", "bench", *args], capture_output=True, text=True,
+                          timeout=110, cwd=cwd)
+
+
+def test_sweep_smoke_writes_schema_valid_rows(tiny_pair, tmp_path):
+    target, draft = tiny_pair
+    out = tmp_path / "results"
+    run = bench("sweep", "--target", str(target), "--draft", str(draft), "--link", "10ms", "--sessions", "2",
+                "--num-prompts", "2", "--max-new-tokens", "8", "--draft-lens", "0,2,auto", "--json",
+                "--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [r["draft_len"] for r in rows] == [0, 2, "auto"]
+    for row in rows:
+        assert validate(row, SWEEP_ROW) == [], row
+        assert row["outputs_identical_to_target_alone"] and row["errors"] == 0
+        assert row["link_rtt_ms"] == 10 and row["rtt_ms_measured"] > 5
+    assert rows[0]["cloud_calls_per_token"] == 1.0  # the target alone: one VERIFY per token
+    result = json.loads((out / "sweep.json").read_text())
+    assert result["meta"]["command"].startswith("specrelay bench sweep") and result["rows"] == rows
+    assert {p.name for p in out.glob("*.png")} >= {"sweep_tokens_per_s.png", "sweep_cloud_calls.png",
+                                                   "sweep_acceptance.png", "sweep_itl_cdf.png"}
+    docs = tmp_path / "docs" / "benchmarks.md"
+    render_docs(out, docs, tmp_path / "docs" / "bench")  # what `specrelay bench report` runs
+    text = docs.read_text()
+    assert "specrelay bench sweep" in text and "![sweep_tokens_per_s](bench/sweep_tokens_per_s.png)" in text
+
+
+def test_legacy_benches_run_as_a_module_into_the_working_directory(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "specrelay.bench", "wire"], capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    wire = json.loads((tmp_path / "bench_results" / "wire.json").read_text())  # ./bench_results by default
+    assert wire["any d"]["VERDICT (accepted + next token)"] == 9
+
+
+def test_stress_smoke_real_processes(tiny_pair, tmp_path):
+    target, draft = tiny_pair
+    out = tmp_path / "results"
+    run = bench("stress", "--target", str(target), "--draft", str(draft), "--edges", "1", "--sessions-per-edge", "2",
+                "--cloud-workers", "1", "--duration", "4", "--warmup", "2", "--sample-every", "0.5", "--link", "10ms",
+                "--num-prompts", "3", "--max-new-tokens", "8", "--json", "--out", str(out))
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    summary = json.loads(run.stdout.splitlines()[-1])
+    assert validate(summary, STRESS_SUMMARY) == [], summary
+    assert summary["errors"] == 0 and summary["outputs_mismatched"] == 0 and summary["outputs_checked"] > 0
+    assert set(summary["rss"]) == {"broker", "cloud-worker-0", "edge-0", "link-relay"}
+    result = json.loads((out / "stress.json").read_text())
+    assert result["bars"]["zero_errors"] and (out / "stress_rss.png").exists()

@@ -1,0 +1,162 @@
+"""The goodput-driven draft length (edge_worker/draftlen.py) and the pre-draft chain (edge_worker/predraft.py),
+as pure cores: no sockets, no clocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from specrelay.common.protocol import LoadHint
+from specrelay.edge_worker.draftlen import AcceptanceCounts, EdgeEstimates, EWLine, FixedDraftLen, GoodputController
+from specrelay.edge_worker.drafter import DraftBlock, DraftJob
+from specrelay.edge_worker.predraft import DraftChain
+from specrelay.edge_worker.session import SessionStats
+
+
+def trained(alpha: float, rtt: float, draft_per_token: float, forward: tuple[float, float], batch: int = 1,
+            rounds: int = 200, predraft: bool = False) -> GoodputController:
+    """A controller that has seen `rounds` rounds of a world with per-position acceptance alpha, the given link
+    RTT, draft cost, and cloud forward cost per row (fixed, per token) at `batch` rows."""
+    edge = EdgeEstimates(predraft=predraft)
+    ctl = GoodputController(edge)
+    g0, g1 = forward
+    for i in range(rounds):
+        d = 1 + i % 8  # varied draft lengths, so slopes are identifiable
+        n = 0
+        while n < d and (i * 7919 + n * 104729) % 1000 < alpha * 1000:  # deterministic "coin flips"
+            n += 1
+        ctl.observe_block(d, n)
+        fwd = batch * (g0 + g1 * (d + 1))
+        ctl.observe_round(d, draft_per_token * d, rtt + fwd, d + 1,
+                          LoadHint(batch, d + 1, int(fwd * 1e6), 0))
+    return ctl
+
+
+def goodput(a: list[float], d: int, t: float) -> float:
+    e, p = 1.0, 1.0
+    for j in range(d):
+        p *= a[j]
+        e += p
+    return e / t
+
+
+def test_controller_picks_the_shortest_draft_within_2_percent_of_the_best_rate():
+    ctl = trained(0.8, rtt=0.05, draft_per_token=0.002, forward=(0.01, 0.0005))
+    a = ctl.rates(33)
+    rates = [goodput(a, d, ctl.edge.round_time(d, 0.0)) for d in range(31)]
+    chosen = ctl.choose(31)
+    assert rates[chosen] >= 0.98 * max(rates) and all(r < 0.98 * max(rates) for r in rates[:chosen])
+    assert chosen >= 4  # a 50 ms link makes long drafts pay
+
+
+def test_longer_drafts_on_a_slower_link():
+    near = trained(0.8, rtt=0.0, draft_per_token=0.004, forward=(0.01, 0.0005)).choose(64)
+    far = trained(0.8, rtt=0.1, draft_per_token=0.004, forward=(0.01, 0.0005)).choose(64)
+    assert 1 <= near < far
+
+
+def test_shorter_drafts_when_the_cloud_is_loaded():
+    # per-row cost mostly per token (a compute-bound cloud): every rejected token of 16 rows is paid for
+    idle = trained(0.85, rtt=0.01, draft_per_token=0.001, forward=(0.002, 0.002), batch=1).choose(64)
+    busy = trained(0.85, rtt=0.01, draft_per_token=0.001, forward=(0.002, 0.002), batch=16).choose(64)
+    assert busy < idle
+
+
+def test_no_drafting_when_nothing_is_accepted():
+    assert trained(0.0, rtt=0.02, draft_per_token=0.002, forward=(0.01, 0.0005)).choose(64) == 0
+
+
+def test_predrafting_makes_longer_drafts_worth_it():
+    without = trained(0.9, rtt=0.0, draft_per_token=0.006, forward=(0.01, 0.0005)).choose(64)
+    with_pre = trained(0.9, rtt=0.0, draft_per_token=0.006, forward=(0.01, 0.0005), predraft=True).choose(64)
+    assert with_pre >= without
+
+
+def test_choice_respects_the_tokens_left():
+    ctl = trained(0.95, rtt=0.1, draft_per_token=0.001, forward=(0.01, 0.0005))
+    assert ctl.choose(3) <= 2 and ctl.choose(1) == 0
+    assert FixedDraftLen(8).choose(5) == 4 and FixedDraftLen(8).choose(64) == 8
+
+
+def test_untrained_controller_is_deterministic_and_drafts():
+    a, b = GoodputController(), GoodputController()
+    assert a.choose(64) == b.choose(64) >= 1
+
+
+def test_acceptance_counts_per_position_and_bonus():
+    counts = AcceptanceCounts(decay=1.0)
+    counts.observe(4, 2)          # positions 0, 1 accepted, 2 rejected, 3 not reached
+    counts.observe(2, 2, True)    # both accepted, and the bonus guess (position 2) matched
+    counts.observe(2, 2, False)   # both accepted, bonus guess missed
+    assert counts.reached == [3, 3, 3, 0] and counts.accepted == [3, 3, 1, 0]
+
+
+def test_ewline_keeps_the_prior_slope_until_x_varies_then_learns_the_line():
+    flat = EWLine(decay=1.0, slope_ratio=0.1)
+    for _ in range(50):
+        flat.observe(5, 1.5)
+    c, s = flat.fit()
+    assert c + 5 * s == pytest.approx(1.5, rel=0.02) and s == pytest.approx(0.1 * c, rel=0.05)
+    line = EWLine(decay=1.0, slope_ratio=0.1)
+    for x in range(1, 20):
+        line.observe(x, 2.0 + 0.5 * x)
+    c, s = line.fit()
+    assert s == pytest.approx(0.5, rel=0.1) and c == pytest.approx(2.0, rel=0.15)
+
+
+def test_session_stats_count_reached_and_accepted_positions():
+    stats = SessionStats()
+    stats.record_block(4, 2)
+    stats.record_block(4, 4)
+    stats.record_block(0, 0)
+    assert stats.reached_per_pos == [2, 2, 2, 1] and stats.accepted_per_pos == [2, 2, 1, 1]
+    assert stats.rounds_by_draft_len == {4: 2, 0: 1}
+
+
+# ------------------------------------------------------------------------------------------ the chain
+
+def chain(ids: list[int]) -> DraftChain:
+    return DraftChain(start=10, context=list(range(10)), block=DraftBlock(list(ids)), sent=3)
+
+
+ident = int
+
+
+def test_chain_reuse_after_a_fully_accepted_block_and_matching_bonus():
+    c = chain([5, 6, 7, 8, 9, 4])           # block 5 6 7, bonus guess 8, then 9 4 pre-drafted
+    tokens = list(range(10)) + [5, 6, 7, 8]  # all accepted, the target's bonus was 8
+    assert c.reusable(tokens, tokens, 4, ident).ids == [9, 4]
+    assert c.reusable(tokens, tokens, 1, ident).ids == [9]
+
+
+def test_chain_not_reused_when_the_verdict_went_another_way():
+    c = chain([5, 6, 7, 8, 9, 4])
+    for tokens in (list(range(10)) + [5, 1], list(range(10)) + [5, 6, 7, 3]):
+        assert c.reusable(tokens, tokens, 4, ident).ids == []
+
+
+def test_chain_not_reused_when_the_draft_context_differs():
+    c = chain([5, 6, 7, 8, 9, 4])
+    tokens = list(range(10)) + [5, 6, 7, 8]
+    retokenised = list(range(10)) + [5, 67, 8]  # a cross-vocabulary draft re-tokenised the text differently
+    assert c.reusable(tokens, retokenised, 4, ident).ids == []
+
+
+def test_chain_continuation_job_starts_after_the_chain():
+    c = chain([5, 6, 7])
+    base = DraftJob(state=None, context=list(range(10)), position=10, d=3, mode=0, params=None, seed=1)
+    job = c.continuation(base, ident, 4)
+    assert job.context == list(range(10)) + [5, 6, 7] and job.position == 13 and job.d == 4
+
+
+def test_controller_stuck_at_zero_explores_again():
+    from specrelay.edge_worker.draftlen import EXPLORE_AFTER
+
+    ctl = trained(0.0, rtt=0.02, draft_per_token=0.002, forward=(0.01, 0.0005))
+    assert ctl.choose(64) == 0
+    for _ in range(EXPLORE_AFTER):
+        ctl.observe_block(0, 0)          # target-alone rounds teach nothing about acceptance
+    assert ctl.choose(64) == 1
+    ctl.observe_block(1, 0)
+    assert ctl.choose(64) == 0
+    ctl.observe_block(0, 0, bonus_match=False)  # a pre-drafted guess is an acceptance sample: no exploring needed
+    assert ctl.zero_rounds == 0

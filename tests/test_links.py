@@ -1,0 +1,76 @@
+"""Link emulation (specrelay/bench/link.py): the spec, the token bucket, and the relay measured for real: the
+round trip of a null request through it to a real broker must be within 10% of the requested RTT."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from specrelay.bench.link import LinkRelay, LinkSpec, Relay, TokenBucket, measure_rtt
+from specrelay.broker.server import Broker
+
+pytestmark = pytest.mark.timeout(120)
+
+ANY_PORT = "tcp://127.0.0.1:0"
+
+
+def test_link_spec_parses_tc_style_text():
+    assert LinkSpec.parse("50ms") == LinkSpec(0.05, None)
+    assert LinkSpec.parse("50ms,20mbit") == LinkSpec(0.05, 20e6)
+    assert LinkSpec.parse("0.1s, 512kbit") == LinkSpec(0.1, 512e3)
+    assert LinkSpec.parse("40") == LinkSpec(0.04, None)
+    assert LinkSpec.parse("10ms,1mbps").rate_bps == 8e6  # tc: mbps = megaBYTES per second
+    assert not LinkSpec.parse("0").emulated and not LinkSpec.parse("none").emulated
+    assert LinkSpec.parse("50ms,20mbit").label == "50ms,20mbit"
+    for bad in ("fast", "50ms,lots", "1,2,3", "50ms,0mbit"):
+        with pytest.raises(ValueError):
+            LinkSpec.parse(bad)
+
+
+def test_token_bucket_paces_at_the_rate_after_the_burst():
+    bucket = TokenBucket(rate_bytes=1000.0, burst=100, now=0.0)
+    assert bucket.depart(0.0, 100) == 0.0                    # the full bucket lets the first chunk through
+    assert bucket.depart(0.0, 100) == pytest.approx(0.1)     # then 100 bytes per 0.1 s
+    assert bucket.depart(0.0, 50) == pytest.approx(0.15)     # FIFO behind the previous chunk
+    assert bucket.depart(10.0, 100) == 10.0                  # idle: the bucket refilled (capped at burst)
+    assert bucket.depart(10.0, 100) == pytest.approx(10.1)
+
+
+async def test_relay_round_trip_within_10_percent_of_the_requested_rtt(zctx):
+    rtt_ms = 40.0
+    async with Broker(ANY_PORT, ANY_PORT, context=zctx, linger_ms=0) as broker:
+        with LinkRelay(LinkSpec(rtt_ms / 1e3), broker.frontend) as link:
+            probe = await asyncio.to_thread(measure_rtt, link.endpoint, 15)
+        direct = await asyncio.to_thread(measure_rtt, broker.frontend, 5)
+    assert abs(probe["rtt_ms_measured"] - rtt_ms) <= 0.1 * rtt_ms, probe
+    assert direct["rtt_ms_measured"] < 0.25 * rtt_ms  # loopback alone is far below the emulated link
+
+
+async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while data := await reader.read(65536):
+        writer.write(data)
+        await writer.drain()
+    writer.close()
+
+
+async def test_relay_rate_limits_a_bulk_transfer():
+    nbytes, rate = 200_000, 16e6  # 0.1 s of line time each way at 16 Mbit/s
+    echo = await asyncio.start_server(_echo, "127.0.0.1", 0)
+    upstream = f"tcp://127.0.0.1:{echo.sockets[0].getsockname()[1]}"
+    relay = await Relay(upstream, LinkSpec(0.002, rate)).start()
+    port = int(relay.endpoint.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    t0 = time.perf_counter()
+    writer.write(b"x" * nbytes)
+    await writer.drain()
+    got = 0
+    while got < nbytes:
+        got += len(await reader.read(65536))
+    elapsed = time.perf_counter() - t0
+    writer.close()
+    await relay.close()
+    echo.close()
+    expected = nbytes * 8 / rate  # both directions pace, but pipelined: about one pass of line time
+    assert 0.9 * expected <= elapsed <= 2.5 * expected + 0.05, elapsed

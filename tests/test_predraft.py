@@ -1,0 +1,136 @@
+"""Pre-drafting, the load hint and the speculation metrics over real sockets: a Broker and a CloudWorker in this
+process, an emulated 60 ms link (bench/link.Relay) in front of the broker, an EdgeWorker behind it.
+
+The draft is a second copy of the tiny target, so drafts are accepted and the chain drafted while a VERIFY is in
+flight gets reused; SAMPLE mode at a low temperature makes the draft's guess for the bonus token hit often.
+In SAMPLE mode the drafted tokens decide the output, so a wrong reuse would change it: the outputs must equal
+those without pre-drafting and the in-process reference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+
+import pytest
+import torch
+
+from specrelay.bench.link import LinkSpec, Relay
+from specrelay.broker.server import Broker
+from specrelay.cloud_worker.config import WorkerConfig
+from specrelay.cloud_worker.server import CloudWorker
+from specrelay.cloud_worker.verifier import Verifier
+from specrelay.common.runner import ModelRunner
+from specrelay.common.sampling import SamplingParams
+from specrelay.edge_worker.drafter import Drafter
+from specrelay.edge_worker.loading import EdgeHealth
+from specrelay.edge_worker.server import EdgeConfig, EdgeWorker
+from specrelay.edge_worker.session import SessionConfig
+from specrelay.speculative import speculative_generate
+
+pytestmark = pytest.mark.timeout(120)
+
+ANY_PORT = "tcp://127.0.0.1:0"
+PROMPTS = ["def add(a, b):\n", "class Point:\n", "for i in"]
+
+
+@pytest.fixture(scope="module")
+def twin_drafter(tiny_pair):
+    """A drafter holding its own copy of the tiny TARGET: every greedy draft is accepted."""
+    target = ModelRunner.load(str(tiny_pair[0]))
+    return Drafter(target, target.vocab_size)
+
+
+@pytest.fixture
+async def linked(zctx, tiny_runners):
+    """(relay endpoint, cloud worker): broker + worker in-process, a 60 ms link in front of the broker (the
+    edge pre-drafts while a VERIFY goes up the link: 30 ms here)."""
+    async with Broker(ANY_PORT, ANY_PORT, context=zctx, linger_ms=0) as broker:
+        config = WorkerConfig(max_wait_ms=1.0, linger_ms=0, health_port=0, heartbeat_interval=0.5)
+        async with CloudWorker(broker.backend, tiny_runners[0], config, context=zctx) as worker:
+            relay = await Relay(broker.frontend, LinkSpec(0.06)).start()
+            try:
+                yield relay.endpoint, worker
+            finally:
+                await relay.close()
+
+
+def edge(zctx, endpoint: str, drafter, tokenizer, predraft: bool = True, **config) -> EdgeWorker:
+    config = EdgeConfig(predraft=predraft, request_timeout_s=20.0, linger_ms=0, **config)
+    return EdgeWorker(endpoint, drafter, tokenizer, config, context=zctx)
+
+
+async def generate_all(worker: EdgeWorker, configs: list[SessionConfig]) -> list[tuple[list[int], dict]]:
+    tok = worker.tokenizer
+    return await asyncio.gather(*(worker.generate(tok(p).input_ids, c) for p, c in zip(PROMPTS, configs)))
+
+
+def hf_greedy(runner: ModelRunner, prompt: str, n: int) -> list[int]:
+    ids = runner.tokenizer(prompt).input_ids
+    out = runner.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                                pad_token_id=runner.tokenizer.eos_token_id)
+    return out[0, len(ids):].tolist()
+
+
+async def test_greedy_with_predrafting_equals_hf_and_reuses_drafts(zctx, linked, twin_drafter, tiny_runners):
+    endpoint, _ = linked
+    target = tiny_runners[0]
+    async with edge(zctx, endpoint, twin_drafter, target.tokenizer) as running:
+        results = await generate_all(running, [SessionConfig(max_new_tokens=48)] * len(PROMPTS))  # auto
+    for prompt, (out, stats) in zip(PROMPTS, results):
+        assert out == hf_greedy(target, prompt, 48), prompt
+    assert sum(s["predraft_tokens"] for _, s in results) > 0  # the chain was reused
+
+
+async def test_seeded_sampling_identical_with_and_without_predrafting(zctx, linked, twin_drafter, tiny_runners):
+    endpoint, _ = linked
+    target = tiny_runners[0]
+    configs = [SessionConfig(max_new_tokens=24, params=SamplingParams(0.2), seed=seed, draft_len=3)
+               for seed in (1, 2, 3)]
+    runs = {}
+    for predraft in (True, False):
+        async with edge(zctx, endpoint, twin_drafter, target.tokenizer, predraft=predraft) as running:
+            runs[predraft] = await generate_all(running, configs)
+    assert [out for out, _ in runs[True]] == [out for out, _ in runs[False]]
+    assert sum(s["predraft_tokens"] for _, s in runs[True]) > 0
+    assert sum(s["predraft_tokens"] for _, s in runs[False]) == 0
+    for prompt, config, (out, _) in zip(PROMPTS, configs, runs[True]):
+        ids = target.tokenizer(prompt).input_ids
+        assert out == speculative_generate(twin_drafter, Verifier(target), ids, config)[0]
+
+
+async def test_sampling_with_a_different_draft_identical_with_and_without_predrafting(zctx, linked, tiny_runners):
+    endpoint, _ = linked
+    target, draft = tiny_runners
+    drafter = Drafter(draft, target.vocab_size)
+    configs = [SessionConfig(max_new_tokens=20, params=SamplingParams(1.0), seed=seed, draft_len=2)
+               for seed in (4, 5, 6)]
+    outs = []
+    for predraft in (True, False):
+        async with edge(zctx, endpoint, drafter, target.tokenizer, predraft=predraft) as running:
+            outs.append([out for out, _ in await generate_all(running, configs)])
+    assert outs[0] == outs[1]
+
+
+def metrics(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+
+async def test_speculation_metrics_and_load_hints(zctx, linked, twin_drafter, tiny_runners):
+    endpoint, worker = linked
+    async with (edge(zctx, endpoint, twin_drafter, tiny_runners[0].tokenizer) as running,
+                EdgeHealth(running, None, "127.0.0.1", 0) as health):
+        results = await generate_all(running, [SessionConfig(max_new_tokens=16, draft_len=3)] * len(PROMPTS))
+        text = await asyncio.to_thread(metrics, health.port)
+        ready = await asyncio.to_thread(urllib.request.urlopen, f"http://127.0.0.1:{health.port}/readyz")
+        assert ready.status == 200
+        assert running.estimates.cloud.known  # VERDICTs carried the worker's load hint
+    drafts = sum(s["cloud_calls"] for _, s in results)
+    accepted = sum(s["accepted_tokens"] for _, s in results)
+    assert f"specrelay_edge_spec_decode_num_drafts_total {float(drafts)}" in text
+    assert f"specrelay_edge_spec_decode_num_accepted_tokens_total {float(accepted)}" in text
+    assert 'specrelay_edge_spec_decode_num_accepted_tokens_per_pos_total{position="2"}' in text
+    assert "specrelay_edge_verify_latency_seconds_bucket" in text and "specrelay_edge_sessions_open 0.0" in text
+    cloud = await asyncio.to_thread(metrics, worker.health_port)
+    assert f"specrelay_cloud_spec_decode_num_accepted_tokens_total {float(accepted)}" in cloud
+    assert "specrelay_cloud_forward_seconds_count" in cloud

@@ -74,8 +74,9 @@ class KVStore:
         self.shape, self.block = shape, block
         self.capacity = capacity_tokens // block * block
         self.rows_per_token = shape.layers * 2 * shape.kv_heads  # head_dim-sized rows one token slot holds
-        # torch.empty: pages are touched only when written, and every span is zeroed when it is handed out
-        self.data = torch.empty(self.capacity * self.rows_per_token, shape.head_dim, dtype=shape.dtype,
+        # zeroed (so committed) here: the budget is taken at start-up, not page by page as the bump allocator
+        # walks the store (which looked like a leak in `bench stress`: RSS climbing to the budget over minutes)
+        self.data = torch.zeros(self.capacity * self.rows_per_token, shape.head_dim, dtype=shape.dtype,
                                 device=device)  # [rows, head_dim]
         self.spans: dict[object, Span] = {}
         self.reserved = 0  # slots held by spans: a counter, so other threads (heartbeats) read it safely

@@ -218,6 +218,7 @@ class EdgeWorker(transport.Service):
                                  f"{P.MAX_CONTEXT}-token context limit", field="prompt")
         session = EdgeSession(list(prompt_ids), config, self.drafter, sid=self._new_sid(), estimates=self.estimates)
         route = self._routes[session.sid] = _Route(session)
+        self.estimates.sessions = len(self._routes)
         slog = self._log.bind(session=session.sid)
         t0, retries, error = time.perf_counter(), 0, None
         try:
@@ -248,6 +249,7 @@ class EdgeWorker(transport.Service):
             raise
         finally:
             self._routes.pop(session.sid, None)
+            self.estimates.sessions = max(1, len(self._routes))
             self._send(session, session.close_message())  # also on cancellation: free the cloud's KV
             self.metrics.on_generation(asdict(session.stats), error)
         stats = asdict(session.stats) | {"retries": retries, "wall_s": time.perf_counter() - t0}

@@ -160,3 +160,42 @@ def test_controller_stuck_at_zero_explores_again():
     assert ctl.choose(64) == 0
     ctl.observe_block(0, 0, bonus_match=False)  # a pre-drafted guess is an acceptance sample: no exploring needed
     assert ctl.zero_rounds == 0
+
+
+def busy_edge(sessions: int, slope: float, rounds: int = 1200) -> EdgeEstimates:
+    """An edge whose rounds take 60 ms + `slope` per draft token end to end (a saturated draft thread and
+    worker), with pooled acceptance 0.85 at every position, as its sessions' rounds report it."""
+    edge = EdgeEstimates()
+    edge.sessions = sessions
+    ctl = GoodputController(edge)
+    for i in range(rounds):
+        d = ctl.choose(64)
+        n = 0
+        while n < d and (i * 7919 + n * 104729) % 1000 < 850:
+            n += 1
+        ctl.observe_block(d, n)
+        ctl.observe_round(max(d, 1), 0.001 * max(d, 1), 0.06 + slope * d - 0.001 * max(d, 1), d + 1, None, d)
+    return edge
+
+
+def expected_best(slope: float, top: int = 32) -> int:
+    rates = [goodput([0.85] * top, d, 0.06 + slope * d) for d in range(top)]
+    return next(d for d, r in enumerate(rates) if r >= 0.98 * max(rates))
+
+
+@pytest.mark.parametrize("slope", [0.005, 0.03])
+def test_a_busy_edge_shares_the_length_its_measured_round_times_favour(slope):
+    edge = busy_edge(16, slope)
+    shared = edge.shared_d(32)
+    assert shared is not None and abs(shared - expected_best(slope)) <= 1
+    # every session drafts the shared length (plus the common dither), whatever its own acceptance
+    lucky, unlucky = GoodputController(edge), GoodputController(edge)
+    for _ in range(10):
+        lucky.observe_block(8, 8)
+        unlucky.observe_block(8, 0)
+    assert lucky.choose(64) == unlucky.choose(64)
+
+
+def test_a_quiet_edge_keeps_per_session_lengths():
+    edge = busy_edge(1, 0.03)
+    assert edge.shared_d(32) is None

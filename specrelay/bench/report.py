@@ -22,7 +22,7 @@ ORDER = ["sweep", "stress", "calls", "concurrency", "hf", "xvocab", "srdv_k", "w
 
 def row_line(row: dict) -> str:
     """One console line per sweep row / stress summary."""
-    if "draft_len" in row:
+    if "predraft" in row:  # a sweep row (a stress summary has a draft_len too)
         return (f"{row['link']:<40.40} d={str(row['draft_len']):>4} predraft={str(row['predraft']):<5} "
                 f"{row['tokens_per_s']:8.1f} tok/s  x{row['speedup_vs_target_alone']:.2f}  calls/tok "
                 f"{row['cloud_calls_per_token']:.3f} (theory {row['theoretical_cloud_calls_per_token']})  "

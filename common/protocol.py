@@ -91,7 +91,7 @@ class ResampleKind(enum.IntEnum):
 
 
 DEFAULT_SAMPLED_MODE = Mode.COUPLED  # at temperature > 0 when no mode is named: fewest bytes and round trips
-DEFAULT_STRATEGY = Strategy.SRDV     # in SAMPLE mode when no strategy is named (docs/benchmarks.md)
+DEFAULT_STRATEGY = Strategy.SRDV     # in SAMPLE mode when no strategy is named (docs/benchmarks-first.md)
 
 
 def enum_value(kind: type[enum.IntEnum], value, field: str):

@@ -35,26 +35,7 @@ PREDRAFT_SHARE = 0.7         # pre-drafting stops this far into the expected wai
                              # the GIL free) when the VERDICT arrives, so its handling is not delayed
 DITHER = (0, 2, 0, -2)       # offsets every session of an edge takes together, DITHER_PERIOD rounds each: the
 DITHER_PERIOD = 16           # batch steps and widths then vary, so the cost slopes can be learnt (see docs)
-SHARED_FROM = 4              # sessions on an edge from which they all draft one shared length (see `shared_d`)
-SHARED_MIN_ROUNDS = 32.0     # decayed rounds of end-to-end timings before the shared length is used
-SHARED_PERIOD = 64           # rounds per dither phase in shared mode: ~4 rounds of each of 16 sessions, so most
-                             # of a phase's rounds ran while everyone drafted the phase's length
-SHARED_DITHER = (0, 1, 0, -1)  # smaller steps: near a short optimum, d - 2 would often be the target alone
-ROUND_SLOPE_PRIOR = 0.1      # measured round time: per-token share of its fixed part, until the dither shows it
 TIE = 0.02                   # a shorter draft within 2 % of the best rate wins (estimates are noisy; it wastes less)
-
-
-def best_length(a: list[float], round_time) -> int:
-    """The shortest d within TIE of max_d E(d) / round_time(d, P_{d+1}), 0 <= d < len(a); a = acceptance per
-    position."""
-    rates, expected, p = [], 0.0, 1.0  # p = P_d, expected = E(d)
-    for d in range(len(a)):
-        expected += p
-        p_next = p * a[d]
-        rates.append(expected / max(round_time(d, p_next), 1e-9))
-        p = p_next
-    best = max(rates)
-    return next(d for d, rate in enumerate(rates) if rate >= (1 - TIE) * best)
 
 
 class AcceptanceCounts:
@@ -146,34 +127,11 @@ class EdgeEstimates:
     rtt: EWMean = field(default_factory=lambda: EWMean(EDGE_DECAY, 0.0))     # link: latency - cloud time
     batch: EWMean = field(default_factory=lambda: EWMean(EDGE_DECAY, 1.0))   # rows per forward
     kappa: EWMean = field(default_factory=lambda: EWMean(EDGE_DECAY, 0.0))   # queue wait / forward
-    measured: EWLine = field(default_factory=lambda: EWLine(EDGE_DECAY, ROUND_SLOPE_PRIOR))  # round s vs d
     rounds: int = 0                                                           # rounds observed (all sessions)
-    sessions: int = 1                                                         # generations on the edge now
 
     def offset(self) -> int:
         """The dither all sessions apply now (0 until timings are measured: in-process `auto` is deterministic)."""
-        if not self.draft.known:
-            return 0
-        if self.sessions >= SHARED_FROM:
-            return SHARED_DITHER[(self.rounds // SHARED_PERIOD) % len(SHARED_DITHER)]
-        return DITHER[(self.rounds // DITHER_PERIOD) % len(DITHER)]
-
-    def shared_d(self, top: int) -> int | None:
-        """With SHARED_FROM or more sessions, one draft length for all of them: argmax E(d) / T(d) with the pooled
-        acceptance and T(d) the round time measured end to end (draft wait + round trip) against the shared d,
-        a line the dither identifies. A busy edge is throughput-bound: its draft thread and its cloud worker are
-        saturated, so a round's time is set by everyone's drafts and rows, which the parts model (`round_time`)
-        cannot see; and a lockstep draft batch runs as long as its longest job, so sessions should draft alike.
-        None below SHARED_FROM sessions or before SHARED_MIN_ROUNDS timed rounds."""
-        if self.sessions < SHARED_FROM or self.measured.sw < SHARED_MIN_ROUNDS:
-            return None
-        c, slope = self.measured.fit()
-        a = self.prior_rates(top + 1)
-        # Both cost models miss part of what a longer draft costs a saturated edge: the parts model the queues,
-        # the dither's end-to-end line the slow rise of every queue when all drafts stay longer (a phase is too
-        # short for a closed loop of sessions to settle). Missing costs only lengthen d*, so take the shorter.
-        by_line = best_length(a, lambda d, _: c + slope * d)
-        return min(by_line, best_length(a, self.round_time))
+        return DITHER[(self.rounds // DITHER_PERIOD) % len(DITHER)] if self.draft.known else 0
 
     def prior_rates(self, n: int) -> list[float]:
         """Pooled acceptance per position; past the last measured position, the last measured rate."""
@@ -182,15 +140,13 @@ class EdgeEstimates:
         return rates + [tail] * (n - len(rates))
 
     def observe_round(self, fresh: int, draft_s: float | None, latency_s: float, width: int,
-                      hint: LoadHint | None, d: int | None = None) -> None:
-        """One VERIFY round of `d` draft tokens: waited `draft_s` (None: not timed) for a draft of `fresh`
-        lockstep steps (the longest job of its draft batch: the mean-field x, like the cloud's padded width),
-        then `latency_s` from sending the VERIFY to its VERDICT; `width` = our row (d + 1 + tail); the hint."""
+                      hint: LoadHint | None) -> None:
+        """One VERIFY round: waited `draft_s` (None: not timed) for a draft of `fresh` lockstep steps (the
+        longest job of its draft batch: the mean-field x, like the cloud's padded width), then `latency_s`
+        from sending the VERIFY to its VERDICT; `width` = our row (d + 1 + tail); the worker's hint."""
         self.rounds += 1
         if draft_s is not None and fresh > 0:
             self.draft.observe(fresh, draft_s)
-        if draft_s is not None and d is not None:
-            self.measured.observe(d, draft_s + latency_s)
         if hint is None or hint.batch < 1:
             if not self.cloud.known:
                 self.latency.observe(width, latency_s)
@@ -242,7 +198,6 @@ class GoodputController:
         self.max_len = min(max_len, MAX_DRAFT)
         self.own = AcceptanceCounts(SESSION_DECAY)
         self.zero_rounds = 0  # consecutive rounds at d = 0
-        self.clipped = False  # the last block was cut short by the tokens left: not a sample of the shared d
 
     def rates(self, n: int) -> list[float]:
         return self.own.rates(n, self.edge.prior_rates(n), SESSION_PRIOR_WEIGHT)
@@ -251,19 +206,21 @@ class GoodputController:
         """The best d (`best`) plus the edge's current dither, within 0 <= d <= min(max_len, remaining - 1); after
         EXPLORE_AFTER rounds at 0 with nothing learnt meanwhile, one round at d = 1."""
         top = max(0, min(self.max_len, remaining - 1))
-        shared = self.edge.shared_d(self.max_len)
-        if shared is not None:
-            d = max(0, shared + self.edge.offset())
-            self.clipped = d > top
-            return min(top, d)
-        self.clipped = False
         if top and self.zero_rounds >= EXPLORE_AFTER:
             return 1
         return min(top, max(0, self.best(top) + self.edge.offset()))
 
     def best(self, top: int) -> int:
         """The shortest d within TIE of max E(d) / T(d), 0 <= d <= top."""
-        return best_length(self.rates(top + 1), self.edge.round_time)
+        a = self.rates(top + 1)
+        rates, expected, p = [], 0.0, 1.0  # p = P_d, expected = E(d)
+        for d in range(top + 1):
+            expected += p
+            p_next = p * a[d]
+            rates.append(expected / max(self.edge.round_time(d, p_next), 1e-9))
+            p = p_next
+        best = max(rates)
+        return next(d for d, rate in enumerate(rates) if rate >= (1 - TIE) * best)
 
     def observe_block(self, d: int, n_accepted: int, bonus_match: bool | None = None) -> None:
         informative = d > 0 or bonus_match is not None
@@ -273,10 +230,8 @@ class GoodputController:
             self.edge.acceptance.observe(d, n_accepted, bonus_match)
 
     def observe_round(self, fresh: int, draft_s: float | None, latency_s: float, width: int,
-                      hint: LoadHint | None, d: int | None = None) -> None:
-        # a block cut short at the end of a generation ran while the others drafted the shared d: its time says
-        # nothing about its own (shorter) length, and would flatten the measured slope
-        self.edge.observe_round(fresh, draft_s, latency_s, width, hint, None if self.clipped else d)
+                      hint: LoadHint | None) -> None:
+        self.edge.observe_round(fresh, draft_s, latency_s, width, hint)
 
 
 class FixedDraftLen:
@@ -296,6 +251,6 @@ class FixedDraftLen:
             self.edge.acceptance.observe(d, n_accepted, bonus_match)
 
     def observe_round(self, fresh: int, draft_s: float | None, latency_s: float, width: int,
-                      hint: LoadHint | None, d: int | None = None) -> None:
+                      hint: LoadHint | None) -> None:
         if self.edge is not None:
-            self.edge.observe_round(fresh, draft_s, latency_s, width, hint, d)
+            self.edge.observe_round(fresh, draft_s, latency_s, width, hint)

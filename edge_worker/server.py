@@ -64,7 +64,7 @@ class EdgeConfig:
     max_backoff_s: float = 1.0
     default_resample: Strategy = DEFAULT_STRATEGY
     # the mode at temperature > 0 when a request names none: coupled sends the fewest bytes both ways, needs no
-    # RESAMPLE round trips and is exact (its output is target-alone's with the same seed); docs/benchmarks.md
+    # RESAMPLE round trips and is exact (its output is target-alone's with the same seed); docs/benchmarks-first.md
     sampling_mode: Mode = DEFAULT_SAMPLED_MODE
     default_draft_len: int | None = None  # None = auto
     linger_ms: int = 100
@@ -218,7 +218,6 @@ class EdgeWorker(transport.Service):
                                  f"{P.MAX_CONTEXT}-token context limit", field="prompt")
         session = EdgeSession(list(prompt_ids), config, self.drafter, sid=self._new_sid(), estimates=self.estimates)
         route = self._routes[session.sid] = _Route(session)
-        self.estimates.sessions = len(self._routes)
         slog = self._log.bind(session=session.sid)
         t0, retries, error = time.perf_counter(), 0, None
         try:
@@ -249,7 +248,6 @@ class EdgeWorker(transport.Service):
             raise
         finally:
             self._routes.pop(session.sid, None)
-            self.estimates.sessions = max(1, len(self._routes))
             self._send(session, session.close_message())  # also on cancellation: free the cloud's KV
             self.metrics.on_generation(asdict(session.stats), error)
         stats = asdict(session.stats) | {"retries": retries, "wall_s": time.perf_counter() - t0}

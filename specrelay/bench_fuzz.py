@@ -22,9 +22,9 @@ import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from .bench.runs import load_prompts, write_result
+
 
 
 def attacker(frontend: str, n_malformed: int, n_abusive: int, seed: int, vocab: int, cpus: set[int]) -> None:
@@ -114,7 +114,7 @@ def run(args) -> dict:
     from .common.runner import ModelRunner
     from .speculative import target_generate
 
-    prompts = [json.loads(x)["prompt"] for x in Path(args.prompts).read_text().splitlines() if x.strip()][:args.sessions]
+    prompts = load_prompts(args.prompts, args.sessions)
     target = ModelRunner.load(args.target)
     refs = [target_generate(target, target.tokenizer(p).input_ids, args.max_new_tokens) for p in prompts]
     pin = ("taskset", "-c", args.cpus) if args.cpus else ()
@@ -159,7 +159,7 @@ def run(args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="specrelay bench fuzz", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    models = ROOT / "models"
+    from .bench.runs import MODELS as models
     ap.add_argument("--target", default=str(models / "demo-target"))
     ap.add_argument("--draft", default=str(models / "demo-draft"))
     ap.add_argument("--prompts", default=str(models / "heldout_prompts.jsonl"))
@@ -173,11 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench_results")
     args = ap.parse_args(argv)
     result = run(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "fuzz.json").write_text(json.dumps(result, indent=1))
+    write_result(args.out, "fuzz", result)
     print(json.dumps(result, indent=1))
-    print(f"-> {out / 'fuzz.json'}", file=sys.stderr)
     ok = (result["outputs_identical_to_target_alone"] and result["processes_alive"] and
           result["workers_falsely_lost"] == 0 and result["healthz_worst_s"] <= 1.0 and
           (result["p99_ratio"] or 0) <= 3.0)

@@ -16,6 +16,8 @@ import json
 import sys
 from pathlib import Path
 
+from .bench.runs import write_result
+
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
 
@@ -99,9 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench_results")
     args = ap.parse_args(argv)
     result = run(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "xvocab.json").write_text(json.dumps(result, indent=1))
+    write_result(args.out, "xvocab", result)
     print(json.dumps(result, indent=1))
     return 0
 

@@ -16,27 +16,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-MODELS = ROOT / "models"
-
-
-def write(out: Path, name: str, data: dict) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"kv_{name}.json"
-    path.write_text(json.dumps(data, indent=1))
-    print(f"-> {path}", file=sys.stderr)
+from .bench.runs import MODELS, load_prompts, write_result
 
 
 def prompts(n: int) -> list[str]:
-    lines = (MODELS / "heldout_prompts.jsonl").read_text().splitlines()
-    return [json.loads(x)["prompt"] for x in lines if x.strip()][:n]
+    return load_prompts(None, n)
 
 
 def table(headers: list[str], rows: list[list]) -> str:
@@ -429,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("SPECRELAY_LOG", "warning")  # the broker and workers we start
     for name in BENCHES if args.name == "all" else [args.name]:
         print(f"== {name}", file=sys.stderr)
-        write(args.out, name, BENCHES[name](args))
+        write_result(args.out, f"kv_{name}", BENCHES[name](args))
     return 0
 
 

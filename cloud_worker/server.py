@@ -217,6 +217,7 @@ class CloudWorker(transport.Service):
         if not batch and not self.verifier.prefill_pending:
             return
         loop, started = asyncio.get_running_loop(), self._clock()
+        counts = self.verifier.stats["forward_tokens"], self.verifier.stats["prefill_tokens"]
         future = loop.run_in_executor(self._executor, self.verifier.verify, [(i.key, i.msg) for i in batch],
                                       self.config.prefill_tokens)
         self._inflight = (future, batch)
@@ -225,7 +226,9 @@ class CloudWorker(transport.Service):
         except Exception as exc:
             replies = self._batch_failed(batch, exc)
         self._inflight = None
-        self._finish_batch(batch, replies, started)
+        stats = self.verifier.stats
+        self._finish_batch(batch, replies, started, stats["forward_tokens"] - counts[0],
+                           stats["prefill_tokens"] - counts[1])
 
     def _batch_failed(self, batch: list[Item], exc: Exception) -> list[P.Error]:
         """INTERNAL for every request; their sessions are dropped, as their state is unknown (the edge
@@ -240,18 +243,21 @@ class CloudWorker(transport.Service):
                         f"the target model failed on this batch ({type(exc).__name__}); re-open the session")
                 for item in batch]
 
-    def _finish_batch(self, batch: list[Item], replies: list[P.Base], started: float | None = None) -> None:
+    def _finish_batch(self, batch: list[Item], replies: list[P.Base], started: float | None = None,
+                      tokens: int = 0, prefilled: int = 0) -> None:
+        """Replies, counters, and the load hint: `tokens` the forward pass ran, `prefilled` of them prompt chunks."""
         if not batch:
             return  # a prefill-only step
         forward = self._clock() - started if started is not None else 0.0
         self._stats.forward_seconds.observe(forward)
-        width = max(len(i.msg.tail) + len(i.msg.draft) + 1 for i in batch)  # new tokens per row, padded
+        width = max(len(i.msg.tail) + len(i.msg.draft) + 1 for i in batch)  # new tokens per row, widest
         for item, reply in zip(batch, replies):  # spec-decode counters; the load hint for the edge's auto d
             if isinstance(reply, P.Verdict):
                 self._stats.spec.record(len(item.msg.draft), reply.n_accepted)
                 if reply.seq % P.HINT_EVERY == 1 and started is not None:
                     wait = max(0.0, started - item.arrived)
-                    reply.load = P.LoadHint(len(batch), width, int(forward * 1e6), int(wait * 1e6))
+                    reply.load = P.LoadHint(len(batch), width, int(forward * 1e6), int(wait * 1e6), tokens,
+                                            prefilled)
         self._stats.batches += 1
         self._stats.batch_sizes[len(batch)] += 1
         self._stats.verify_requests += len(batch)

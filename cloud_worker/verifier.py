@@ -94,7 +94,7 @@ class Verifier:
         self.store = KVStore.from_budget(shape, budget, runner.device, block=128 if c.deterministic else 32)
         install(runner.model)
         self.sessions: OrderedDict[SessionKey, CloudSession] = OrderedDict()  # LRU order: oldest first
-        self.stats = {"forward_passes": 0, "evictions": 0, "prefill_tokens": 0}
+        self.stats = {"forward_passes": 0, "evictions": 0, "prefill_tokens": 0, "forward_tokens": 0}
         self._masks: dict[bytes, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ session lifecycle
@@ -237,6 +237,7 @@ class Verifier:
                 self.close(row.key)
             raise
         self.stats["forward_passes"] += 1
+        self.stats["forward_tokens"] += sum(len(row.ids) for row in rows + prefill)
         for w, logits in zip(work, outputs):
             replies[w.slot] = self._decide(w, logits)
 

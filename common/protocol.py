@@ -158,14 +158,18 @@ HINT_EVERY = 4  # a worker attaches a LoadHint to a session's VERDICTs with seq 
 
 class LoadHint(Base):
     """The worker's load when it verified a request, for the edge's goodput-driven draft length
-    (edge_worker/draftlen.py): batch = rows in the forward pass, width = new tokens per row (padded), forward_us =
-    its duration, queue_us = how long the request waited in the worker before it. Four small ints; sent on every
-    HINT_EVERY-th VERDICT only."""
+    (edge_worker/draftlen.py): batch = rows in the forward pass, width = the widest row's new tokens, forward_us =
+    its duration, queue_us = how long the request waited in the worker before it, tokens = all the tokens it ran
+    (what its duration grows with: every row's uncached context and draft, and prompt chunks), prefill = how many
+    of them were prompt chunks of sessions not verifying yet. Six small ints; sent on every HINT_EVERY-th VERDICT
+    only. The last two are 0 from a worker older than them."""
 
     batch: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
     width: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
     forward_us: Annotated[int, msgspec.Meta(ge=0, le=2**40)] = 0
     queue_us: Annotated[int, msgspec.Meta(ge=0, le=2**40)] = 0
+    tokens: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
+    prefill: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
 
 
 class Verdict(Base):

@@ -11,7 +11,9 @@ back what it drafted so far.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Executor
 
 from .drafter import DraftBlock, Drafter, DraftJob
@@ -39,8 +41,11 @@ class PreDraft:
 
 
 class DraftBatcher:
-    def __init__(self, drafter: Drafter, pool: Executor, max_batch: int = 64, chunk: int = 1) -> None:
+    def __init__(self, drafter: Drafter, pool: Executor, max_batch: int = 64, chunk: int = 1,
+                 on_timing: Callable[[int, float], None] | None = None) -> None:
         self.drafter, self.pool, self.max_batch, self.chunk = drafter, pool, max_batch, chunk
+        self.on_timing = on_timing  # (lockstep steps, seconds in the draft thread) of every batch and chunk
+        self._warm = False          # set by the first batch (only the draft thread touches it)
         self._queue: list[tuple[DraftJob, asyncio.Future]] = []
         self._pre: list[PreDraft] = []
         self._wake = asyncio.Event()
@@ -145,7 +150,21 @@ class DraftBatcher:
         await asyncio.gather(asyncio.shield(future), return_exceptions=True)
 
     def _in_thread(self, jobs: list[DraftJob]):
-        return asyncio.get_running_loop().run_in_executor(self.pool, self.drafter.draft_batch, jobs)
+        loop = asyncio.get_running_loop()
+        return loop.run_in_executor(self.pool, self._timed, jobs, loop)
+
+    def _timed(self, jobs: list[DraftJob], loop: asyncio.AbstractEventLoop) -> list[DraftBlock]:
+        """`draft_batch`, in the draft thread; its lockstep steps and duration go to `on_timing` in the loop."""
+        t0 = time.perf_counter()
+        blocks = self.drafter.draft_batch(jobs)
+        warm, self._warm = self._warm, True  # the first batch of a process is slow (allocations): not a timing
+        if self.on_timing is not None and warm:
+            steps = max((len(b.ids) for b in blocks), default=0)
+            try:
+                loop.call_soon_threadsafe(self.on_timing, steps, time.perf_counter() - t0)
+            except RuntimeError:  # the loop closed meanwhile (shutdown): nothing to learn any more
+                pass
+        return blocks
 
     async def close(self) -> None:
         if self._task is not None:

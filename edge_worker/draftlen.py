@@ -29,12 +29,14 @@ PRIOR_WEIGHT = 2.0           # ... worth this many rounds
 SESSION_PRIOR_WEIGHT = 4.0   # a new session starts from the edge's pooled acceptance, worth this many rounds
 SESSION_DECAY = 0.9          # per round: a session's own counts (memory ~10 rounds)
 EDGE_DECAY = 0.995           # per round: the edge's pooled counts and timings (memory ~200 rounds)
-CLOUD_SLOPE_PRIOR = 0.05     # per-token cost of a row relative to its fixed cost, until measured
+CLOUD_SLOPE_PRIOR = 0.02     # a forward pass's cost per token relative to its fixed cost, until measured
+TIME_DECAY = 0.98            # per round: the edge's timings (memory ~50 rounds of all its sessions)
+CLIP = 3.0                   # a timing over CLIP x its fitted value counts as CLIP x (one slow spell is not a trend)
+CLIP_AFTER = 8               # ... once a line has seen this many
 EXPLORE_AFTER = 16           # rounds at d = 0 before one round drafts a token again (acceptance may have changed)
 PREDRAFT_SHARE = 0.7         # pre-drafting stops this far into the expected wait: the draft thread is idle (and
                              # the GIL free) when the VERDICT arrives, so its handling is not delayed
-DITHER = (0, 2, 0, -2)       # offsets every session of an edge takes together, DITHER_PERIOD rounds each: the
-DITHER_PERIOD = 16           # batch steps and widths then vary, so the cost slopes can be learnt (see docs)
+SHARED_EVERY = 8             # rounds (of all sessions) between two choices of a busy edge's shared length
 TIE = 0.02                   # a shorter draft within 2 % of the best rate wins (estimates are noisy; it wastes less)
 
 
@@ -74,16 +76,22 @@ class AcceptanceCounts:
 
 class EWLine:
     """y = c + s * x by exponentially weighted least squares, shrunk toward a prior line that the first
-    observation sets (c0 = y, s0 = slope_ratio * y): a slope is learnt only once x varies."""
+    observation sets (c0 = y, s0 = slope_ratio * y): a slope is learnt only once x varies. After a few
+    observations a y over `clip` x the fitted line counts as that much (a stall is not a trend)."""
 
-    def __init__(self, decay: float, slope_ratio: float, prior_weight: float = 1.0) -> None:
-        self.decay, self.slope_ratio, self.prior_weight = decay, slope_ratio, prior_weight
+    def __init__(self, decay: float, slope_ratio: float, prior_weight: float = 1.0, clip: float = CLIP) -> None:
+        self.decay, self.slope_ratio, self.prior_weight, self.clip = decay, slope_ratio, prior_weight, clip
         self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
         self.prior: tuple[float, float] | None = None
+        self.count = 0
 
     def observe(self, x: float, y: float) -> None:
         if self.prior is None:
             self.prior = (y / (1 + self.slope_ratio * x), self.slope_ratio * y / (1 + self.slope_ratio * x))
+        elif self.count >= CLIP_AFTER:
+            c, s = self.fit()
+            y = min(y, self.clip * (c + s * x))
+        self.count += 1
         g = self.decay
         self.sw, self.sx, self.sy = g * self.sw + 1, g * self.sx + x, g * self.sy + y
         self.sxx, self.sxy = g * self.sxx + x * x, g * self.sxy + x * y
@@ -105,10 +113,17 @@ class EWLine:
 
 
 class EWMean:
-    def __init__(self, decay: float, default: float) -> None:
-        self.decay, self.value, self.weight = decay, default, 0.0
+    """Exponentially weighted mean; with `clip`, after CLIP_AFTER observations an x over clip x the mean counts
+    as that much."""
+
+    def __init__(self, decay: float, default: float, clip: float | None = None) -> None:
+        self.decay, self.value, self.weight, self.clip = decay, default, 0.0, clip
+        self.count = 0
 
     def observe(self, x: float) -> None:
+        if self.clip is not None and self.count >= CLIP_AFTER:
+            x = min(x, self.clip * self.value)
+        self.count += 1
         self.weight = self.decay * self.weight + 1
         self.value += (x - self.value) / self.weight
 
@@ -121,17 +136,26 @@ class EdgeEstimates:
     predraft: bool = False
     predraft_window: str = "wait"  # pre-draft during the whole wait, or only while the VERIFY goes up ("uplink")
     acceptance: AcceptanceCounts = field(default_factory=lambda: AcceptanceCounts(EDGE_DECAY))
-    draft: EWLine = field(default_factory=lambda: EWLine(EDGE_DECAY, 1.0))   # seconds vs fresh draft tokens
-    cloud: EWLine = field(default_factory=lambda: EWLine(EDGE_DECAY, CLOUD_SLOPE_PRIOR))  # per-row forward s
-    latency: EWLine = field(default_factory=lambda: EWLine(EDGE_DECAY, CLOUD_SLOPE_PRIOR))  # without hints
-    rtt: EWMean = field(default_factory=lambda: EWMean(EDGE_DECAY, 0.0))     # link: latency - cloud time
-    batch: EWMean = field(default_factory=lambda: EWMean(EDGE_DECAY, 1.0))   # rows per forward
-    kappa: EWMean = field(default_factory=lambda: EWMean(EDGE_DECAY, 0.0))   # queue wait / forward
+    step: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 0.0, CLIP))  # draft thread s per step
+    draft: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 0.0, CLIP))  # draft wait s per step
+    forward: EWLine = field(default_factory=lambda: EWLine(TIME_DECAY, CLOUD_SLOPE_PRIOR))  # s vs its tokens
+    latency: EWLine = field(default_factory=lambda: EWLine(TIME_DECAY, CLOUD_SLOPE_PRIOR))  # without hints
+    rtt: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 0.0))     # link: latency - cloud time
+    queue: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 0.0))   # wait in the worker before a pass
+    batch: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 1.0))   # rows per forward
+    row_extra: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 0.0))  # tokens per row besides d + 1
+    prefill: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 0.0))    # prompt tokens per pass
     rounds: int = 0                                                           # rounds observed (all sessions)
+    sessions: int = 1                                                         # sessions in flight (the shell's)
+    _shared: tuple[int, int] | None = None                                   # (shared d, chosen at round)
 
-    def offset(self) -> int:
-        """The dither all sessions apply now (0 until timings are measured: in-process `auto` is deterministic)."""
-        return DITHER[(self.rounds // DITHER_PERIOD) % len(DITHER)] if self.draft.known else 0
+    def shared(self, top: int) -> int:
+        """The length every session of a busy edge drafts: the best at the pooled acceptance, chosen again every
+        SHARED_EVERY rounds. One length, because a lockstep draft batch lasts as long as its longest job and a
+        session drafting longer than the rest delays them all."""
+        if self._shared is None or self.rounds - self._shared[1] >= SHARED_EVERY:
+            self._shared = (best_length(self.prior_rates(top + 1), self.round_time, top), self.rounds)
+        return self._shared[0]
 
     def prior_rates(self, n: int) -> list[float]:
         """Pooled acceptance per position; past the last measured position, the last measured rate."""
@@ -139,53 +163,74 @@ class EdgeEstimates:
         tail = rates[-1] if rates else PRIOR_ACCEPT
         return rates + [tail] * (n - len(rates))
 
-    def observe_round(self, fresh: int, draft_s: float | None, latency_s: float, width: int,
+    def observe_steps(self, steps: int, seconds: float) -> None:
+        """The draft thread ran a lockstep batch of `steps` steps in `seconds` (pre-draft chunks included)."""
+        if steps > 0:
+            self.step.observe(seconds / steps)
+
+    def observe_round(self, fresh: int, draft_s: float | None, latency_s: float, width: int, d: int,
                       hint: LoadHint | None) -> None:
-        """One VERIFY round: waited `draft_s` (None: not timed) for a draft of `fresh` lockstep steps (the
-        longest job of its draft batch: the mean-field x, like the cloud's padded width), then `latency_s`
-        from sending the VERIFY to its VERDICT; `width` = our row (d + 1 + tail); the worker's hint."""
+        """One VERIFY round of `d` draft tokens: waited `draft_s` (None: not timed) for a draft of `fresh`
+        lockstep steps (the longest job of its draft batch: the mean-field x), then `latency_s` from sending the
+        VERIFY to its VERDICT; `width` = our row (d + 1 + tail); the worker's hint."""
         self.rounds += 1
         if draft_s is not None and fresh > 0:
-            self.draft.observe(fresh, draft_s)
+            self.draft.observe(draft_s / fresh)
         if hint is None or hint.batch < 1:
-            if not self.cloud.known:
+            if not self.forward.known:
                 self.latency.observe(width, latency_s)
             return
         forward, queue = hint.forward_us * 1e-6, hint.queue_us * 1e-6
-        self.cloud.observe(hint.width or width, forward / hint.batch)  # the batch's padded width, not ours
+        tokens = hint.tokens or hint.batch * (hint.width or width)  # a worker older than `tokens`: padded rows
+        self.forward.observe(tokens, forward)
+        self.row_extra.observe(max(0.0, (tokens - hint.prefill) / hint.batch - (d + 1)))
+        self.prefill.observe(hint.prefill)
         self.batch.observe(hint.batch)
-        self.kappa.observe(queue / forward if forward > 0 else 0.0)
+        self.queue.observe(queue)
         self.rtt.observe(max(0.0, latency_s - forward - queue))
+
+    def forward_time(self, d: int) -> float:
+        """F(d): the cloud's forward pass if every row of its batch drafted d (mean field), prefill included."""
+        f0, f1 = self.forward.fit()
+        return f0 + f1 * (self.batch.value * (d + 1 + self.row_extra.value) + self.prefill.value)
 
     def predraft_budget(self) -> int:
         """Tokens worth pre-drafting per round: what the draft thread does during the whole wait for the VERDICT
         (window "wait", the default: an edge device of its own), or only while the VERIFY is on its way up the
         link (R/2, window "uplink"), so that pre-drafting never slows a cloud worker sharing the machine's CPU.
         0 until the link and the draft speed are measured."""
-        if not (self.predraft and self.draft.known and self.cloud.known):
+        t = self.step.value or self.draft.value
+        if not (self.predraft and self.draft.count and self.forward.known) or t <= 0:
             return 0
-        c, t = self.draft.fit()
         window = self.rtt.value / 2
         if self.predraft_window == "wait":
-            g0, g1 = self.cloud.fit()
-            wait = self.rtt.value + (1 + self.kappa.value) * self.batch.value * (g0 + g1)
-            window = PREDRAFT_SHARE * wait
-        return max(0, int((window - c) / t)) if t > 0 else 0
+            window = PREDRAFT_SHARE * (self.rtt.value + self.queue.value + self.forward_time(0))
+        return max(0, int(window / t))
 
     def round_time(self, d: int, p_next: float) -> float:
         """T(d) for a round drafting d tokens; p_next = P_{d+1}: the chance that the whole block and the bonus
         guess are accepted, so the pre-drafted chain (the guess, then budget - 1 tokens) starts the next block."""
         draft = 0.0
         if d > 0:
-            c, t = self.draft.fit() if self.draft.known else (0.0, 1.0)
+            t = self.draft.value if self.draft.count else 1.0
             ahead = min(d, max(0, self.predraft_budget() - 1))
-            draft = c + t * d - p_next * t * ahead
-        if self.cloud.known:
-            g0, g1 = self.cloud.fit()
-            cloud = (1 + self.kappa.value) * self.batch.value * (g0 + g1 * (d + 1))
-            return draft + self.rtt.value + cloud
+            draft = t * (d - p_next * ahead)
+        if self.forward.known:
+            return draft + self.rtt.value + self.queue.value + self.forward_time(d)
         l0, l1 = self.latency.fit() if self.latency.known else (10.0, 10.0 * CLOUD_SLOPE_PRIOR)
         return draft + l0 + l1 * (d + 1)
+
+
+def best_length(a: list[float], round_time, top: int) -> int:
+    """The shortest d within TIE of max E(d) / T(d), 0 <= d <= top, at acceptance a_0..a_top."""
+    rates, expected, p = [], 0.0, 1.0  # p = P_d, expected = E(d)
+    for d in range(top + 1):
+        expected += p
+        p_next = p * a[d]
+        rates.append(expected / max(round_time(d, p_next), 1e-9))
+        p = p_next
+    best = max(rates)
+    return next(d for d, rate in enumerate(rates) if rate >= (1 - TIE) * best)
 
 
 class GoodputController:
@@ -203,24 +248,15 @@ class GoodputController:
         return self.own.rates(n, self.edge.prior_rates(n), SESSION_PRIOR_WEIGHT)
 
     def choose(self, remaining: int) -> int:
-        """The best d (`best`) plus the edge's current dither, within 0 <= d <= min(max_len, remaining - 1); after
-        EXPLORE_AFTER rounds at 0 with nothing learnt meanwhile, one round at d = 1."""
+        """The best d within 0 <= d <= min(max_len, remaining - 1): the edge's shared length while it runs several
+        sessions, else this session's own; after EXPLORE_AFTER rounds at 0 with nothing learnt meanwhile, one
+        round at d = 1."""
         top = max(0, min(self.max_len, remaining - 1))
         if top and self.zero_rounds >= EXPLORE_AFTER:
             return 1
-        return min(top, max(0, self.best(top) + self.edge.offset()))
-
-    def best(self, top: int) -> int:
-        """The shortest d within TIE of max E(d) / T(d), 0 <= d <= top."""
-        a = self.rates(top + 1)
-        rates, expected, p = [], 0.0, 1.0  # p = P_d, expected = E(d)
-        for d in range(top + 1):
-            expected += p
-            p_next = p * a[d]
-            rates.append(expected / max(self.edge.round_time(d, p_next), 1e-9))
-            p = p_next
-        best = max(rates)
-        return next(d for d, rate in enumerate(rates) if rate >= (1 - TIE) * best)
+        if self.edge.sessions > 1:
+            return min(top, self.edge.shared(self.max_len))
+        return best_length(self.rates(top + 1), self.edge.round_time, top)
 
     def observe_block(self, d: int, n_accepted: int, bonus_match: bool | None = None) -> None:
         informative = d > 0 or bonus_match is not None
@@ -229,9 +265,9 @@ class GoodputController:
             self.own.observe(d, n_accepted, bonus_match)
             self.edge.acceptance.observe(d, n_accepted, bonus_match)
 
-    def observe_round(self, fresh: int, draft_s: float | None, latency_s: float, width: int,
+    def observe_round(self, fresh: int, draft_s: float | None, latency_s: float, width: int, d: int,
                       hint: LoadHint | None) -> None:
-        self.edge.observe_round(fresh, draft_s, latency_s, width, hint)
+        self.edge.observe_round(fresh, draft_s, latency_s, width, d, hint)
 
 
 class FixedDraftLen:
@@ -250,7 +286,7 @@ class FixedDraftLen:
         if self.edge is not None and d > 0:
             self.edge.acceptance.observe(d, n_accepted, bonus_match)
 
-    def observe_round(self, fresh: int, draft_s: float | None, latency_s: float, width: int,
+    def observe_round(self, fresh: int, draft_s: float | None, latency_s: float, width: int, d: int,
                       hint: LoadHint | None) -> None:
         if self.edge is not None:
-            self.edge.observe_round(fresh, draft_s, latency_s, width, hint)
+            self.edge.observe_round(fresh, draft_s, latency_s, width, d, hint)

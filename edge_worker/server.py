@@ -167,7 +167,7 @@ class EdgeWorker(transport.Service):
     async def _open(self) -> None:
         """Connect to the broker (and bind the client endpoint)."""
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specrelay-draft")
-        self._batcher = DraftBatcher(self.drafter, self._pool)
+        self._batcher = DraftBatcher(self.drafter, self._pool, on_timing=self.estimates.observe_steps)
         self._sock = transport.make_socket(self.ctx, zmq.DEALER, linger_ms=self.config.linger_ms,
                                            identity=self.identity, curve=self._curve,
                                            heartbeat_s=self.config.heartbeat_s)
@@ -272,7 +272,7 @@ class EdgeWorker(transport.Service):
         else:
             t0 = time.perf_counter()
             request = session.request_for(await self._batcher.draft(job))
-            draft_s = time.perf_counter() - t0
+            draft_s = time.perf_counter() - t0 if self._batcher.batches > 1 else None  # the first: warm-up
         if route.stash is not None:  # the OPEN already failed: do not send on top of it
             reply, route.stash = route.stash, None
             return session.apply(reply)
@@ -291,6 +291,7 @@ class EdgeWorker(transport.Service):
                 self._batcher.cancel(pre)
         new = session.apply(reply)  # an ERROR reply raises its RequestError
         if isinstance(reply, P.Verdict):
+            self.estimates.sessions = len(self._routes)
             session.record_timing(draft_s, latency)
             self.metrics.on_round(len(request.draft), reply.n_accepted, draft_s, latency)
         return new

@@ -184,7 +184,8 @@ class EdgeSession:
         and from sending it to its VERDICT. Feeds the auto draft length."""
         self.stats.draft_s += draft_s or 0.0
         self.stats.verify_s += latency_s
-        self.policy.observe_round(self._fresh, draft_s, latency_s, self._width, self._hint)
+        d = len(self._block.ids) if self._block is not None else 0
+        self.policy.observe_round(self._fresh, draft_s, latency_s, self._width, d, self._hint)
 
     # ---------------------------------------------------------------------------- replies
     def apply(self, reply: P.Base) -> list[int]:

@@ -13,21 +13,24 @@ from specrelay.edge_worker.session import SessionStats
 
 
 def trained(alpha: float, rtt: float, draft_per_token: float, forward: tuple[float, float], batch: int = 1,
-            rounds: int = 200, predraft: bool = False) -> GoodputController:
+            rounds: int = 200, predraft: bool = False, prefill: int = 0) -> GoodputController:
     """A controller that has seen `rounds` rounds of a world with per-position acceptance alpha, the given link
-    RTT, draft cost, and cloud forward cost per row (fixed, per token) at `batch` rows."""
+    RTT and draft cost, and a cloud whose forward pass costs f0 + f1 * tokens, with `batch` rows as wide as ours
+    and `prefill` prompt tokens besides."""
     edge = EdgeEstimates(predraft=predraft)
     ctl = GoodputController(edge)
-    g0, g1 = forward
+    f0, f1 = forward
     for i in range(rounds):
         d = 1 + i % 8  # varied draft lengths, so slopes are identifiable
         n = 0
         while n < d and (i * 7919 + n * 104729) % 1000 < alpha * 1000:  # deterministic "coin flips"
             n += 1
         ctl.observe_block(d, n)
-        fwd = batch * (g0 + g1 * (d + 1))
-        ctl.observe_round(d, draft_per_token * d, rtt + fwd, d + 1,
-                          LoadHint(batch, d + 1, int(fwd * 1e6), 0))
+        tokens = batch * (d + 1) + prefill
+        fwd = f0 + f1 * tokens
+        edge.observe_steps(d, draft_per_token * d)
+        ctl.observe_round(d, draft_per_token * d, rtt + fwd, d + 1, d,
+                          LoadHint(batch, d + 1, int(fwd * 1e6), 0, tokens, prefill))
     return ctl
 
 
@@ -55,10 +58,38 @@ def test_longer_drafts_on_a_slower_link():
 
 
 def test_shorter_drafts_when_the_cloud_is_loaded():
-    # per-row cost mostly per token (a compute-bound cloud): every rejected token of 16 rows is paid for
-    idle = trained(0.85, rtt=0.01, draft_per_token=0.001, forward=(0.002, 0.002), batch=1).choose(64)
-    busy = trained(0.85, rtt=0.01, draft_per_token=0.001, forward=(0.002, 0.002), batch=16).choose(64)
+    # a compute-bound cloud (the pass costs per token): every rejected token of 16 rows is paid for
+    idle = trained(0.85, rtt=0.01, draft_per_token=0.001, forward=(0.01, 0.001), batch=1).choose(64)
+    busy = trained(0.85, rtt=0.01, draft_per_token=0.001, forward=(0.01, 0.001), batch=16).choose(64)
     assert busy < idle
+
+
+def test_forward_cost_is_learnt_per_token_from_the_hints():
+    ctl = trained(0.8, rtt=0.0, draft_per_token=0.002, forward=(0.012, 0.0003), batch=10, prefill=20)
+    f0, f1 = ctl.edge.forward.fit()
+    assert f0 == pytest.approx(0.012, rel=0.1) and f1 == pytest.approx(0.0003, rel=0.1)
+    # F(d) if all 10 rows drafted d: their 10 (d + 1) tokens and the prompt chunks beside them
+    assert ctl.edge.forward_time(3) == pytest.approx(0.012 + 0.0003 * (40 + 20), rel=0.05)
+
+
+def test_a_slow_spell_does_not_become_the_draft_cost():
+    ctl = trained(0.8, rtt=0.05, draft_per_token=0.002, forward=(0.01, 0.0005))
+    before = ctl.choose(64)
+    for _ in range(3):
+        ctl.observe_round(4, 2.0, 0.06, 5, 4, None)  # three rounds stalled for 2 s (a GC pause, a busy core)
+    assert ctl.edge.draft.value < 0.003 and abs(ctl.choose(64) - before) <= 1
+
+
+def test_a_busy_edge_drafts_one_length_for_all_its_sessions():
+    ctl = trained(0.8, rtt=0.05, draft_per_token=0.002, forward=(0.01, 0.0005))
+    easy, hard = GoodputController(ctl.edge), GoodputController(ctl.edge)
+    for _ in range(30):
+        easy.observe_block(8, 8)
+        hard.observe_block(8, 0)
+    ctl.edge.sessions = 1
+    assert easy.choose(64) > hard.choose(64)  # alone, each session follows its own acceptance
+    ctl.edge.sessions = 16
+    assert easy.choose(64) == hard.choose(64) == ctl.edge.shared(easy.max_len)  # lockstep: one length
 
 
 def test_no_drafting_when_nothing_is_accepted():

@@ -161,7 +161,7 @@ def bench_wire(args) -> dict:
                                                               P.Strategy.HR, b"\xff" * 1024, 8192)),
         "VERDICT (accepted + next token)": size(P.Verdict(sid, 57, 3, 8001)),
         f"VERDICT + load hint (1 in {P.HINT_EVERY})": size(P.Verdict(sid, 57, 3, 8001,
-                                                                     load=P.LoadHint(16, 5, 41000, 3000))),
+                                                                     load=P.LoadHint(16, 5, 41000, 3000, 80))),
         "VERDICT srdv (4 candidates)": size(P.Verdict(sid, 57, 1, -1, candidates=ids(4), cand_p=P.f32([0.1] * 4))),
         "VERDICT hr (|V_c| = 2950 floats)": size(P.Verdict(sid, 57, 1, -1, p=P.f32([0.0] * 2950), theta_o=0.1)),
         "VERDICT full (8192 floats)": size(P.Verdict(sid, 57, 1, -1, p=P.f32([0.0] * 8192))),

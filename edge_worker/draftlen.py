@@ -3,18 +3,20 @@ per second, from what the edge measures. The model, in full, is in docs/draftlen
 
     E(d) = sum_{k=0..d} P_k,   P_0 = 1,  P_k = prod_{j<k} a_j     tokens one round commits (a_j: acceptance at
                                                                    draft position j, given 0..j-1 accepted)
-    T(d) = D(d) - P_{d+1} * t * min(d, b - 1)                      seconds one round takes: drafting on the
-           + R + (1 + kappa) * F(d)                                critical path, less what pre-drafting saves,
-                                                                   the link, the cloud (queue + forward)
-    D(d) = c + t * d  (d > 0; D(0) = 0)                            a lockstep draft of d steps
-    F(d) = B * (g0 + g1 * (d + 1))                                 the cloud's forward pass at its load: B rows,
-                                                                   each as wide as ours (mean field)
+    T(d) = t * (d - P_{d+1} * min(d, b - 1))                       seconds one round takes: drafting on the
+           + R + Q + F(d)                                          critical path, less what pre-drafting saves,
+                                                                   the link, the worker's queue, its forward
+    F(d) = f0 + f1 * (B * (d + 1 + x) + p)                         the forward pass if all B rows drafted d
+                                                                   (mean field): x = a row's tokens besides
+                                                                   d + 1, p = prompt chunks beside the rows
     b    = pre-draft budget: tokens the draft thread makes while waiting for the VERDICT (or for R/2)
-    d*   = argmax_d E(d) / T(d)
+    d*   = the shortest d within TIE of max_d E(d) / T(d)
 
-Pure: no clocks, no sockets. The edge shell feeds it what it measured (`observe_round`) and the verdicts
-(`observe_block`); the estimates every session of an edge shares (link, cloud load, draft speed, pooled
-acceptance) live in `EdgeEstimates`, each session's own acceptance in its `GoodputController`.
+A busy edge (several sessions in flight) drafts one d for all, chosen at the pooled acceptance; a lone session
+follows its own. Pure: no clocks, no sockets. The edge shell feeds it what it measured (`observe_round`,
+`observe_steps`) and the verdicts (`observe_block`); the estimates every session of an edge shares (link, cloud
+load, draft speed, pooled acceptance) live in `EdgeEstimates`, each session's own acceptance in its
+`GoodputController`.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ PRIOR_ACCEPT = 0.7           # acceptance assumed at a position nobody has measu
 PRIOR_WEIGHT = 2.0           # ... worth this many rounds
 SESSION_PRIOR_WEIGHT = 4.0   # a new session starts from the edge's pooled acceptance, worth this many rounds
 SESSION_DECAY = 0.9          # per round: a session's own counts (memory ~10 rounds)
-EDGE_DECAY = 0.995           # per round: the edge's pooled counts and timings (memory ~200 rounds)
+EDGE_DECAY = 0.995           # per round: the edge's pooled acceptance counts (memory ~200 rounds)
 CLOUD_SLOPE_PRIOR = 0.02     # a forward pass's cost per token relative to its fixed cost, until measured
 TIME_DECAY = 0.98            # per round: the edge's timings (memory ~50 rounds of all its sessions)
 CLIP = 3.0                   # a timing over CLIP x its fitted value counts as CLIP x (one slow spell is not a trend)

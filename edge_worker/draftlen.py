@@ -39,7 +39,9 @@ EXPLORE_AFTER = 16           # rounds at d = 0 before one round drafts a token a
 PREDRAFT_SHARE = 0.7         # pre-drafting stops this far into the expected wait: the draft thread is idle (and
                              # the GIL free) when the VERDICT arrives, so its handling is not delayed
 SHARED_EVERY = 8             # rounds (of all sessions) between two choices of a busy edge's shared length
-TIE = 0.02                   # a shorter draft within 2 % of the best rate wins (estimates are noisy; it wastes less)
+TIE = 0.04                   # a shorter draft within 4 % of the best rate wins: the rate is flat near its top and
+                             # its estimate noisy, and a shorter draft wastes less of the cloud on rejected tokens
+DRAFT_PRIOR = 0.25           # a draft step's cost relative to the forward pass's fixed cost, until one is timed
 
 
 class AcceptanceCounts:
@@ -191,6 +193,15 @@ class EdgeEstimates:
         self.queue.observe(queue)
         self.rtt.observe(max(0.0, latency_s - forward - queue))
 
+    def draft_per_step(self) -> float:
+        """t: the measured wait per lockstep step; before any, the draft thread's compute per step, or a guess
+        from the forward pass (1 unit without any timing: the in-process reference)."""
+        if self.draft.count:
+            return self.draft.value
+        if self.step.count:
+            return self.step.value
+        return DRAFT_PRIOR * self.forward.fit()[0] if self.forward.known else 1.0
+
     def forward_time(self, d: int) -> float:
         """F(d): the cloud's forward pass if every row of its batch drafted d (mean field), prefill included."""
         f0, f1 = self.forward.fit()
@@ -214,7 +225,7 @@ class EdgeEstimates:
         guess are accepted, so the pre-drafted chain (the guess, then budget - 1 tokens) starts the next block."""
         draft = 0.0
         if d > 0:
-            t = self.draft.value if self.draft.count else 1.0
+            t = self.draft_per_step()
             ahead = min(d, max(0, self.predraft_budget() - 1))
             draft = t * (d - p_next * ahead)
         if self.forward.known:

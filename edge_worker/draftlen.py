@@ -158,7 +158,7 @@ class EdgeEstimates:
         SHARED_EVERY rounds. One length, because a lockstep draft batch lasts as long as its longest job and a
         session drafting longer than the rest delays them all."""
         if self._shared is None or self.rounds - self._shared[1] >= SHARED_EVERY:
-            self._shared = (best_length(self.prior_rates(top + 1), self.round_time, top), self.rounds)
+            self._shared = (best_length(self.prior_rates(top + 1), self.round_model(), top), self.rounds)
         return self._shared[0]
 
     def prior_rates(self, n: int) -> list[float]:
@@ -202,9 +202,10 @@ class EdgeEstimates:
             return self.step.value
         return DRAFT_PRIOR * self.forward.fit()[0] if self.forward.known else 1.0
 
-    def forward_time(self, d: int) -> float:
-        """F(d): the cloud's forward pass if every row of its batch drafted d (mean field), prefill included."""
-        f0, f1 = self.forward.fit()
+    def forward_time(self, d: int, fit: tuple[float, float] | None = None) -> float:
+        """F(d): the cloud's forward pass if every row of its batch drafted d (mean field), prefill included;
+        `fit`: the forward line's (f0, f1), if the caller already has it."""
+        f0, f1 = fit or self.forward.fit()
         return f0 + f1 * (self.batch.value * (d + 1 + self.row_extra.value) + self.prefill.value)
 
     def predraft_budget(self) -> int:
@@ -223,15 +224,21 @@ class EdgeEstimates:
     def round_time(self, d: int, p_next: float) -> float:
         """T(d) for a round drafting d tokens; p_next = P_{d+1}: the chance that the whole block and the bonus
         guess are accepted, so the pre-drafted chain (the guess, then budget - 1 tokens) starts the next block."""
-        draft = 0.0
-        if d > 0:
-            t = self.draft_per_step()
-            ahead = min(d, max(0, self.predraft_budget() - 1))
-            draft = t * (d - p_next * ahead)
-        if self.forward.known:
-            return draft + self.rtt.value + self.queue.value + self.forward_time(d)
+        return self.round_model()(d, p_next)
+
+    def round_model(self):
+        """`round_time` with the fits done once: the function best_length evaluates for every candidate d."""
+        t, budget = self.draft_per_step(), self.predraft_budget()
+        wait = self.rtt.value + self.queue.value
+        fit = self.forward.fit() if self.forward.known else None
         l0, l1 = self.latency.fit() if self.latency.known else (10.0, 10.0 * CLOUD_SLOPE_PRIOR)
-        return draft + l0 + l1 * (d + 1)
+
+        def model(d: int, p_next: float) -> float:
+            draft = t * (d - p_next * min(d, max(0, budget - 1))) if d > 0 else 0.0
+            if fit is None:  # no load hints: the measured latency line
+                return draft + l0 + l1 * (d + 1)
+            return draft + wait + self.forward_time(d, fit)
+        return model
 
 
 def best_length(a: list[float], round_time, top: int) -> int:
@@ -269,7 +276,7 @@ class GoodputController:
             return 1
         if self.edge.sessions > 1:
             return min(top, self.edge.shared(self.max_len))
-        return best_length(self.rates(top + 1), self.edge.round_time, top)
+        return best_length(self.rates(top + 1), self.edge.round_model(), top)
 
     def observe_block(self, d: int, n_accepted: int, bonus_match: bool | None = None) -> None:
         informative = d > 0 or bonus_match is not None

@@ -135,13 +135,6 @@ def _stack_left_padded(kvs: list[KV | None], past: int) -> KV:
     return layers
 
 
-def truncate_kv(kv: KV | None, length: int) -> KV | None:
-    """The first `length` positions of kv (rollback of rejected positions)."""
-    if kv is None or length <= 0:
-        return None
-    return [(k[:, :length], v[:, :length]) for k, v in kv]
-
-
 def append_kv(kv: KV | None, new: KV, keep: int) -> KV:
     """kv + the first `keep` positions of `new` (per layer concatenation along the sequence axis)."""
     if kv is None:

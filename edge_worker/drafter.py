@@ -14,8 +14,9 @@ import torch
 
 from ..common.protocol import Mode
 from ..common.rng import Purpose, gumbel, sample_index, uniform
-from ..common.runner import KV, BatchRow, ModelRunner, append_kv, common_prefix, truncate_kv
+from ..common.runner import ModelRunner, common_prefix
 from ..common.sampling import SamplingParams, probs_from_logits
+from .draftkv import LockstepKV, SessionKV, Workspace
 
 
 @dataclass
@@ -23,7 +24,7 @@ class DraftState:
     """One session's draft-model state: ids whose K/V are held, the K/V, logits after the last id."""
 
     ids: list[int] = field(default_factory=list)
-    kv: KV | None = None
+    kv: SessionKV = field(default_factory=SessionKV)
     last_logits: torch.Tensor | None = None  # [V_draft]
 
     def sync(self, context: list[int]) -> None:
@@ -32,7 +33,13 @@ class DraftState:
         if n <= len(context) and self.ids == context[:n]:
             return
         common = common_prefix(self.ids, context)
-        self.ids, self.kv, self.last_logits = self.ids[:common], truncate_kv(self.kv, common), None
+        self.ids, self.last_logits = self.ids[:common], None
+        self.kv.truncate(common)
+
+    def reset(self) -> None:
+        """Forget everything (a draft batch failed half-way): the next draft re-runs the whole context."""
+        self.ids, self.last_logits = [], None
+        self.kv.clear()
 
 
 @dataclass
@@ -72,6 +79,7 @@ class Drafter:
         self.target_vocab_size = target_vocab_size or runner.vocab_size
         self.eos_ids = runner.eos_ids  # target ids that end a generation (same tokenizer)
         self.shared_mask = None        # [V_target] bool of V_c; None = everything
+        self._workspace = Workspace()  # lockstep K/V buffers, reused batch after batch (one draft thread)
 
     # ------------------------------------------------------------------ per-vocabulary hooks
     def new_state(self, prompt_ids: list[int]) -> DraftState:
@@ -115,9 +123,16 @@ class Drafter:
         blocks = [DraftBlock() for _ in jobs]
         contexts = [list(j.context) for j in jobs]
         live = [i for i, j in enumerate(jobs) if j.d > 0]
-        while live:
-            self._advance([jobs[i].state for i in live], [contexts[i] for i in live])
-            live = [i for i in live if self.step(jobs[i], blocks[i], contexts[i])]
+        batch = LockstepKV(self.runner, self._workspace)
+        try:
+            while live:
+                self._advance(batch, [jobs[i] for i in live], [contexts[i] for i in live], live)
+                live = [i for i in live if self.step(jobs[i], blocks[i], contexts[i])]
+            batch.close()
+        except BaseException:
+            for job in jobs:  # their K/V may be half in the batch: start them over rather than trust it
+                job.state.reset()
+            raise
         for job, block in zip(jobs, blocks):
             self.finish(job, block)
         return blocks
@@ -133,21 +148,20 @@ class Drafter:
     def finish(self, job: DraftJob, block: DraftBlock) -> None:
         """Turn what `step` drafted into the block that travels (nothing to do with one vocabulary)."""
 
-    def _advance(self, states: list[DraftState], contexts: list[list[int]]) -> None:
-        """Bring each state's cache up to its context and refresh last_logits (one batched forward)."""
-        rows, owners = [], []
-        for state, ctx in zip(states, contexts):
-            state.sync(ctx)
-            if len(state.ids) == len(ctx) and state.last_logits is not None:
-                continue
-            if len(state.ids) == len(ctx):  # fully cached but logits lost to a rollback: re-run the last id
-                state.sync(ctx[:-1])
-            rows.append(BatchRow(state.kv, len(state.ids), ctx[len(state.ids):]))
-            owners.append((state, ctx))
-        if not rows:
+    def _advance(self, batch: LockstepKV, jobs: list[DraftJob], contexts: list[list[int]], keys: list[int]) -> None:
+        """Bring each job's state up to its context and refresh last_logits (one batched forward)."""
+        states = [job.state for job in jobs]
+        if batch.buf is None:  # before the batch holds their K/V, states may roll back (rejected drafts)
+            for state, ctx in zip(states, contexts):
+                state.sync(ctx)
+                if len(state.ids) == len(ctx) and state.last_logits is None:  # logits lost to a rollback
+                    state.sync(ctx[:-1])                                      # re-run the last id
+        feeds = [ctx[len(state.ids):] for state, ctx in zip(states, contexts)]
+        if batch.buf is None and not any(feeds):  # every next token comes from logits already held
             return
-        for (state, ctx), (logits, new_kv) in zip(owners, self.runner.forward_batch(rows)):
-            fed = ctx[len(state.ids):]
-            state.kv = append_kv(state.kv, new_kv, keep=len(fed))
-            state.ids = list(ctx)
-            state.last_logits = logits[-1]
+        room = max(job.d for job in jobs)
+        logits = batch.feed(keys, [s.kv for s in states], [len(s.ids) for s in states], feeds, room)
+        for row, (state, ctx, fed) in enumerate(zip(states, contexts, feeds)):
+            if fed:
+                state.ids = list(ctx)
+                state.last_logits = logits[row, len(fed) - 1]

@@ -1,0 +1,98 @@
+"""The edge's draft K/V (edge_worker/draftkv.py): a lockstep batch gathers its rows' pasts once and the model
+writes each step in place; rows roll back, leave the batch and come back in other batches. Every draft must
+be what the draft model drafts for that context alone (common.runner.Decoder: one sequence, HF's own cache)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specrelay.common.protocol import Mode
+from specrelay.common.runner import Decoder
+from specrelay.common.sampling import SamplingParams
+from specrelay.edge_worker.draftkv import LockstepKV, SessionKV, Workspace
+from specrelay.edge_worker.drafter import Drafter, DraftJob
+
+
+def alone(runner, context: list[int], d: int) -> list[int]:
+    """The draft model's greedy continuation of `context`, one sequence at a time."""
+    decoder, ctx, out = Decoder(runner), list(context), []
+    for _ in range(d):
+        out.append(int(decoder.next_logits(ctx).argmax()))
+        ctx.append(out[-1])
+    return out
+
+
+def test_lockstep_drafts_equal_each_context_drafted_alone(tiny_runners):
+    """16 sessions over 12 rounds: each round a changing subset drafts a different length, then keeps a random
+    prefix of its draft plus one other token (a rejection), so caches roll back, rows leave and rejoin."""
+    target, draft = tiny_runners
+    drafter = Drafter(draft, target.vocab_size)
+    rng = random.Random(3)
+    texts = ["def add(a, b):\n", "class Point:\n", "for i in", "    return a + b\n"]
+    contexts = [draft.tokenizer(texts[i % 4] * (1 + i % 3)).input_ids for i in range(16)]
+    states = [drafter.new_state(c) for c in contexts]
+    drafted = 0
+    for rnd in range(12):
+        members = sorted(rng.sample(range(16), rng.randint(1, 16)))
+        jobs = [DraftJob(states[i], contexts[i], len(contexts[i]), rng.choice([1, 2, 4, 7]) - (i % 2),
+                         Mode.GREEDY, SamplingParams(), 0) for i in members]
+        for i, job, block in zip(members, jobs, drafter.draft_batch(jobs)):
+            assert block.ids == alone(draft, contexts[i], job.d), (rnd, i)
+            drafted += len(block.ids)
+            keep = rng.randint(0, len(block.ids))
+            contexts[i] += block.ids[:keep] + [rng.randrange(1, draft.vocab_size)]
+    assert drafted > 200
+    for state in states:  # the cache holds exactly the ids it says it holds
+        assert state.kv.length == len(state.ids) > 0
+
+
+def test_a_batch_that_fails_half_way_starts_its_sessions_over(tiny_runners, monkeypatch):
+    target, draft = tiny_runners
+    drafter = Drafter(draft, target.vocab_size)
+    contexts = [draft.tokenizer(t).input_ids for t in ("def add(a, b):\n", "class Point:\n")]
+    states = [drafter.new_state(c) for c in contexts]
+
+    def jobs() -> list[DraftJob]:
+        return [DraftJob(s, c, len(c), 4, Mode.GREEDY, SamplingParams(), 0) for s, c in zip(states, contexts)]
+
+    drafter.draft_batch(jobs())  # the states now hold K/V
+    real, calls = draft.model.forward, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(draft.model, "forward", flaky)
+    contexts = [c + [5, 6] for c in contexts]
+    with pytest.raises(RuntimeError, match="out of memory"):
+        drafter.draft_batch(jobs())
+    assert all(s.ids == [] and s.kv.length == 0 for s in states)
+    blocks = drafter.draft_batch(jobs())
+    assert [b.ids for b in blocks] == [alone(draft, c, 4) for c in contexts]
+
+
+def test_a_batch_longer_than_it_reserved_grows_its_buffer(tiny_runners):
+    """A cross-vocabulary draft may run more steps than d: the batch buffer grows and nothing is lost."""
+    _, draft = tiny_runners
+    contexts = [draft.tokenizer(t).input_ids for t in ("def add(a, b):\n", "for i in range(10):\n")]
+    sessions = [SessionKV(), SessionKV()]
+    batch = LockstepKV(draft, Workspace())
+    lengths, feeds = [0, 0], [list(c) for c in contexts]
+    with torch.no_grad():
+        for _ in range(12):  # room=0: every step past the first needs more columns
+            logits = batch.feed([0, 1], sessions, lengths, feeds, room=0)
+            nxt = [int(logits[i, len(f) - 1].argmax()) for i, f in enumerate(feeds)]
+            for i in range(2):
+                lengths[i] += len(feeds[i])
+                contexts[i].append(nxt[i])
+            feeds = [[x] for x in nxt]
+    batch.close()
+    for i, ctx in enumerate(contexts):
+        start = len(ctx) - 12
+        assert ctx[start:] == alone(draft, ctx[:start], 12)
+        assert sessions[i].length == len(ctx) - 1  # everything fed is back in the session's buffer

@@ -66,3 +66,15 @@ def test_stress_smoke_real_processes(tiny_pair, tmp_path):
     assert set(summary["rss"]) == {"broker", "cloud-worker-0", "edge-0", "link-relay"}
     result = json.loads((out / "stress.json").read_text())
     assert result["bars"]["zero_errors"] and (out / "stress_rss.png").exists()
+
+
+def test_draft_step_bench_compares_both_paths_on_the_same_drafts(tiny_pair, tmp_path):
+    _, draft = tiny_pair
+    run = bench("draft", "--draft", str(draft), "--sessions", "1", "3", "--draft-len", "3", "--rounds", "3",
+                "--out", str(tmp_path), "--json")
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.splitlines()[-1])
+    assert [r["sessions"] for r in result["rows"]] == [1, 3]
+    for row in result["rows"]:
+        assert row["drafts_identical"] and row["in_place_ms_per_round"] > 0 and row["restack_ms_per_round"] > 0
+    assert json.loads((tmp_path / "draft_step.json").read_text())["rows"] == result["rows"]

@@ -17,7 +17,7 @@ SWEEP_COLUMNS = [("link", "link"), ("draft_len", "d"), ("predraft", "pre-draft")
                  ("predraft_tokens_fraction", "pre-drafted"), ("rtt_ms_measured", "RTT ms"),
                  ("itl_ms_p50", "ITL p50 ms"), ("itl_ms_p99", "ITL p99 ms"),
                  ("outputs_identical_to_target_alone", "= target alone"), ("errors", "errors")]
-ORDER = ["sweep", "stress", "calls", "concurrency", "hf", "xvocab", "srdv_k", "wire"]
+ORDER = ["sweep", "stress", "calls", "concurrency", "hf", "xvocab", "srdv_k", "wire", "draft_step"]
 
 
 def row_line(row: dict) -> str:
@@ -67,8 +67,12 @@ def markdown(name: str, result: dict) -> str:
     if bench == "stress":
         from .stress import markdown as stress_markdown
         return stress_markdown(result)
-    rows = [{"field": k, "value": v} for k, v in _flat(result)]
-    return table(rows, [("field", "field"), ("value", "value")])
+    rows = [{"field": k, "value": v} for k, v in _flat({k: v for k, v in result.items() if k != "rows"})]
+    text = table(rows, [("field", "field"), ("value", "value")])
+    listed = result.get("rows")
+    if isinstance(listed, list) and listed and all(isinstance(r, dict) for r in listed):  # one table row each
+        text += "\n\n" + table(listed, [(k, k) for k in listed[0]])
+    return text
 
 
 def write_outputs(out_dir: str | Path, name: str, result: dict, plots: bool = True) -> list[Path]:
@@ -149,6 +153,11 @@ _NOTES = {
               "the 1 KiB shared-vocabulary bitmap). X-CoSD-E reports 266–384 bits per token for SR-DV.",
     "srdv_k": "SR-DV candidates per round K, in-process, cross-vocabulary pair at T = 1: K = 1 and 2 fall back to "
               "`hr` (a large payload) too often; a large K sends candidates that are never needed.",
+    "draft_step": "In-process, the draft model alone, 1 torch thread: each round every session drafts d tokens "
+                  "greedily in one lockstep batch, then keeps a prefix plus one other token (a rollback and a "
+                  "catch-up, as after a VERDICT). `in place` is the edge's drafter (edge_worker/draftkv.py); "
+                  "`restack` the path it used before (every step restacks every session's past and concatenates "
+                  "it twice more). Median ms per round over contexts from the prompt to `context (end)`.",
     "wire": "Bytes on the wire (header + body frames) with realistic values: a per-edge session id of 37, token "
             "ids near 8000, position 300.",
 }

@@ -55,11 +55,15 @@ def parser() -> argparse.ArgumentParser:
     _output(p)
     p.add_argument("--link", action="append", default=None, metavar="RTT[,RATE]",
                    help="emulated edge<->broker link, e.g. 50ms or 50ms,20mbit (repeat for several; default 0)")
+    p.add_argument("--rate-by", choices=("auto", "tbf", "relay"), default="auto",
+                   help="what limits a link's RATE: tbf on a veth pair into a namespace (needs root), the relay's "
+                        "token bucket, or tbf when it can be set up (auto); the results say which ran")
     p.add_argument("--sessions", type=int, default=16, help="sessions in flight at once")
     p.add_argument("--draft-lens", default="0,2,4,8,auto", help="comma-separated draft lengths, 'auto' included")
     p.add_argument("--predraft", choices=("on", "off", "compare"), default="on",
                    help="pre-drafting while a VERIFY is in flight; compare = every draft length with and without")
-    p.add_argument("--repeat", type=int, default=1, help="runs per configuration, interleaved (median tokens/s)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs per configuration, interleaved (tokens/s over all of them)")
     p.add_argument("--workers", type=int, default=1, help="cloud workers")
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -76,6 +80,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=float, default=None, help="seconds before RSS growth is measured from "
                    "(default: 10%% of --duration, at least 20 s)")
     p.add_argument("--link", default="0", metavar="RTT[,RATE]", help="emulated link of every edge")
+    p.add_argument("--rate-by", choices=("auto", "tbf", "relay"), default="auto",
+                   help="what limits a link's RATE: tbf on a veth pair into a namespace (needs root), the relay's "
+                        "token bucket, or tbf when it can be set up (auto); the results say which ran")
     p.add_argument("--draft-len", default="auto")
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--sample-every", type=float, default=2.0, help="seconds between RSS samples")

@@ -5,11 +5,15 @@ optional token-bucket rate, in front of the broker's frontend.
                  each direction: chunk read at t leaves the bucket at t' >= t, is written at t' + RTT/2
 
 Why userspace: this kernel has no `netem` qdisc, so delay cannot come from tc. Each TCP connection (one per
-edge) gets its own pair of queues and buckets: every edge has its own access link. Only 127.0.0.1 is used.
+edge) gets its own pair of queues and buckets: every edge has its own access link. The rate is the kernel's
+when it can be (`--rate-by auto`, the default: as root, a veth pair into a namespace of our own with `tbf` on
+each end, specrelay/bench/netns.py; then it is one link that all edges share), else the relay's token bucket.
+Only 127.0.0.1 and that veth pair are used.
 
-    python -m specrelay.bench.link --upstream tcp://127.0.0.1:5555 --link 50ms,20mbit
-prints {"listen": "tcp://127.0.0.1:PORT"} and relays until SIGTERM. `LinkRelay` runs that as a child process
-(its timers never wait behind a busy benchmark loop); `measure_rtt` times null requests through it.
+    python -m specrelay.bench.link --upstream tcp://127.0.0.1:5555 --link 50ms,20mbit [--rate-by auto|tbf|relay]
+prints {"listen": "tcp://127.0.0.1:PORT", "link": "what runs"} and relays until SIGTERM. `LinkRelay` runs that
+as a child process (its timers never wait behind a busy benchmark loop); `measure_rtt` times null requests
+through it.
 """
 
 from __future__ import annotations
@@ -65,10 +69,12 @@ class LinkSpec:
         rtt = f"{self.rtt_s * 1e3:g}ms"
         return rtt if self.rate_bps is None else f"{rtt},{self.rate_bps / 1e6:g}mbit"
 
-    def describe(self) -> str:
+    def describe(self, rate: str | None = None) -> str:
+        """What runs; `rate` names what limits the rate when it is not the relay's token bucket."""
         if not self.emulated:
             return "none (loopback)"
-        rate = "unlimited rate" if self.rate_bps is None else f"token bucket {self.rate_bps / 1e6:g} Mbit/s"
+        if rate is None:
+            rate = "unlimited rate" if self.rate_bps is None else f"token bucket {self.rate_bps / 1e6:g} Mbit/s"
         return f"userspace TCP relay: RTT {self.rtt_s * 1e3:g} ms ({self.rtt_s * 500:g} ms each way), {rate}"
 
 
@@ -139,9 +145,14 @@ class Relay:
         self.endpoint = ""
         self._writers: set[asyncio.StreamWriter] = set()
 
-    async def start(self) -> "Relay":
-        self.server = await asyncio.start_server(self._connection, self.host, self.port)
-        self.endpoint = f"tcp://{self.host}:{self.server.sockets[0].getsockname()[1]}"
+    async def start(self, sock=None) -> "Relay":
+        """Listen on host:port, or on `sock` (a listening socket made elsewhere, e.g. inside a namespace)."""
+        if sock is not None:
+            self.server = await asyncio.start_server(self._connection, sock=sock)
+        else:
+            self.server = await asyncio.start_server(self._connection, self.host, self.port)
+        host, port = self.server.sockets[0].getsockname()[:2]
+        self.endpoint = f"tcp://{host}:{port}"
         return self
 
     async def _connection(self, client_r, client_w) -> None:
@@ -188,18 +199,20 @@ class LinkRelay:
     """`with LinkRelay(spec, broker_frontend) as link:` edges connect to `link.endpoint`. Without emulation
     (`spec.emulated` False) nothing runs and the endpoint is the broker's own."""
 
-    def __init__(self, spec: LinkSpec, upstream: str, startup_timeout: float = 30.0) -> None:
-        self.spec, self.upstream, self.startup_timeout = spec, upstream, startup_timeout
+    def __init__(self, spec: LinkSpec, upstream: str, startup_timeout: float = 30.0, rate_by: str = "auto") -> None:
+        self.spec, self.upstream, self.startup_timeout, self.rate_by = spec, upstream, startup_timeout, rate_by
         self.endpoint = upstream
+        self.described = spec.describe()  # what ran: the relay says whether tbf or its token bucket paces
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "LinkRelay":
         if not self.spec.emulated:
             return self
         self.proc = subprocess.Popen([sys.executable, "-m", "specrelay.bench.link", "--upstream", self.upstream,
-                                      "--link", self.spec.label], stdout=subprocess.PIPE, text=True)
-        line = _readline(self.proc, self.startup_timeout)
-        self.endpoint = json.loads(line)["listen"]
+                                      "--link", self.spec.label, "--rate-by", self.rate_by],
+                                     stdout=subprocess.PIPE, text=True)
+        started = json.loads(_readline(self.proc, self.startup_timeout))
+        self.endpoint, self.described = started["listen"], started["link"]
         return self
 
     def __exit__(self, *exc) -> None:
@@ -262,20 +275,42 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--upstream", required=True, help="tcp://HOST:PORT to relay to (the broker's frontend)")
     ap.add_argument("--link", default="0", help="RTT[,RATE], e.g. 50ms,20mbit")
     ap.add_argument("--port", type=int, default=0, help="port to listen on, 127.0.0.1 (0 = any free port)")
+    ap.add_argument("--rate-by", choices=["auto", "tbf", "relay"], default="auto",
+                    help="what limits the rate: tbf on a veth pair (root), the relay's token bucket, or tbf when "
+                         "it can be set up here (auto)")
     args = ap.parse_args(argv)
     spec = LinkSpec.parse(args.link)
+    from contextlib import ExitStack
 
-    async def run() -> None:
-        relay = await Relay(args.upstream, spec, port=args.port).start()
-        print(json.dumps({"listen": relay.endpoint, "link": spec.describe()}), flush=True)
-        stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-        await stop.wait()
-        await relay.close()
+    from . import netns
 
-    from ..runtime import run_async
-    run_async(run())
+    with ExitStack() as stack:
+        veth = None
+        if spec.rate_bps and args.rate_by != "relay":
+            reason = netns.available() if args.rate_by == "auto" else None
+            if reason is None:
+                veth = stack.enter_context(netns.VethTbf(spec.rate_bps))
+            else:
+                print(f"link: rate by the relay's token bucket ({reason})", file=sys.stderr)
+
+        async def run() -> None:
+            if veth is None:
+                relay = await Relay(args.upstream, spec, port=args.port).start()
+                relays, described = [relay], spec.describe()
+            else:  # delay here, rate by tbf on the way through the namespace, then on to the broker
+                forwarder = await Relay(args.upstream, LinkSpec()).start(sock=veth.listen_in_ns())
+                relay = await Relay(forwarder.endpoint, LinkSpec(spec.rtt_s), port=args.port).start()
+                relays, described = [relay, forwarder], spec.describe(veth.describe())
+            print(json.dumps({"listen": relay.endpoint, "link": described}), flush=True)
+            stop = asyncio.Event()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+            await stop.wait()
+            for r in relays:
+                await r.close()
+
+        from ..runtime import run_async
+        run_async(run())
     return 0
 
 

@@ -129,8 +129,8 @@ def run(args) -> dict:
     refs = references(args, tqdm(texts, desc="target-alone references", leave=False, disable=None))
     with LocalCluster(args.target, workers=args.cloud_workers, max_batch=args.max_batch,
                       threads=args.threads) as cluster:
-        with LinkRelay(link, cluster.frontend) as relay:
-            probe = measure_rtt(relay.endpoint)
+        with LinkRelay(link, cluster.frontend, rate_by=args.rate_by) as relay:
+            probe = {"link": relay.described, **measure_rtt(relay.endpoint)}
             edges = []
             for i in range(args.edges):
                 listen, port = f"tcp://127.0.0.1:{free_port()}", free_port()
@@ -148,7 +148,7 @@ def run(args) -> dict:
                                                             if not name.startswith("edge-")])
             from ..runtime import run_async
             measured = run_async(_load(args, [e for e, _ in edges], texts, warmup, procs, cluster.health_ports))
-    result = summarise(args, link, probe, warmup, measured, refs)
+    result = summarise(args, probe, warmup, measured, refs)
     result["summary"]["cpu_pinning"] = None if cpus is None else {"edge": sorted(cpus[0]), "cloud": sorted(cpus[1])}
     return result
 
@@ -197,7 +197,7 @@ async def _load(args, endpoints: list[str], texts: list[str], warmup: float, pro
     return {"generations": done, "t0": t0, "warm_at": warm_at, "end_at": end_at, "rss": rss, "cloud": cloud}
 
 
-def summarise(args, link: LinkSpec, probe: dict, warmup: float, m: dict, refs: dict) -> dict:
+def summarise(args, probe: dict, warmup: float, m: dict, refs: dict) -> dict:
     gens: list[Generation] = m["generations"]
     window = [g for g in gens if m["warm_at"] < g.end <= m["end_at"] + REQUEST_TIMEOUT_S]
     ok = [g for g in window if g.error is None]
@@ -217,7 +217,7 @@ def summarise(args, link: LinkSpec, probe: dict, warmup: float, m: dict, refs: d
     growth = [v["growth"] for v in rss.values() if v["growth"] is not None]
     summary = {
         "edges": args.edges, "sessions_per_edge": args.sessions_per_edge, "cloud_workers": args.cloud_workers,
-        "link": link.describe(), **probe, "duration_s": round(span, 1), "warmup_s": warmup,
+        **probe, "duration_s": round(span, 1), "warmup_s": warmup,
         "draft_len": args.draft_len, "max_new_tokens": args.max_new_tokens, "generations": len(ok),
         "generated_tokens": tokens, "tokens_per_s": round(tokens / span, 2),
         "session_tokens_per_s_p50": round(statistics.median(per_session), 2) if per_session else 0.0,

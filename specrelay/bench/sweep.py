@@ -97,14 +97,15 @@ def run(args) -> dict:
         drafter, tokenizer = loaded
         _pin(cpus, [None], [p.pid for p in cluster.procs])
         for link in links:
-            with LinkRelay(link, cluster.frontend) as relay:
+            with LinkRelay(link, cluster.frontend, rate_by=args.rate_by) as relay:
+                described = relay.described
                 _pin(cpus, [], [relay.proc.pid] if relay.proc else [])
                 probe = measure_rtt(relay.endpoint)
                 cloud_pids = [proc.pid for proc in cluster.procs] + ([relay.proc.pid] if relay.proc else [])
                 tallies = _run_async(_sweep_link(args, relay.endpoint, cluster.health_ports, cloud_pids, texts,
                                                  configs, drafter, tokenizer))
             for (d, predraft), tally in tallies.items():
-                row = make_row(args, link, probe, d, predraft, tally, tallies[(0, False)], len(texts))
+                row = make_row(args, link, described, probe, d, predraft, tally, tallies[(0, False)], len(texts))
                 rows.append(row)
                 itl[f"{link.label} d={d}{'' if predraft else ' no-predraft'}"] = sorted(
                     round(g, 2) for r in tally.sessions for g in r.gaps_ms())
@@ -209,7 +210,8 @@ def _cpu(pids: list[int]) -> dict[str, float]:
     return {"edge_cpu_s": cpu_seconds(), "other_cpu_s": sum(cpu_seconds(pid) for pid in pids)}
 
 
-def make_row(args, link: LinkSpec, probe: dict, d, predraft: bool, tally: Tally, base: Tally, n_prompts: int) -> dict:
+def make_row(args, link: LinkSpec, described: str, probe: dict, d, predraft: bool, tally: Tally, base: Tally,
+             n_prompts: int) -> dict:
     sessions = tally.sessions
     ok = [r for r in sessions if r.error is None]
     stats = [r.stats for r in ok]
@@ -224,7 +226,7 @@ def make_row(args, link: LinkSpec, probe: dict, d, predraft: bool, tally: Tally,
     gaps = [g for r in ok for g in r.gaps_ms()]
     tpot = [(r.commits[-1][0] - r.commits[0][0]) * 1e3 / (len(r.ids) - 1) for r in ok if len(r.ids) > 1]
     return {
-        "draft_len": d, "predraft": predraft, "link": link.describe(), "link_rtt_ms": round(link.rtt_s * 1e3, 3),
+        "draft_len": d, "predraft": predraft, "link": described, "link_rtt_ms": round(link.rtt_s * 1e3, 3),
         "link_rate_mbit": None if link.rate_bps is None else link.rate_bps / 1e6, **probe,
         "sessions": args.sessions, "prompts": n_prompts, "max_new_tokens": args.max_new_tokens,
         "repeats": len(tally.tokens), "tokens_per_s": round(tps, 2),

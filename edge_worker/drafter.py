@@ -8,6 +8,7 @@ Every draw uses counter-based randomness at the token's absolute position (commo
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +22,8 @@ from .draftkv import LockstepKV, SessionKV, Workspace
 
 @dataclass
 class DraftState:
-    """One session's draft-model state: ids whose K/V are held, the K/V, logits after the last id."""
+    """One session's draft-model state: ids whose K/V are held, the K/V, logits after the last id. Inside a
+    lockstep batch the new positions' K/V sit in the batch until it ends (`LockstepKV.close`)."""
 
     ids: list[int] = field(default_factory=list)
     kv: SessionKV = field(default_factory=SessionKV)
@@ -79,7 +81,7 @@ class Drafter:
         self.target_vocab_size = target_vocab_size or runner.vocab_size
         self.eos_ids = runner.eos_ids  # target ids that end a generation (same tokenizer)
         self.shared_mask = None        # [V_target] bool of V_c; None = everything
-        self._workspace = Workspace()  # lockstep K/V buffers, reused batch after batch (one draft thread)
+        self._workspaces = threading.local()  # lockstep K/V buffers, reused batch after batch, one per thread
 
     # ------------------------------------------------------------------ per-vocabulary hooks
     def new_state(self, prompt_ids: list[int]) -> DraftState:
@@ -123,7 +125,10 @@ class Drafter:
         blocks = [DraftBlock() for _ in jobs]
         contexts = [list(j.context) for j in jobs]
         live = [i for i, j in enumerate(jobs) if j.d > 0]
-        batch = LockstepKV(self.runner, self._workspace)
+        workspace = getattr(self._workspaces, "buffer", None)
+        if workspace is None:  # edges sharing this drafter draft in their own threads: never share a buffer
+            workspace = self._workspaces.buffer = Workspace()
+        batch = LockstepKV(self.runner, workspace)
         try:
             while live:
                 self._advance(batch, [jobs[i] for i in live], [contexts[i] for i in live], live)

@@ -96,3 +96,28 @@ def test_a_batch_longer_than_it_reserved_grows_its_buffer(tiny_runners):
         start = len(ctx) - 12
         assert ctx[start:] == alone(draft, ctx[:start], 12)
         assert sessions[i].length == len(ctx) - 1  # everything fed is back in the session's buffer
+
+
+def test_edges_sharing_a_drafter_draft_in_parallel_threads(tiny_runners):
+    """Two edges in one process may share a Drafter, each with its own draft thread: their batches must not
+    share a buffer (each thread gets its own workspace)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    target, draft = tiny_runners
+    drafter = Drafter(draft, target.vocab_size)
+    texts = ["def add(a, b):\n", "class Point:\n", "for i in range(10):\n", "    return a + b\n"]
+
+    def edge(k: int) -> list[bool]:
+        contexts = [draft.tokenizer(t * (k + 1)).input_ids for t in texts]
+        states = [drafter.new_state(c) for c in contexts]
+        ok = []
+        for rnd in range(15):
+            jobs = [DraftJob(s, c, len(c), 3 + k, Mode.GREEDY, SamplingParams(), 0) for s, c in zip(states, contexts)]
+            for ctx, job, block in zip(contexts, jobs, drafter.draft_batch(jobs)):
+                ok.append(block.ids == alone(draft, ctx, job.d))
+                ctx += block.ids[:rnd % 3] + [7 + rnd]
+        return ok
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(edge, [0, 1]))
+    assert all(all(r) for r in results) and sum(map(len, results)) == 120

@@ -90,10 +90,15 @@ async def test_tbf_link_paces_a_bulk_transfer_and_keeps_the_round_trip(zctx):
     echo = await asyncio.start_server(_echo, "127.0.0.1", 0)
     upstream = f"tcp://127.0.0.1:{echo.sockets[0].getsockname()[1]}"
     nbytes, rate = 400_000, 16e6
+    def namespaces() -> set[str]:
+        listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        return {line.split()[0] for line in listing.splitlines() if line.startswith(netns.PREFIX)}
+
+    before = namespaces()
     with LinkRelay(LinkSpec(0.002, rate), upstream) as link:
-        assert "tbf 16 Mbit/s" in link.described and "netns srlink-" in link.described
-        namespace = link.described.rsplit(" ", 1)[1]
-        assert namespace in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert "tbf 16 Mbit/s each way on a veth pair" in link.described
+        made = namespaces() - before
+        assert len(made) == 1, made
         host, port = link.endpoint[len("tcp://"):].rsplit(":", 1)
         reader, writer = await asyncio.open_connection(host, int(port))
         t0 = time.perf_counter()
@@ -105,7 +110,7 @@ async def test_tbf_link_paces_a_bulk_transfer_and_keeps_the_round_trip(zctx):
         elapsed = time.perf_counter() - t0
         writer.close()
     echo.close()
-    assert namespace not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not made & namespaces()
     expected = nbytes * 8 / rate
     assert 0.9 * expected <= elapsed <= 2.5 * expected + 0.05, elapsed
 

@@ -113,7 +113,7 @@ class VethTbf:
         return sock
 
     def describe(self) -> str:
-        return f"tbf {self.rate_bps / 1e6:g} Mbit/s each way on a veth pair into netns {self.name}"
+        return f"tbf {self.rate_bps / 1e6:g} Mbit/s each way on a veth pair into a network namespace"
 
 
 @contextmanager

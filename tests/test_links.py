@@ -58,13 +58,10 @@ async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
     writer.close()
 
 
-async def test_relay_rate_limits_a_bulk_transfer():
-    nbytes, rate = 200_000, 16e6  # 0.1 s of line time each way at 16 Mbit/s
-    echo = await asyncio.start_server(_echo, "127.0.0.1", 0)
-    upstream = f"tcp://127.0.0.1:{echo.sockets[0].getsockname()[1]}"
-    relay = await Relay(upstream, LinkSpec(0.002, rate)).start()
-    port = int(relay.endpoint.rsplit(":", 1)[1])
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+async def _echo_through(endpoint: str, nbytes: int) -> float:
+    """Seconds for `nbytes` to go through `endpoint` to an echo server and back."""
+    host, port = endpoint[len("tcp://"):].rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
     t0 = time.perf_counter()
     writer.write(b"x" * nbytes)
     await writer.drain()
@@ -73,6 +70,15 @@ async def test_relay_rate_limits_a_bulk_transfer():
         got += len(await reader.read(65536))
     elapsed = time.perf_counter() - t0
     writer.close()
+    return elapsed
+
+
+async def test_relay_rate_limits_a_bulk_transfer():
+    nbytes, rate = 200_000, 16e6  # 0.1 s of line time each way at 16 Mbit/s
+    echo = await asyncio.start_server(_echo, "127.0.0.1", 0)
+    upstream = f"tcp://127.0.0.1:{echo.sockets[0].getsockname()[1]}"
+    relay = await Relay(upstream, LinkSpec(0.002, rate)).start()
+    elapsed = await _echo_through(relay.endpoint, nbytes)
     await relay.close()
     echo.close()
     expected = nbytes * 8 / rate  # both directions pace, but pipelined: about one pass of line time
@@ -99,16 +105,7 @@ async def test_tbf_link_paces_a_bulk_transfer_and_keeps_the_round_trip(zctx):
         assert "tbf 16 Mbit/s each way on a veth pair" in link.described
         made = namespaces() - before
         assert len(made) == 1, made
-        host, port = link.endpoint[len("tcp://"):].rsplit(":", 1)
-        reader, writer = await asyncio.open_connection(host, int(port))
-        t0 = time.perf_counter()
-        writer.write(b"x" * nbytes)
-        await writer.drain()
-        got = 0
-        while got < nbytes:
-            got += len(await reader.read(65536))
-        elapsed = time.perf_counter() - t0
-        writer.close()
+        elapsed = await _echo_through(link.endpoint, nbytes)
     echo.close()
     assert not made & namespaces()
     expected = nbytes * 8 / rate

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..common.errors import Overloaded
+from ..common.runner import KVShape
 
 GROWTH = 1.5  # a span that must move grows to this multiple of what it needs now
 
@@ -40,27 +41,6 @@ class Span:
 
 class KVFull(Overloaded):
     """The store has no room for this many tokens (UNAVAILABLE: retry later or elsewhere)."""
-
-
-@dataclass(frozen=True)
-class KVShape:
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    @property
-    def bytes_per_token(self) -> int:
-        return self.layers * 2 * self.kv_heads * self.head_dim * torch.empty(0, dtype=self.dtype).element_size()
-
-    @classmethod
-    def of(cls, config, dtype: torch.dtype) -> "KVShape":
-        """From a transformers config (the text config of a multimodal one)."""
-        c = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads = c.num_attention_heads
-        kv_heads = getattr(c, "num_key_value_heads", None) or heads
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-        return cls(c.num_hidden_layers, kv_heads, head_dim, dtype)
 
 
 class KVStore:

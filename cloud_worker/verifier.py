@@ -31,7 +31,7 @@ from ..common.rng import Purpose, gumbel, uniform
 from ..common.runner import ModelRunner
 from ..common.sampling import SamplingParams, probs_from_logits
 from .attention import Row, forward_packed, install
-from .kvcache import KVFull, KVShape, KVStore
+from .kvcache import KVFull, KVStore
 
 log = structlog.get_logger("specrelay.cloud")
 
@@ -88,7 +88,7 @@ class Verifier:
         self.config = c = config or VerifierConfig()
         self.clock = clock
         self.max_context = runner.max_context or P.MAX_CONTEXT
-        shape = KVShape.of(runner.model.config, runner.model.dtype)
+        shape = runner.kv_shape
         budget = min(c.max_cache_bytes, c.max_sessions * (self.max_context + OPEN_HEADROOM) * shape.bytes_per_token)
         # deterministic attention reads key blocks of `block` tokens: fewer, larger blocks cost less
         self.store = KVStore.from_budget(shape, budget, runner.device, block=128 if c.deterministic else 32)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -17,6 +18,27 @@ from .modelsource import check_device, check_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (keys, values), each [kv_heads, seq, head_dim]
+
+
+@dataclass(frozen=True)
+class KVShape:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * torch.empty(0, dtype=self.dtype).element_size()
+
+    @classmethod
+    def of(cls, config, dtype: torch.dtype) -> "KVShape":
+        """From a transformers config (the text config of a multimodal one)."""
+        c = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = c.num_attention_heads
+        kv_heads = getattr(c, "num_key_value_heads", None) or heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        return cls(c.num_hidden_layers, kv_heads, head_dim, dtype)
 
 
 class ModelRunner:
@@ -47,6 +69,11 @@ class ModelRunner:
         except (OSError, ValueError) as exc:
             raise FatalError(f"cannot load model {name_or_path!r}: {exc}") from exc
         return cls(model, tokenizer, name=str(name_or_path))
+
+    @cached_property
+    def kv_shape(self) -> KVShape:
+        """Layers, KV heads, head size and dtype of this model's key/value cache."""
+        return KVShape.of(self.model.config, self.model.dtype)
 
     @property
     def max_context(self) -> int | None:

@@ -14,6 +14,8 @@ the step's width leaves a hole that the attention mask hides.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -124,21 +126,16 @@ class LockstepKV:
         self.mask = torch.zeros(len(keys), past + extra, dtype=torch.long)
         for i, s in enumerate(sessions):
             self.mask[i, past - s.length:past] = 1
-        config = self.runner.model.config
-        config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        layers = config.num_hidden_layers
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        dtype = next(self.runner.model.parameters()).dtype
-        shape = (layers, 2, len(keys), kv_heads, past + extra, head_dim)
-        self.buf = self.workspace.take(shape, dtype, self.runner.device)
+        kv = self.runner.kv_shape
+        shape = (kv.layers, 2, len(keys), kv.kv_heads, past + extra, kv.head_dim)
+        self.buf = self.workspace.take(shape, kv.dtype, self.runner.device)
         for i, s in enumerate(sessions):
             pad = past - s.length
             if pad:
                 self.buf[:, :, i, :, :pad].zero_()
             if s.length:
                 self.buf[:, :, i, :, pad:past] = s.buf[:, :, :, :s.length]
-        self.cache = Cache(layers=[BufferLayer(self.buf[li, 0], self.buf[li, 1], past) for li in range(layers)])
+        self.cache = Cache(layers=[BufferLayer(self.buf[li, 0], self.buf[li, 1], past) for li in range(kv.layers)])
 
     def _keep(self, keys: list[int]) -> None:
         """Drop the rows not in `keys` (their new positions go back to their sessions first)."""
@@ -187,9 +184,7 @@ class Workspace:
         self._flat: torch.Tensor | None = None
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        numel = 1
-        for n in shape:
-            numel *= n
+        numel = math.prod(shape)
         flat = self._flat
         if flat is None or flat.numel() < numel or flat.dtype != dtype or flat.device != device:
             flat = self._flat = torch.empty(int(numel * 1.25) + 1, dtype=dtype, device=device)

@@ -287,11 +287,12 @@ def main(argv: list[str] | None = None) -> int:
     with ExitStack() as stack:
         veth = None
         if spec.rate_bps and args.rate_by != "relay":
-            reason = netns.available() if args.rate_by == "auto" else None
-            if reason is None:
+            try:
                 veth = stack.enter_context(netns.VethTbf(spec.rate_bps))
-            else:
-                print(f"link: rate by the relay's token bucket ({reason})", file=sys.stderr)
+            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                if args.rate_by == "tbf":
+                    raise
+                print(f"link: rate by the relay's token bucket (no tbf here: {exc})", file=sys.stderr)
 
         async def run() -> None:
             if veth is None:

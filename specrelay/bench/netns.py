@@ -7,7 +7,8 @@
 One process (the link relay) holds both: the forwarder's listening socket is created inside the namespace
 (`setns` on the creating thread, then back), its connection to the broker in the host namespace, so each
 direction crosses exactly one tbf. Only addresses of our own veth pair (10.201.x.y/30) and 127.0.0.1 are used.
-Without root, `ip`/`tc`, or namespaces, `available()` says why and the relay's token bucket paces instead.
+Without root, `ip`/`tc`, or namespaces, `VethTbf` raises saying why, and (`--rate-by auto`) the relay's
+token bucket paces instead.
 """
 
 from __future__ import annotations
@@ -30,11 +31,6 @@ def _run(*args: str, ns: str | None = None, check: bool = True) -> subprocess.Co
 
 def available() -> str | None:
     """None when a namespace with a tbf'd veth pair can be made here, else why not (a probe: one is made)."""
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return "not root"
-    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
-    if missing:
-        return f"{' and '.join(missing)} not found"
     try:
         with VethTbf(1e6):
             return None
@@ -71,6 +67,11 @@ class VethTbf:
         self.host_ip, self.ns_ip = f"{prefix}.{last + 1}", f"{prefix}.{last + 2}"
 
     def __enter__(self) -> "VethTbf":
+        if not hasattr(os, "geteuid") or os.geteuid() != 0:
+            raise RuntimeError("not root")
+        missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+        if missing:
+            raise RuntimeError(f"{' and '.join(missing)} not found")
         remove_stale()
         burst = max(3200, int(self.rate_bps / 8 * 0.004))  # >= rate / HZ at HZ 250, and two full frames
         steps = [

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from .bench.runs import DEMO_DRAFT, load_prompts, meta, write_result
+from .bench.runs import DEMO_DRAFT, load_prompts, meta, text_table, write_result
 
 
 class Restack:
@@ -94,11 +94,10 @@ def run(args) -> dict:
                      "in_place_ms_per_token": round(ms["in place"] / (b * args.draft_len), 3),
                      "restack_ms_per_token": round(ms["restack"] / (b * args.draft_len), 3),
                      "speedup": round(ms["restack"] / ms["in place"], 2), "drafts_identical": identical})
-    print("| sessions | d | context (end) | in place ms/round | restack ms/round | speed-up | identical |")
-    print("|---:|---:|---:|---:|---:|---:|:---|")
-    for r in rows:
-        print(f"| {r['sessions']} | {r['draft_len']} | {r['final_context_mean']} | {r['in_place_ms_per_round']} | "
-              f"{r['restack_ms_per_round']} | {r['speedup']}x | {r['drafts_identical']} |")
+    headers = ["sessions", "d", "context (end)", "in place ms/round", "restack ms/round", "speed-up", "identical"]
+    print(text_table(headers,
+                     [[r["sessions"], r["draft_len"], r["final_context_mean"], r["in_place_ms_per_round"],
+                       r["restack_ms_per_round"], f"{r['speedup']}x", r["drafts_identical"]] for r in rows]))
     return {"draft": args.draft, "threads": args.threads, "rows": rows}
 
 

@@ -180,6 +180,15 @@ def meta(argv: list[str]) -> dict:
         timespec="seconds"), "git": git_commit(), "machine": machine()}
 
 
+def text_table(headers: list[str], rows: list[list]) -> str:
+    """A right-aligned markdown table of `rows` (any values) under `headers`."""
+    cells = [headers] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |" for r in cells]
+    lines.insert(1, "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
+    return "\n".join(lines)
+
+
 def write_result(out_dir: str | Path, name: str, data: dict) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

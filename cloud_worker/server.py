@@ -25,6 +25,7 @@ from ..common import health
 from ..common import protocol as P
 from ..common import transport
 from ..common.errors import ErrorCode, InvalidRequest, RequestError
+from ..common.metrics import Utilisation
 from ..common.runner import ModelRunner
 from .batcher import Batcher, Item
 from .config import WorkerConfig, WorkerStats
@@ -55,6 +56,7 @@ class CloudWorker(transport.Service):
         self.health_port = c.health_port
         self._stats = WorkerStats()
         self._clock = clock
+        self._utilisation = Utilisation(clock)  # the load hint's `busy`
         self.connection = BrokerConnection(context or zmq.asyncio.Context.instance(), broker, c, self._stats,
                                            ready=self._ready_message, beat=self._heartbeat_message,
                                            on_request=self._on_request, on_reset=self._on_reset, clock=clock,
@@ -250,6 +252,7 @@ class CloudWorker(transport.Service):
             return  # a prefill-only step
         forward = self._clock() - started if started is not None else 0.0
         self._stats.forward_seconds.observe(forward)
+        self._utilisation.add(forward)
         width = max(len(i.msg.tail) + len(i.msg.draft) + 1 for i in batch)  # new tokens per row, widest
         for item, reply in zip(batch, replies):  # spec-decode counters; the load hint for the edge's auto d
             if isinstance(reply, P.Verdict):
@@ -257,7 +260,7 @@ class CloudWorker(transport.Service):
                 if reply.seq % P.HINT_EVERY == 1 and started is not None:
                     wait = max(0.0, started - item.arrived)
                     reply.load = P.LoadHint(len(batch), width, int(forward * 1e6), int(wait * 1e6), tokens,
-                                            prefilled)
+                                            prefilled, self._utilisation.per_mille())
         self._stats.batches += 1
         self._stats.batch_sizes[len(batch)] += 1
         self._stats.verify_requests += len(batch)

@@ -78,3 +78,22 @@ class SpecDecodeCounters:
         return {"spec_decode_num_drafts": self.num_drafts, "spec_decode_num_draft_tokens": self.num_draft_tokens,
                 "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
                 "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos)}
+
+
+class Utilisation:
+    """The share of wall time a worker spent in forward passes, over windows of at least `window_s` seconds
+    (the load hint's `busy`: near 1, the cloud is the bottleneck and every extra cloud call delays everyone)."""
+
+    def __init__(self, clock, window_s: float = 2.0) -> None:
+        self.clock, self.window_s = clock, window_s
+        self.busy, self.since, self.value = 0.0, clock(), 0.0
+
+    def add(self, seconds: float) -> None:
+        self.busy += seconds
+        now = self.clock()
+        if now - self.since >= self.window_s:
+            self.value = min(1.0, self.busy / (now - self.since))
+            self.busy, self.since = 0.0, now
+
+    def per_mille(self) -> int:
+        return int(round(1000 * self.value))

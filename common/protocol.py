@@ -84,6 +84,16 @@ class Strategy(enum.IntEnum):
     SRDV = 2
 
 
+class Objective(enum.IntEnum):
+    """What `--draft-len auto` optimises (edge_worker/draftlen.py, docs/draftlen.md): SPEED the session's tokens
+    per second; BALANCED the fewest cloud calls among lengths within a tolerance of the best speed; CLOUD the
+    fewest cloud calls drafting can give (the longest drafts that still pay)."""
+
+    SPEED = 0
+    BALANCED = 1
+    CLOUD = 2
+
+
 class ResampleKind(enum.IntEnum):
     SERVER_ONLY = 0  # hr: draw from p restricted to target-only tokens
     CANDIDATES = 1   # srdv: another round of candidates
@@ -92,6 +102,7 @@ class ResampleKind(enum.IntEnum):
 
 DEFAULT_SAMPLED_MODE = Mode.COUPLED  # at temperature > 0 when no mode is named: fewest bytes and round trips
 DEFAULT_STRATEGY = Strategy.SRDV     # in SAMPLE mode when no strategy is named (docs/benchmarks-first.md)
+DEFAULT_OBJECTIVE = Objective.BALANCED  # what auto optimises when nobody names it (docs/draftlen.md)
 
 
 def enum_value(kind: type[enum.IntEnum], value, field: str):
@@ -161,8 +172,9 @@ class LoadHint(Base):
     (edge_worker/draftlen.py): batch = rows in the forward pass, width = the widest row's new tokens, forward_us =
     its duration, queue_us = how long the request waited in the worker before it, tokens = all the tokens it ran
     (what its duration grows with: every row's uncached context and draft, and prompt chunks), prefill = how many
-    of them were prompt chunks of sessions not verifying yet. Six small ints; sent on every HINT_EVERY-th VERDICT
-    only. The last two are 0 from a worker older than them."""
+    of them were prompt chunks of sessions not verifying yet, busy = the share of the worker's recent wall time
+    spent in forward passes, per mille (its utilisation: the price of a cloud call). Seven small ints; sent on
+    every HINT_EVERY-th VERDICT only. The trailing ones are 0 from a worker older than them."""
 
     batch: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
     width: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
@@ -170,6 +182,7 @@ class LoadHint(Base):
     queue_us: Annotated[int, msgspec.Meta(ge=0, le=2**40)] = 0
     tokens: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
     prefill: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
+    busy: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 0
 
 
 class Verdict(Base):
@@ -265,6 +278,7 @@ class Generate(Base):
     draft_len: Annotated[int, msgspec.Meta(ge=-1, le=MAX_DRAFT)] = -1
     mode: Mode | None = None
     resample: Strategy | None = None
+    objective: Objective | None = None
 
 
 class Cancel(Base):

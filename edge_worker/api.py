@@ -4,7 +4,7 @@ no ASGI (edge_worker/http.py serves it).
     POST /v1/completions       prompt (a string, one string in a list, or token ids)
     POST /v1/chat/completions  messages, through the target tokenizer's chat template
     fields: model, max_tokens (max_completion_tokens), temperature, top_p, seed, stop, n = 1, stream,
-            stream_options.include_usage; extensions: top_k, draft_len, mode, resample
+            stream_options.include_usage; extensions: top_k, draft_len, mode, resample, objective
 Responses carry `usage` and a `speculative` object with the request's stats (draft, accepted, cloud calls,
 bytes). What cannot be served exactly (logprobs, penalties, logit_bias, n > 1, echo, suffix) is a 400, never
 silently ignored: the output is the target model's own.
@@ -65,6 +65,7 @@ class _Request(msgspec.Struct, kw_only=True):
     draft_len: int | None = None    # tokens per cloud call; None = the edge's default (auto)
     mode: str | None = None         # greedy | sample | coupled
     resample: str | None = None     # full | hr | srdv
+    objective: str | None = None    # speed | balanced | cloud: what auto optimises; None = the edge's default
 
 
 class CompletionRequest(_Request, kw_only=True):
@@ -135,7 +136,7 @@ def generate_message(req: _Request, max_tokens: int) -> P.Generate:
     msg = P.Generate(0, "", max_tokens, float(1.0 if req.temperature is None else req.temperature), req.top_k or 0,
                      float(1.0 if req.top_p is None else req.top_p), seed,
                      -1 if req.draft_len is None else req.draft_len, _enum(P.Mode, req.mode, "mode"),
-                     _enum(P.Strategy, req.resample, "resample"))
+                     _enum(P.Strategy, req.resample, "resample"), _enum(P.Objective, req.objective, "objective"))
     try:
         P.decode(P.encode(msg))
     except InvalidRequest as exc:

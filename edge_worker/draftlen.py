@@ -10,7 +10,9 @@ per second, from what the edge measures. The model, in full, is in docs/draftlen
                                                                    (mean field): x = a row's tokens besides
                                                                    d + 1, p = prompt chunks beside the rows
     b    = pre-draft budget: tokens the draft thread makes while waiting for the VERDICT (or for R/2)
-    d*   = the shortest d within TIE of max_d E(d) / T(d)
+    d*   = the longest d (fewest cloud calls, 1 / E(d)) whose rate E(d) / T(d) is within the objective's
+           tolerance of the best (speed: the shortest within TIE); the tolerance rises toward SATURATED as the
+           cloud's utilisation (the load hint's `busy`) nears 1: the cloud sets the price of a call
 
 A busy edge (several sessions in flight) drafts one d for all, chosen at the pooled acceptance; a lone session
 follows its own. Pure: no clocks, no sockets. The edge shell feeds it what it measured (`observe_round`,
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..common.protocol import MAX_DRAFT, LoadHint
+from ..common.protocol import MAX_DRAFT, LoadHint, Objective
 
 AUTO_MAX = 32                # longest block auto will draft
 PRIOR_ACCEPT = 0.7           # acceptance assumed at a position nobody has measured yet
@@ -39,8 +41,11 @@ EXPLORE_AFTER = 16           # rounds at d = 0 before one round drafts a token a
 PREDRAFT_SHARE = 0.7         # pre-drafting stops this far into the expected wait: the draft thread is idle (and
                              # the GIL free) when the VERDICT arrives, so its handling is not delayed
 SHARED_EVERY = 8             # rounds (of all sessions) between two choices of a busy edge's shared length
-TIE = 0.04                   # a shorter draft within 4 % of the best rate wins: the rate is flat near its top and
-                             # its estimate noisy, and a shorter draft wastes less of the cloud on rejected tokens
+TIE = 0.01                   # speed: a shorter draft within 1 % of the best rate wins (the rate is flat near its
+                             # top and its estimate noisy; a shorter draft wastes less of the cloud)
+TOLERANCE = {Objective.SPEED: 0.0, Objective.BALANCED: 0.10, Objective.CLOUD: 0.30}  # rate given up for fewer calls
+SATURATED = 0.40             # every objective's tolerance when the cloud is saturated (utilisation >= BUSY_FULL)
+BUSY_KNEE, BUSY_FULL = 0.85, 0.98  # the cloud's utilisation from which the price of a call rises, and where it tops
 DRAFT_PRIOR = 0.25           # a draft step's cost relative to the forward pass's fixed cost, until one is timed
 
 
@@ -149,23 +154,38 @@ class EdgeEstimates:
     batch: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 1.0))   # rows per forward
     row_extra: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 0.0))  # tokens per row besides d + 1
     prefill: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 0.0))    # prompt tokens per pass
+    busy: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 0.0))       # the cloud's utilisation, 0..1
+    steps_per_token: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 1.0))  # draft steps per block token
     rounds: int = 0                                                           # rounds observed (all sessions)
     sessions: int = 1                                                         # sessions in flight (the shell's)
-    _shared: tuple[int, int] | None = None                                   # (shared d, chosen at round)
+    _shared: dict = field(default_factory=dict)                              # objective -> (shared d, at round)
 
-    def shared(self, top: int) -> int:
-        """The length every session of a busy edge drafts: the best at the pooled acceptance, chosen again every
-        SHARED_EVERY rounds. One length, because a lockstep draft batch lasts as long as its longest job and a
-        session drafting longer than the rest delays them all."""
-        if self._shared is None or self.rounds - self._shared[1] >= SHARED_EVERY:
-            self._shared = (best_length(self.prior_rates(top + 1), self.round_model(), top), self.rounds)
-        return self._shared[0]
+    def shared(self, top: int, objective: Objective = Objective.BALANCED) -> int:
+        """The length every session of a busy edge drafts (per objective): the best at the pooled acceptance,
+        chosen again every SHARED_EVERY rounds. One length, because a lockstep draft batch lasts as long as its
+        longest job and a session drafting longer than the rest delays them all."""
+        chosen = self._shared.get(objective)
+        if chosen is None or self.rounds - chosen[1] >= SHARED_EVERY:
+            d = best_length(self.prior_rates(top + 1), self.round_model(), top, self.tolerance(objective))
+            chosen = self._shared[objective] = (d, self.rounds)
+        return chosen[0]
+
+    def tolerance(self, objective: Objective) -> float:
+        """The objective's tolerance at the cloud's measured utilisation."""
+        return tolerance(objective, self.busy.value)
 
     def prior_rates(self, n: int) -> list[float]:
         """Pooled acceptance per position; past the last measured position, the last measured rate."""
         rates = self.acceptance.rates(min(n, len(self.acceptance.reached)), [PRIOR_ACCEPT] * n, PRIOR_WEIGHT)
         tail = rates[-1] if rates else PRIOR_ACCEPT
         return rates + [tail] * (n - len(rates))
+
+    def observe_block_steps(self, steps: int, tokens: int) -> None:
+        """A block of `tokens` target tokens took `steps` draft-model steps: 1 with one vocabulary; a
+        cross-vocabulary draft writes text in its own (finer) vocabulary, re-tokenised for the target
+        (edge_worker/xdrafter.py), and drafts on until the last token is final."""
+        if tokens > 0:
+            self.steps_per_token.observe(steps / tokens)
 
     def observe_steps(self, steps: int, seconds: float) -> None:
         """The draft thread ran a lockstep batch of `steps` steps in `seconds` (pre-draft chunks included)."""
@@ -191,6 +211,7 @@ class EdgeEstimates:
         self.prefill.observe(hint.prefill)
         self.batch.observe(hint.batch)
         self.queue.observe(queue)
+        self.busy.observe(hint.busy / 1000)
         self.rtt.observe(max(0.0, latency_s - forward - queue))
 
     def draft_per_step(self) -> float:
@@ -213,7 +234,7 @@ class EdgeEstimates:
         (window "wait", the default: an edge device of its own), or only while the VERIFY is on its way up the
         link (R/2, window "uplink"), so that pre-drafting never slows a cloud worker sharing the machine's CPU.
         0 until the link and the draft speed are measured."""
-        t = self.step.value or self.draft.value
+        t = (self.step.value or self.draft.value) * self.steps_per_token.value
         if not (self.predraft and self.draft.count and self.forward.known) or t <= 0:
             return 0
         window = self.rtt.value / 2
@@ -228,7 +249,7 @@ class EdgeEstimates:
 
     def round_model(self):
         """`round_time` with the fits done once: the function best_length evaluates for every candidate d."""
-        t, budget = self.draft_per_step(), self.predraft_budget()
+        t, budget = self.draft_per_step() * self.steps_per_token.value, self.predraft_budget()  # per block token
         wait = self.rtt.value + self.queue.value
         fit = self.forward.fit() if self.forward.known else None
         l0, l1 = self.latency.fit() if self.latency.known else (10.0, 10.0 * CLOUD_SLOPE_PRIOR)
@@ -241,8 +262,9 @@ class EdgeEstimates:
         return model
 
 
-def best_length(a: list[float], round_time, top: int) -> int:
-    """The shortest d within TIE of max E(d) / T(d), 0 <= d <= top, at acceptance a_0..a_top."""
+def best_length(a: list[float], round_time, top: int, tolerance: float = 0.0) -> int:
+    """At acceptance a_0..a_top, 0 <= d <= top: with tolerance 0 (speed) the shortest d within TIE of the best
+    rate E(d) / T(d); else the longest d (the fewest cloud calls per token, 1 / E(d)) within `tolerance` of it."""
     rates, expected, p = [], 0.0, 1.0  # p = P_d, expected = E(d)
     for d in range(top + 1):
         expected += p
@@ -250,7 +272,17 @@ def best_length(a: list[float], round_time, top: int) -> int:
         rates.append(expected / max(round_time(d, p_next), 1e-9))
         p = p_next
     best = max(rates)
-    return next(d for d, rate in enumerate(rates) if rate >= (1 - TIE) * best)
+    if tolerance <= 0:
+        return next(d for d, rate in enumerate(rates) if rate >= (1 - TIE) * best)
+    return max(d for d, rate in enumerate(rates) if rate >= (1 - tolerance) * best)
+
+
+def tolerance(objective: Objective, busy: float) -> float:
+    """The share of the best rate an objective gives up for fewer cloud calls, at the cloud's utilisation `busy`
+    (0..1): its own below BUSY_KNEE, rising linearly to SATURATED at BUSY_FULL."""
+    own = TOLERANCE[objective]
+    pressure = min(1.0, max(0.0, (busy - BUSY_KNEE) / (BUSY_FULL - BUSY_KNEE)))
+    return own + max(0.0, SATURATED - own) * pressure
 
 
 class GoodputController:
@@ -258,8 +290,9 @@ class GoodputController:
 
     probes = True  # at d = 0 the shell may still pre-draft the next token: a free acceptance sample
 
-    def __init__(self, edge: EdgeEstimates | None = None, max_len: int = AUTO_MAX) -> None:
-        self.edge = edge or EdgeEstimates()
+    def __init__(self, edge: EdgeEstimates | None = None, max_len: int = AUTO_MAX,
+                 objective: Objective = Objective.BALANCED) -> None:
+        self.edge, self.objective = edge or EdgeEstimates(), objective
         self.max_len = min(max_len, MAX_DRAFT)
         self.own = AcceptanceCounts(SESSION_DECAY)
         self.zero_rounds = 0  # consecutive rounds at d = 0
@@ -275,8 +308,8 @@ class GoodputController:
         if top and self.zero_rounds >= EXPLORE_AFTER:
             return 1
         if self.edge.sessions > 1:
-            return min(top, self.edge.shared(self.max_len))
-        return best_length(self.rates(top + 1), self.edge.round_model(), top)
+            return min(top, self.edge.shared(self.max_len, self.objective))
+        return best_length(self.rates(top + 1), self.edge.round_model(), top, self.edge.tolerance(self.objective))
 
     def observe_block(self, d: int, n_accepted: int, bonus_match: bool | None = None) -> None:
         informative = d > 0 or bonus_match is not None

@@ -37,7 +37,8 @@ def session_config(edge, msg: P.Generate) -> SessionConfig:
     draft_len = edge.config.default_draft_len if msg.draft_len < 0 else msg.draft_len
     return SessionConfig(max_new_tokens=msg.max_new_tokens, params=SamplingParams(msg.temperature, msg.top_k, msg.top_p),
                          mode=default_mode(edge.config, msg.temperature, msg.mode), seed=msg.seed, draft_len=draft_len,
-                         resample=edge.config.default_resample if msg.resample is None else msg.resample)
+                         resample=edge.config.default_resample if msg.resample is None else msg.resample,
+                         objective=edge.config.default_objective if msg.objective is None else msg.objective)
 
 
 async def handle_generate(edge, msg: P.Generate, emit: Emit) -> None:

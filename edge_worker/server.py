@@ -36,7 +36,7 @@ from ..common import protocol as P
 from ..common import transport
 from ..common.errors import (AuthenticationFailed, ConnectionLost, FatalError, GenerationTimeout, InvalidRequest,
                              Overloaded, RequestError, UnknownSession)
-from ..common.protocol import DEFAULT_SAMPLED_MODE, DEFAULT_STRATEGY, Mode, Strategy
+from ..common.protocol import DEFAULT_OBJECTIVE, DEFAULT_SAMPLED_MODE, DEFAULT_STRATEGY, Mode, Objective, Strategy
 from . import telemetry
 from .batcher import DraftBatcher
 from .draftlen import EdgeEstimates
@@ -67,6 +67,7 @@ class EdgeConfig:
     # RESAMPLE round trips and is exact (its output is target-alone's with the same seed); docs/benchmarks-first.md
     sampling_mode: Mode = DEFAULT_SAMPLED_MODE
     default_draft_len: int | None = None  # None = auto
+    default_objective: Objective = DEFAULT_OBJECTIVE  # what auto optimises when a request names none
     linger_ms: int = 100
     heartbeat_s: float = 1.0          # ZMTP heartbeats on the broker connection (drop a dead TCP peer)
     predraft: bool = True             # draft ahead while a VERIFY is in flight (edge_worker/predraft.py)
@@ -80,7 +81,8 @@ class EdgeConfig:
             raise ValueError("retry_budget_s and retry_backoff_s must be >= 0")
         if not 0 <= self.linger_ms <= 5000:
             raise ValueError("linger_ms must be in [0, 5000] so shutdown cannot hang")
-        SessionConfig(resample=self.default_resample, draft_len=self.default_draft_len)  # validates both
+        SessionConfig(resample=self.default_resample, draft_len=self.default_draft_len,
+                      objective=self.default_objective)  # validates all three
         if self.sampling_mode == Mode.GREEDY:
             raise ValueError("sampling_mode is the mode at temperature > 0: sample or coupled")
         if self.predraft_window not in ("uplink", "wait"):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from ..common import protocol as P
 from ..common.errors import ErrorCode, InvalidRequest, from_wire
-from ..common.protocol import DEFAULT_SAMPLED_MODE, DEFAULT_STRATEGY, Mode, Strategy
+from ..common.protocol import DEFAULT_OBJECTIVE, DEFAULT_SAMPLED_MODE, DEFAULT_STRATEGY, Mode, Objective, Strategy
 from ..common.resample import Rejection
 from ..common.sampling import SamplingParams
 from .draftlen import EdgeEstimates, FixedDraftLen, GoodputController
@@ -34,6 +34,7 @@ class SessionConfig:
     seed: int = 0
     draft_len: int | None = None  # None = auto
     resample: Strategy = DEFAULT_STRATEGY
+    objective: Objective = DEFAULT_OBJECTIVE  # what `auto` optimises (edge_worker/draftlen.py)
 
     def resolved_mode(self) -> Mode:
         if self.params.greedy:
@@ -47,6 +48,9 @@ class SessionConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "resample", P.enum_value(Strategy, self.resample, "resample"))
         object.__setattr__(self, "mode", P.enum_value(Mode, self.mode, "mode"))
+        object.__setattr__(self, "objective", P.enum_value(Objective, self.objective, "objective"))
+        if self.objective is None:
+            raise InvalidRequest("objective must be speed, balanced or cloud", field="objective")
         if self.draft_len is not None and not 0 <= self.draft_len <= P.MAX_DRAFT:
             raise InvalidRequest(f"draft_len must be in [0, {P.MAX_DRAFT}] or auto", field="draft_len")
         if self.max_new_tokens < 1:
@@ -99,7 +103,8 @@ class EdgeSession:
         self.seq = 0
         self.done = False
         d = self.config.draft_len
-        self.policy = GoodputController(self.estimates) if d is None else FixedDraftLen(d, self.estimates)
+        self.policy = (GoodputController(self.estimates, objective=self.config.objective) if d is None
+                       else FixedDraftLen(d, self.estimates))
         self.state = self.drafter.new_state(self.prompt_ids)
         self._block: DraftBlock | None = None
         self._job: DraftJob | None = None          # the job that drafted the block in flight
@@ -151,6 +156,8 @@ class EdgeSession:
         self._width = len(self.tokens) - self.cloud_len + len(self._block.ids) + 1  # the row the cloud runs
         self.seq += 1
         self.stats.draft_tokens += len(self._block.ids)
+        if block.drafted and self.estimates is not None:  # a cross-vocabulary block: draft steps per token
+            self.estimates.observe_block_steps(len(block.drafted), len(block.ids))
         self.stats.predraft_tokens += reused
         self.stats.predraft_rounds += reused > 0
         job = self._job

@@ -17,6 +17,7 @@ from .paths import demo_model
 
 MODES = ("greedy", "sample", "coupled")
 STRATEGIES = ("full", "hr", "srdv")
+OBJECTIVES = ("speed", "balanced", "cloud")  # what --draft-len auto optimises (docs/draftlen.md)
 DTYPES = ("float32", "bfloat16", "float16")
 SERVER_LOG_LEVEL, CLIENT_LOG_LEVEL = "info", "warning"
 EPILOG = """Every flag also reads an environment variable: SPECRELAY_<COMMAND>_<FLAG>, else SPECRELAY_<FLAG>
@@ -99,7 +100,8 @@ def cmd_edge_worker(args) -> int:
     async def main() -> None:
         warning = warn_if_unreachable(args.broker, args.connect_timeout, curve=curve)
         await serve(args.broker, args.draft_model, args.listen, args.target_tokenizer, device=args.device,
-                    dtype=args.dtype, config=EdgeConfig(retry_budget_s=args.retry_budget), curve=curve,
+                    dtype=args.dtype, config=EdgeConfig(retry_budget_s=args.retry_budget,
+                                                        default_objective=args.objective), curve=curve,
                     http=args.http, served_model_name=args.served_model_name, health_port=args.health_port,
                     health_host=args.health_host)
         warning.cancel()
@@ -216,6 +218,12 @@ def add_http(p, default: str | None) -> None:
                    help="the `model` name the HTTP API answers to")
 
 
+def add_objective(p) -> None:
+    p.add_argument("--objective", choices=OBJECTIVES, default="balanced",
+                   help="what --draft-len auto optimises: speed (the session's tokens/s), cloud (the fewest cloud "
+                   "calls per token) or balanced (the fewest calls within 10%% of the best speed); docs/draftlen.md")
+
+
 def add_sampling(p) -> None:
     from .common.protocol import DEFAULT_STRATEGY
 
@@ -226,6 +234,7 @@ def add_sampling(p) -> None:
     p.add_argument("--seed", type=cliargs.count, default=0, help="seed of the counter-based sampler")
     p.add_argument("--draft-len", type=cliargs.draft_len, default="auto",
                    help="tokens drafted per cloud call, or auto (adaptive); 0 = target alone through the same path")
+    add_objective(p)
     p.add_argument("--mode", choices=MODES, default=None,
                    help="greedy at temperature 0, else coupled (shared Gumbel noise: the fewest bytes); sample = "
                    "rejection sampling, its rejections resolved by --resample")
@@ -280,6 +289,7 @@ def edge_worker_flags(p) -> None:
     add_health(p)
     add_client_keys(p)
     add_retry_budget(p)
+    add_objective(p)
 
 
 def serve_flags(p) -> None:
@@ -287,6 +297,7 @@ def serve_flags(p) -> None:
     add_edge(p)
     add_http(p, defaults.HTTP)
     add_health(p)
+    add_objective(p)
 
 
 def generate_flags(p) -> None:

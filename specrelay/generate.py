@@ -68,7 +68,7 @@ def session_config(args, max_new_tokens: int | None = None):
                            mode=default_mode(EdgeConfig(), args.temperature, Mode[mode.upper()] if mode else None),
                            seed=args.seed,
                            draft_len=None if args.draft_len == "auto" else int(args.draft_len),
-                           resample=Strategy[resample.upper()])
+                           resample=Strategy[resample.upper()], objective=args.objective)
     config.resolved_mode()  # greedy vs temperature, checked now
     return config
 

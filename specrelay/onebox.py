@@ -16,6 +16,7 @@ async def serve(args) -> None:
     from .common.runner import ModelRunner
     from .edge_worker.http import HttpFrontend, HttpStats
     from .edge_worker.loading import EdgeHealth, load_edge
+    from .edge_worker.server import EdgeConfig
     from .runtime import serve_all
 
     ctx = zmq.asyncio.Context.instance()
@@ -24,7 +25,7 @@ async def serve(args) -> None:
     worker = CloudWorker(backend, runner, WorkerConfig(max_batch=args.max_batch, max_wait_ms=args.max_wait_ms),
                          context=ctx)
     edge = await load_edge(frontend, args.draft_model, args.target_tokenizer, device=args.device, dtype=args.dtype,
-                           context=ctx)
+                           config=EdgeConfig(default_objective=args.objective), context=ctx)
     stats = HttpStats()
     services = [Broker(frontend, backend, context=ctx), worker, edge,
                 HttpFrontend(edge, *args.http, args.served_model_name, stats)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from specrelay.common.protocol import LoadHint
+from specrelay.common.protocol import LoadHint, Objective
 from specrelay.edge_worker.draftlen import AcceptanceCounts, EdgeEstimates, EWLine, FixedDraftLen, GoodputController
 from specrelay.edge_worker.drafter import DraftBlock, DraftJob
 from specrelay.edge_worker.predraft import DraftChain
@@ -13,12 +13,13 @@ from specrelay.edge_worker.session import SessionStats
 
 
 def trained(alpha: float, rtt: float, draft_per_token: float, forward: tuple[float, float], batch: int = 1,
-            rounds: int = 200, predraft: bool = False, prefill: int = 0) -> GoodputController:
+            rounds: int = 200, predraft: bool = False, prefill: int = 0,
+            objective: Objective = Objective.SPEED, busy: int = 0) -> GoodputController:
     """A controller that has seen `rounds` rounds of a world with per-position acceptance alpha, the given link
     RTT and draft cost, and a cloud whose forward pass costs f0 + f1 * tokens, with `batch` rows as wide as ours
-    and `prefill` prompt tokens besides."""
+    and `prefill` prompt tokens besides, `busy` per mille utilised; `objective`: what the controller optimises (the model tests: speed)."""
     edge = EdgeEstimates(predraft=predraft)
-    ctl = GoodputController(edge)
+    ctl = GoodputController(edge, objective=objective)
     f0, f1 = forward
     for i in range(rounds):
         d = 1 + i % 8  # varied draft lengths, so slopes are identifiable
@@ -30,7 +31,7 @@ def trained(alpha: float, rtt: float, draft_per_token: float, forward: tuple[flo
         fwd = f0 + f1 * tokens
         edge.observe_steps(d, draft_per_token * d)
         ctl.observe_round(d, draft_per_token * d, rtt + fwd, d + 1, d,
-                          LoadHint(batch, d + 1, int(fwd * 1e6), 0, tokens, prefill))
+                          LoadHint(batch, d + 1, int(fwd * 1e6), 0, tokens, prefill, busy))
     return ctl
 
 
@@ -42,12 +43,12 @@ def goodput(a: list[float], d: int, t: float) -> float:
     return e / t
 
 
-def test_controller_picks_the_shortest_draft_within_2_percent_of_the_best_rate():
+def test_speed_picks_the_shortest_draft_within_1_percent_of_the_best_rate():
     ctl = trained(0.8, rtt=0.05, draft_per_token=0.002, forward=(0.01, 0.0005))
     a = ctl.rates(33)
     rates = [goodput(a, d, ctl.edge.round_time(d, 0.0)) for d in range(31)]
     chosen = ctl.choose(31)
-    assert rates[chosen] >= 0.98 * max(rates) and all(r < 0.98 * max(rates) for r in rates[:chosen])
+    assert rates[chosen] >= 0.99 * max(rates) and all(r < 0.99 * max(rates) for r in rates[:chosen])
     assert chosen >= 4  # a 50 ms link makes long drafts pay
 
 
@@ -82,14 +83,14 @@ def test_a_slow_spell_does_not_become_the_draft_cost():
 
 def test_a_busy_edge_drafts_one_length_for_all_its_sessions():
     ctl = trained(0.8, rtt=0.05, draft_per_token=0.002, forward=(0.01, 0.0005))
-    easy, hard = GoodputController(ctl.edge), GoodputController(ctl.edge)
+    easy, hard = (GoodputController(ctl.edge, objective=Objective.SPEED) for _ in range(2))
     for _ in range(30):
         easy.observe_block(8, 8)
         hard.observe_block(8, 0)
     ctl.edge.sessions = 1
     assert easy.choose(64) > hard.choose(64)  # alone, each session follows its own acceptance
     ctl.edge.sessions = 16
-    assert easy.choose(64) == hard.choose(64) == ctl.edge.shared(easy.max_len)  # lockstep: one length
+    assert easy.choose(64) == hard.choose(64) == ctl.edge.shared(easy.max_len, Objective.SPEED)  # one length
 
 
 def test_no_drafting_when_nothing_is_accepted():

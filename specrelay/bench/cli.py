@@ -100,6 +100,12 @@ def parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=f"the {name} benchmark (see specrelay.bench.legacy)")
         _models(p, DEMO_DRAFT_XV if name in xv else DEMO_DRAFT, DEMO_TARGET if name in xv else None)
         _output(p)
+        if name == "calls":
+            p.add_argument("--draft-len", default="auto", help="auto or a fixed length")
+            p.add_argument("--objective", choices=("speed", "balanced", "cloud"), default="balanced",
+                           help="what auto optimises")
+            p.add_argument("--concurrency", type=int, default=8, help="sessions in flight at once")
+            p.add_argument("--xv", action="store_true", help="the cross-vocabulary pair (demo-draft-xv)")
     for name, (module, _) in EXTERNAL.items():  # listed for --help; main() hands their arguments to the module
         sub.add_parser(name, help=f"{module} (specrelay bench {name} --help)")
     p = sub.add_parser("all", help="every benchmark in specrelay.bench.legacy, default settings")
@@ -144,6 +150,8 @@ def _normalise(args: argparse.Namespace) -> None:
     prompts = getattr(args, "prompts", None)
     if prompts is not None and prompts.isdigit() and not Path(prompts).exists():
         args.prompts, args.num_prompts = None, int(prompts)  # `--prompts 20` of the first benchmarks
+    if getattr(args, "xv", False):  # the cross-vocabulary demo pair
+        args.draft, args.target_tokenizer = DEMO_DRAFT_XV, args.target
 
 
 def _run(args: argparse.Namespace, argv: list[str]) -> int:

@@ -1,6 +1,6 @@
 """The first benchmarks (issues 2-4), each a function of the parsed arguments returning its JSON result:
 
-    calls         cloud calls per token: the default draft length vs --draft-len 0
+    calls         cloud calls per token: --draft-len (auto: under --objective) vs --draft-len 0, greedy
     concurrency   one cloud worker: 16 concurrent sessions vs 1 (verified tokens/s)
     hf            one session over loopback vs HF assisted generation in-process
     xvocab        cross-vocabulary pair, T=1: bits/token up+down for full|hr|srdv|coupled
@@ -20,24 +20,51 @@ from .runs import load_prompts, run_edge, totals
 
 
 def bench_calls(args) -> dict:
+    """Cloud calls per token through the broker, greedy, under --draft-len (auto: under --objective) against
+    --draft-len 0 (whose output is the target alone's); per-position acceptance and the lengths auto chose."""
     from ..cluster import LocalCluster
 
     texts = load_prompts(args.prompts, args.num_prompts)
+    draft_len = None if args.draft_len == "auto" else int(args.draft_len)
+    run = dict(target_tok=args.target_tokenizer, max_new_tokens=args.max_new_tokens)
     with LocalCluster(args.target) as c:
-        spec, _ = asyncio.run(run_edge(c.frontend, args.draft, texts, 8,
-                                       max_new_tokens=args.max_new_tokens))
-        base, _ = asyncio.run(run_edge(c.frontend, args.draft, texts, 8,
-                                       max_new_tokens=args.max_new_tokens, draft_len=0))
+        spec, wall = asyncio.run(run_edge(c.frontend, args.draft, texts, args.concurrency, draft_len=draft_len,
+                                          objective=args.objective, **run))
+        base, base_wall = asyncio.run(run_edge(c.frontend, args.draft, texts, args.concurrency, draft_len=0, **run))
     s, b = totals(spec), totals(base)
-    identical = all(a[0] == z[0] for a, z in zip(spec, base))
     per_tok = s["cloud_calls"] / s["generated_tokens"]
-    return {"prompts": len(texts), "max_new_tokens": args.max_new_tokens, "draft_len": "auto",
+    return {"prompts": len(texts), "max_new_tokens": args.max_new_tokens, "draft": args.draft,
+            "cross_vocab": bool(args.target_tokenizer), "concurrency": args.concurrency,
+            "draft_len": args.draft_len, "objective": args.objective,
             "generated_tokens": s["generated_tokens"], "cloud_calls": s["cloud_calls"],
             "cloud_calls_per_token": round(per_tok, 4),
             "baseline_cloud_calls_per_token": round(b["cloud_calls"] / b["generated_tokens"], 4),
             "reduction_vs_target_alone": round(1 - s["cloud_calls"] / b["cloud_calls"], 4),
             "acceptance_rate": round(s["accepted_tokens"] / max(1, s["draft_tokens"]), 4),
-            "outputs_identical_to_draft_len_0": identical, "bar_calls_per_token_le_0.30": per_tok <= 0.30}
+            "acceptance_per_position": position_acceptance(spec),
+            "rounds_by_draft_len": rounds_by_length(spec),
+            "tokens_per_s": round(s["generated_tokens"] / wall, 2),
+            "target_alone_tokens_per_s": round(b["generated_tokens"] / base_wall, 2),
+            "outputs_identical_to_draft_len_0": all(x[0] == z[0] for x, z in zip(spec, base))}
+
+
+def position_acceptance(out: list[tuple[list[int], dict]], top: int = 12) -> list[float]:
+    """a_j: accepted / tested at draft position j, over all sessions (positions tested at least once)."""
+    rates = []
+    for j in range(top):
+        reached = sum(s["reached_per_pos"][j] for _, s in out if len(s["reached_per_pos"]) > j)
+        accepted = sum(s["accepted_per_pos"][j] for _, s in out if len(s["accepted_per_pos"]) > j)
+        if reached:
+            rates.append(round(accepted / reached, 3))
+    return rates
+
+
+def rounds_by_length(out: list[tuple[list[int], dict]]) -> dict[str, int]:
+    counts: dict[int, int] = {}
+    for _, s in out:
+        for d, n in s["rounds_by_draft_len"].items():
+            counts[int(d)] = counts.get(int(d), 0) + n
+    return {str(d): counts[d] for d in sorted(counts)}
 
 
 def bench_concurrency(args) -> dict:

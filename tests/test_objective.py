@@ -1,0 +1,121 @@
+"""What `--draft-len auto` optimises (`--objective speed|balanced|cloud`, docs/draftlen.md): the choice per
+objective, the cloud's utilisation as the price of a call, the cross-vocabulary draft's steps per token, and the
+objective's way in (CLI, session config, client GENERATE, HTTP) with old peers' messages still decoding."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from specrelay.common import protocol as P
+from specrelay.common.errors import InvalidRequest
+from specrelay.common.metrics import Utilisation
+from specrelay.common.protocol import LoadHint, Objective
+from specrelay.edge_worker import api
+from specrelay.edge_worker.draftlen import BUSY_FULL, SATURATED, TOLERANCE, best_length, tolerance
+from specrelay.edge_worker.session import SessionConfig
+
+from test_draftlen import goodput, trained
+
+WORLD = dict(alpha=0.85, rtt=0.02, draft_per_token=0.003, forward=(0.02, 0.0004))
+
+
+def rate_curve(ctl, top: int = 32) -> tuple[list[float], list[float]]:
+    """(rate E(d) / T(d), calls per token 1 / E(d)) for d = 0..top, as the controller sees the world."""
+    a, model = ctl.rates(top + 1), ctl.edge.round_model()
+    rates = [goodput(a, d, model(d, 0.0)) for d in range(top + 1)]
+    return rates, [goodput(a, d, 1.0) ** -1 for d in range(top + 1)]
+
+
+@pytest.mark.parametrize("objective", list(Objective))
+def test_each_objective_takes_the_fewest_calls_within_its_tolerance(objective):
+    ctl = trained(**WORLD, objective=objective)
+    rates, calls = rate_curve(ctl)
+    d = ctl.choose(33)
+    if objective == Objective.SPEED:
+        assert rates[d] >= 0.99 * max(rates)
+    else:  # the longest (fewest calls) among the lengths within the tolerance of the best rate
+        within = [k for k, r in enumerate(rates) if r >= (1 - TOLERANCE[objective]) * max(rates)]
+        assert d == max(within) and calls[d] == min(calls[k] for k in within)
+
+
+def test_objectives_order_speed_balanced_cloud():
+    speed, balanced, cloud = (trained(**WORLD, objective=o).choose(33) for o in Objective)
+    assert speed < balanced < cloud
+
+
+def test_a_saturated_cloud_moves_every_objective_toward_fewer_calls():
+    for objective in Objective:
+        idle = trained(**WORLD, objective=objective, busy=300).choose(33)
+        saturated = trained(**WORLD, objective=objective, busy=1000)
+        assert saturated.edge.busy.value == pytest.approx(1.0)
+        assert saturated.choose(33) > idle
+    assert tolerance(Objective.SPEED, 0.5) == 0 and tolerance(Objective.SPEED, BUSY_FULL) == SATURATED
+    assert tolerance(Objective.CLOUD, 1.0) == SATURATED  # the cloud objective also moves (0.30 -> 0.40)
+
+
+def test_longest_within_tolerance_is_not_fooled_by_a_later_bump():
+    # rates fall then rise a little: the longest d within the tolerance, wherever it is
+    rates_at = {0: 10.0, 1: 9.5, 2: 8.0, 3: 9.2}
+    assert best_length([0.5] * 4, lambda d, p: goodput([0.5] * 4, d, 1.0) / rates_at[d], 3, 0.1) == 3
+
+
+def test_cross_vocabulary_steps_per_token_make_drafting_dearer():
+    plain = trained(**WORLD)
+    xv = trained(**WORLD)
+    for _ in range(200):  # the draft writes ~2.5 of its own tokens per target token
+        xv.edge.observe_block_steps(10, 4)
+    assert xv.edge.steps_per_token.value == pytest.approx(2.5, rel=0.05)
+    assert xv.edge.round_time(4, 0.0) > plain.edge.round_time(4, 0.0)
+    assert xv.choose(33) < plain.choose(33)
+
+
+def test_utilisation_is_the_busy_share_of_wall_time():
+    now = [0.0]
+    u = Utilisation(lambda: now[0], window_s=2.0)
+    for _ in range(4):  # 0.4 s of forward pass every 0.5 s
+        now[0] += 0.5
+        u.add(0.4)
+    assert u.per_mille() == 800
+    now[0] += 10.0  # idle for 10 s, then one pass: the window shows the idle time
+    u.add(0.1)
+    assert u.per_mille() == 10
+
+
+def test_old_peers_messages_still_decode():
+    class OldHint(msgspec.Struct, array_like=True, omit_defaults=True):  # a worker from before `busy`
+        batch: int = 0
+        width: int = 0
+        forward_us: int = 0
+        queue_us: int = 0
+        tokens: int = 0
+        prefill: int = 0
+
+    old = msgspec.msgpack.encode(OldHint(4, 5, 1000, 20, 22, 0))
+    assert msgspec.msgpack.decode(old, type=LoadHint) == LoadHint(4, 5, 1000, 20, 22, 0, 0)
+    assert P.decode(P.encode(P.Generate(1, "x"))).objective is None  # the edge's default then
+    with pytest.raises(InvalidRequest):
+        P.decode(P.encode(P.Verdict(1, 1, 0, 5, load=LoadHint(busy=5000))))  # bounded where it enters
+
+
+def test_objective_reaches_the_session_config():
+    assert SessionConfig().objective == Objective.BALANCED  # the default
+    assert SessionConfig(objective="cloud").objective == Objective.CLOUD
+    with pytest.raises(InvalidRequest) as err:
+        SessionConfig(objective="fastest")
+    assert err.value.field == "objective"
+    req = msgspec.json.decode(b'{"model": "m", "prompt": "x", "objective": "speed"}', type=api.CompletionRequest)
+    assert api.generate_message(req, 8).objective == Objective.SPEED
+    with pytest.raises(api.APIError):
+        api.generate_message(msgspec.json.decode(b'{"model": "m", "prompt": "x", "objective": "max"}',
+                                                 type=api.CompletionRequest), 8)
+
+
+def test_cli_objective_flag_everywhere():
+    from specrelay import cli
+
+    from specrelay import cliargs
+
+    for argv in (["generate", "--prompt", "x"], ["edge-worker"], ["serve"]):
+        assert cliargs.parse(cli.parser(), argv, environ={}).objective == "balanced"
+        assert cliargs.parse(cli.parser(), [*argv, "--objective", "cloud"], environ={}).objective == "cloud"

@@ -335,6 +335,9 @@ def demo_flags(p) -> None:
     p.add_argument("--resample", choices=STRATEGIES, default=None,
                    help="what a rejection sends down in sample mode (default: the edge's)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the numbers to FILE as JSON")
+    add_objective(p)
+    p.add_argument("--link-ms", type=cliargs.nonneg_float, default=50.0,
+                   help="also run over an emulated link of this round trip (user-space relay); 0 = loopback only")
 
 
 def bench_flags(p) -> None:

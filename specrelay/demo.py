@@ -1,8 +1,11 @@
 """`specrelay demo`: broker + cloud worker (child processes) + an in-process edge on 127.0.0.1, the demo pair.
 
 Shows progress while the models load, then generates the prompts twice through the same path: target alone
-(`--draft-len 0`, one cloud call per token) and speculative (the defaults), and prints tokens/s of both, the
-acceptance rate, cloud calls and bytes per token. `--json FILE` writes the same numbers.
+(`--draft-len 0`, one cloud call per token) and speculative (the defaults: `auto` under the default objective),
+and prints tokens/s of both, the acceptance rate, the cloud calls saved and bytes per token; then both again over
+an emulated 50 ms link (a user-space delay relay, bench/link.py; `--link-ms 0` skips it), where what drafting
+buys shows: on loopback on a small machine the draft model and the target share the CPU, so there is little
+speed to win. `--json FILE` writes the same numbers.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import json
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from .cluster import LocalCluster
@@ -65,23 +69,36 @@ def totals(results: list[dict], wall: float) -> dict:
                     "downlink_bits_per_token": 8 * total["downlink_bytes"] / n}
 
 
-def summary(spec: dict, alone: dict, sessions: int) -> list[str]:
+def summary(spec: dict, alone: dict, sessions: int, objective: str = "balanced") -> list[str]:
+    saved = 1 - spec["cloud_calls"] / max(1, alone["cloud_calls"])
     return [
         f"acceptance rate        {spec['acceptance_rate']:.1%} "
         f"({spec['accepted_tokens']}/{spec['draft_tokens']} drafted tokens accepted)",
-        f"cloud calls            {spec['cloud_calls']} vs {alone['cloud_calls']} target alone "
-        f"({spec['cloud_calls_per_token']:.2f} per token)",
+        f"cloud calls            {spec['cloud_calls']} vs {alone['cloud_calls']} target alone: {saved:.0%} saved "
+        f"({spec['cloud_calls_per_token']:.2f} per token; --draft-len auto, --objective {objective})",
         f"bytes per token        up {spec['uplink_bytes'] / max(1, spec['generated_tokens']):.1f}, down "
         f"{spec['downlink_bytes'] / max(1, spec['generated_tokens']):.1f} "
         f"({spec['downlink_bits_per_token']:.0f} bits down)",
         f"throughput             speculative {spec['tokens_per_s']:.1f} tokens/s, target alone "
         f"{alone['tokens_per_s']:.1f} tokens/s ({spec['tokens_per_s'] / max(1e-9, alone['tokens_per_s']):.2f}x; "
-        f"{sessions} sessions in flight)",
+        f"{sessions} sessions in flight, loopback)",
     ]
 
 
+def link_summary(spec: dict, alone: dict, rtt_ms: float) -> list[str]:
+    """What speculation buys where a cloud call costs a round trip."""
+    gain = spec["tokens_per_s"] / max(1e-9, alone["tokens_per_s"])
+    return [f"over a {rtt_ms:g} ms link    speculative {spec['tokens_per_s']:.1f} tokens/s, target alone "
+            f"{alone['tokens_per_s']:.1f} tokens/s ({gain:.2f}x): every cloud call saved is a round trip saved"]
+
+
+LOOPBACK_NOTE = ("(on loopback the draft and the target share this machine's CPU and a cloud call costs no round "
+                 "trip, so speculation saves cloud calls there but little time)")
+
+
 async def run_demo(frontend: str, draft: Path, prompts: list[str], max_new_tokens: int,
-                   temperature: float, resample: str | None = None, mode: str | None = None) -> dict:
+                   temperature: float, resample: str | None = None, mode: str | None = None,
+                   link_ms: float = 0.0, objective: str = "balanced") -> dict:
     from .common import protocol as P
     from .common.sampling import SamplingParams
     from .edge_worker.frontend import default_mode
@@ -96,7 +113,7 @@ async def run_demo(frontend: str, draft: Path, prompts: list[str], max_new_token
         edge = await load_edge(frontend, str(draft), target_tokenizer)
     mode = default_mode(edge.config, temperature, P.enum_value(P.Mode, mode, "mode"))
     config = SessionConfig(max_new_tokens=max_new_tokens, params=SamplingParams(temperature), seed=1, mode=mode,
-                           resample=resample or edge.config.default_resample)
+                           resample=resample or edge.config.default_resample, objective=objective)
     async with edge:
         tok = edge.tokenizer
         ids = [tok(p).input_ids for p in prompts]
@@ -108,17 +125,36 @@ async def run_demo(frontend: str, draft: Path, prompts: list[str], max_new_token
                 outs = await asyncio.gather(*(edge.generate(i, cfg) for i in ids))
             return outs, time.perf_counter() - t0
 
-        alone, alone_wall = await run("target alone (--draft-len 0)", SessionConfig(
-            max_new_tokens=max_new_tokens, params=SamplingParams(temperature), seed=1, mode=mode, draft_len=0,
-            resample=config.resample))
+        alone_config = replace(config, draft_len=0)
+        alone, alone_wall = await run("target alone (--draft-len 0)", alone_config)
         spec, spec_wall = await run("speculative", config)
+    linked = await run_over_link(frontend, edge, ids, config, alone_config, link_ms) if link_ms > 0 else None
     results = [{"prompt": p, "text": tok.decode(out), "token_ids": out, "stats": stats}
                for p, (out, stats) in zip(prompts, spec)]
     return {"results": results, "speculative": totals(results, spec_wall),
             "target_alone": totals([{"stats": s} for _, s in alone], alone_wall),
             "mode": mode.name.lower() if mode is not None else "greedy",
             # greedy and coupled outputs are target-alone's exactly; sample mode matches it in distribution only
-            "identical": [a for a, _ in alone] == [s for s, _ in spec] if mode != P.Mode.SAMPLE else None}
+            "identical": [a for a, _ in alone] == [s for s, _ in spec] if mode != P.Mode.SAMPLE else None,
+            "objective": config.objective.name.lower(), "link": linked}
+
+
+async def run_over_link(frontend: str, edge, ids: list[list[int]], config, alone_config, rtt_ms: float) -> dict:
+    """Target alone, then speculative, through a relay that delays each direction by rtt_ms / 2: a second edge
+    (same draft model) connects to the broker through it."""
+    from .bench.link import LinkRelay, LinkSpec
+    from .edge_worker.server import EdgeWorker
+
+    rows = {}
+    with LinkRelay(LinkSpec.parse(f"{rtt_ms}ms"), frontend, rate_by="relay") as relay:
+        async with EdgeWorker(relay.endpoint, edge.drafter, edge.tokenizer, edge.config) as far:
+            await far.generate(ids[0], config)  # warm-up: auto learns this link's round trip
+            for name, cfg in (("target_alone", alone_config), ("speculative", config)):
+                with Progress(f"generating {len(ids)} prompts over a {rtt_ms:g} ms link, {name.replace('_', ' ')}"):
+                    t0 = time.perf_counter()
+                    outs = await asyncio.gather(*(far.generate(i, cfg) for i in ids))
+                rows[name] = totals([{"stats": s} for _, s in outs], time.perf_counter() - t0)
+    return {"rtt_ms": rtt_ms, **rows}
 
 
 def load_prompts(args) -> list[str]:
@@ -141,14 +177,18 @@ def main(args) -> int:
                                env={"SPECRELAY_LOG_LEVEL": args.log_level or "warning"}).__enter__()
     try:
         out = run_async(run_demo(cluster.frontend, models / args.draft, prompts, args.max_new_tokens,
-                                 args.temperature, args.resample, args.mode))
+                                 args.temperature, args.resample, args.mode, args.link_ms, args.objective))
     finally:
         cluster.stop()
     for r in out["results"]:
         print("=" * 72)
         print(r["prompt"] + r["text"])
     print("=" * 72)
-    print("\n".join(summary(out["speculative"], out["target_alone"], len(prompts))))
+    print("\n".join(summary(out["speculative"], out["target_alone"], len(prompts), out["objective"])))
+    if out["link"]:
+        print("\n".join(link_summary(out["link"]["speculative"], out["link"]["target_alone"], args.link_ms)))
+    if out["speculative"]["tokens_per_s"] < 1.1 * out["target_alone"]["tokens_per_s"]:
+        print(LOOPBACK_NOTE)
     if out["identical"] is not None:
         print(f"{out['mode']} output{' ' * (16 - len(out['mode']))}{'identical' if out['identical'] else 'DIFFERENT'} "
               "to target alone")

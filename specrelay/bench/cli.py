@@ -60,6 +60,8 @@ def parser() -> argparse.ArgumentParser:
                         "token bucket, or tbf when it can be set up (auto); the results say which ran")
     p.add_argument("--sessions", type=int, default=16, help="sessions in flight at once")
     p.add_argument("--draft-lens", default="0,2,4,8,auto", help="comma-separated draft lengths, 'auto' included")
+    p.add_argument("--objectives", default="balanced",
+                   help="what auto optimises, comma-separated (speed,balanced,cloud): one auto row each")
     p.add_argument("--predraft", choices=("on", "off", "compare"), default="on",
                    help="pre-drafting while a VERIFY is in flight; compare = every draft length with and without")
     p.add_argument("--repeat", type=int, default=1,
@@ -84,6 +86,8 @@ def parser() -> argparse.ArgumentParser:
                    help="what limits a link's RATE: tbf on a veth pair into a namespace (needs root), the relay's "
                         "token bucket, or tbf when it can be set up (auto); the results say which ran")
     p.add_argument("--draft-len", default="auto")
+    p.add_argument("--objective", choices=("speed", "balanced", "cloud"), default="balanced",
+                   help="what auto optimises on every edge")
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--sample-every", type=float, default=2.0, help="seconds between RSS samples")
 

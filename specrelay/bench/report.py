@@ -10,7 +10,7 @@ from pathlib import Path
 
 from . import plots as plotting
 
-SWEEP_COLUMNS = [("link", "link"), ("draft_len", "d"), ("predraft", "pre-draft"), ("tokens_per_s", "tokens/s"),
+SWEEP_COLUMNS = [("link", "link"), ("draft_len", "d"), ("objective", "objective"), ("predraft", "pre-draft"), ("tokens_per_s", "tokens/s"),
                  ("speedup_vs_target_alone", "× target alone"), ("cloud_calls_per_token", "cloud calls/token"),
                  ("theoretical_cloud_calls_per_token", "theory"), ("calls_vs_theory", "ratio"),
                  ("acceptance_rate", "acceptance"), ("mean_draft_len", "mean d"),
@@ -23,7 +23,7 @@ ORDER = ["sweep", "stress", "calls", "concurrency", "hf", "xvocab", "srdv_k", "w
 def row_line(row: dict) -> str:
     """One console line per sweep row / stress summary."""
     if "predraft" in row:  # a sweep row (a stress summary has a draft_len too)
-        return (f"{row['link']:<40.40} d={str(row['draft_len']):>4} predraft={str(row['predraft']):<5} "
+        return (f"{row['link']:<40.40} d={str(row['draft_len']):>4} {row.get('objective') or '':<8} predraft={str(row['predraft']):<5} "
                 f"{row['tokens_per_s']:8.1f} tok/s  x{row['speedup_vs_target_alone']:.2f}  calls/tok "
                 f"{row['cloud_calls_per_token']:.3f} (theory {row['theoretical_cloud_calls_per_token']})  "
                 f"identical={row['outputs_identical_to_target_alone']}")

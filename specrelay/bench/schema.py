@@ -9,6 +9,7 @@ OPT_NUM = (int, float, type(None))
 
 SWEEP_ROW: dict[str, tuple[tuple[type, ...], str]] = {
     "draft_len": ((int, str), "draft tokens per VERIFY, or \"auto\" (goodput-driven, edge_worker/draftlen.py)"),
+    "objective": ((str, type(None)), "what auto optimised: speed | balanced | cloud (null for a fixed length)"),
     "predraft": ((bool,), "pre-drafting while a VERIFY is in flight"),
     "link": ((str,), "the link emulation that ran (\"none (loopback)\" or the relay's RTT and rate)"),
     "link_rtt_ms": (NUM, "requested round-trip time, ms"),
@@ -61,6 +62,7 @@ STRESS_SUMMARY: dict[str, tuple[tuple[type, ...], str]] = {
     "itl_ms_p50": (OPT_NUM, "inter-token latency (gap between TOKENS messages), median, ms"),
     "itl_ms_p99": (OPT_NUM, "the same, 99th percentile"),
     "cloud_busy_s_per_token": (OPT_NUM, "seconds the workers spent in forward passes / generated token"),
+    "cloud_calls_per_token": (OPT_NUM, "VERIFYs the workers ran / generated token (same span)"),
     "errors": ((int,), "generations that failed (all codes)"),
     "errors_by_code": ((dict,), "failed generations by error code"),
     "outputs_checked": ((int,), "greedy outputs compared with the target alone"),

@@ -136,7 +136,8 @@ def run(args) -> dict:
                 listen, port = f"tcp://127.0.0.1:{free_port()}", free_port()
                 extra = ["--target-tokenizer", args.target_tokenizer] if args.target_tokenizer else []
                 proc = cluster._spawn("edge-worker", "--broker", relay.endpoint, "--draft-model", args.draft,
-                                      "--listen", listen, "--health-port", str(port), *extra)
+                                      "--listen", listen, "--health-port", str(port), "--objective",
+                                      args.objective, *extra)
                 cluster._wait_healthy(port, proc, f"edge worker {len(edges)}")
                 edges.append((listen, proc))
             procs = {"broker": cluster.broker.pid,
@@ -211,19 +212,22 @@ def summarise(args, probe: dict, warmup: float, m: dict, refs: dict) -> dict:
             errors[g.error] = errors.get(g.error, 0) + 1
     checked = [g for g in gens if g.error is None]
     mismatched = [g for g in checked if g.ids != refs.get(g.prompt)]
-    busy = m["cloud"]["end"]["forward_seconds"] - m["cloud"]["warm"]["forward_seconds"] if len(m["cloud"]) == 2 else None
+    scraped = len(m["cloud"]) == 2
+    busy = m["cloud"]["end"]["forward_seconds"] - m["cloud"]["warm"]["forward_seconds"] if scraped else None
+    calls = m["cloud"]["end"]["verify_requests"] - m["cloud"]["warm"]["verify_requests"] if scraped else None
     tokens_in_scrape = sum(len(g.ids) for g in ok if g.end <= m["end_at"])  # the span the busy time covers
     rss = rss_growth(m["rss"], warmup)
     growth = [v["growth"] for v in rss.values() if v["growth"] is not None]
     summary = {
         "edges": args.edges, "sessions_per_edge": args.sessions_per_edge, "cloud_workers": args.cloud_workers,
         **probe, "duration_s": round(span, 1), "warmup_s": warmup,
-        "draft_len": args.draft_len, "max_new_tokens": args.max_new_tokens, "generations": len(ok),
+        "draft_len": args.draft_len, "objective": args.objective, "max_new_tokens": args.max_new_tokens, "generations": len(ok),
         "generated_tokens": tokens, "tokens_per_s": round(tokens / span, 2),
         "session_tokens_per_s_p50": round(statistics.median(per_session), 2) if per_session else 0.0,
         "session_tokens_per_s_p10": round(per_session[len(per_session) // 10], 2) if per_session else 0.0,
         "itl_ms_p50": _pct(gaps, 50), "itl_ms_p99": _pct(gaps, 99),
         "cloud_busy_s_per_token": round(busy / tokens_in_scrape, 5) if busy is not None and tokens_in_scrape else None,
+        "cloud_calls_per_token": round(calls / tokens_in_scrape, 4) if calls is not None and tokens_in_scrape else None,
         "errors": sum(errors.values()), "errors_by_code": errors, "outputs_checked": len(checked),
         "outputs_mismatched": len(mismatched), "rss_growth_max": max(growth) if growth else None, "rss": rss,
     }

@@ -7,6 +7,7 @@ of the broker's frontend and in-process edges connect through it. Configurations
 them alike; tokens/s = all tokens / all wall time of a configuration. By default the edge side is pinned to CPU
 0 and the cloud side to the other CPUs (`--no-pin` to share), as if on separate machines.
 `--draft-len 0` (the target alone through the same path) always runs: it is the reference for speed and output.
+`auto` runs once per `--objectives` entry (rows carry `objective`), each on an edge of its own.
 """
 
 from __future__ import annotations
@@ -22,19 +23,33 @@ from .link import LinkRelay, LinkSpec, measure_rtt
 from .runs import SessionRun, cpu_seconds, load_prompts, pin, run_sessions, split_cpus
 
 AUTO = "auto"
+OBJECTIVES = ("speed", "balanced", "cloud")
 
 
-def parse_lens(text: str) -> list[int | str]:
+def parse_lens(text: str, objectives: str = "balanced") -> list[int | str]:
+    """Draft lengths: integers, and `auto` once per objective as "auto:OBJECTIVE"; 0 always first."""
+    chosen = [o.strip().lower() for o in objectives.split(",") if o.strip()]
+    if not chosen or any(o not in OBJECTIVES for o in chosen):
+        raise SystemExit(f"--objectives takes {', '.join(OBJECTIVES)}, got {objectives!r}")
     lens: list[int | str] = []
     for part in text.split(","):
         part = part.strip().lower()
         if part == AUTO:
-            lens.append(AUTO)
+            lens += [f"{AUTO}:{o}" for o in chosen]
         elif part.isdigit():
             lens.append(int(part))
         else:
             raise SystemExit(f"--draft-lens takes integers and 'auto', got {part!r}")
     return ([0] if 0 not in lens else []) + lens
+
+
+def is_auto(d) -> bool:
+    return isinstance(d, str)
+
+
+def objective_of(d) -> str | None:
+    """The objective of an "auto:OBJECTIVE" configuration; None for a fixed length."""
+    return d.split(":", 1)[1] if is_auto(d) else None
 
 
 @dataclass
@@ -87,7 +102,7 @@ def run(args) -> dict:
     from ..cluster import LocalCluster
 
     links = [LinkSpec.parse(x) for x in (args.link or ["0"])]
-    lens = parse_lens(args.draft_lens)
+    lens = parse_lens(args.draft_lens, args.objectives)
     texts = load_prompts(args.prompts, args.num_prompts or max(8, 2 * args.sessions))
     configs = [(d, p) for d in lens for p in _predraft_modes(args.predraft, d)]
     rows, itl = [], {}
@@ -176,8 +191,8 @@ async def _sweep_link(args, endpoint: str, worker_ports: list[int], pids: list[i
         for key in {_edge_key(d, predraft) for d, predraft in configs}:
             config = EdgeConfig(request_timeout_s=120.0, retry_budget_s=120.0, predraft=key[1])
             edges[key] = await stack.enter_async_context(EdgeWorker(endpoint, drafter, tokenizer, config))
-            if key[0] == AUTO:  # warm-up: the controller learns this link and this load
-                await run_sessions(edges[key], slices[0], _session_config(args, AUTO), args.sessions)
+            if is_auto(key[0]):  # warm-up: the controller learns this link and this load
+                await run_sessions(edges[key], slices[0], _session_config(args, key[0]), args.sessions)
         total = len(configs) * args.repeat * len(texts) * args.max_new_tokens
         with tqdm(total=total, unit="tok", desc="sweep", leave=False, disable=None) as bar:
             for r in range(args.repeat):
@@ -193,7 +208,7 @@ async def _sweep_link(args, endpoint: str, worker_ports: list[int], pids: list[i
 
 
 def _edge_key(d, predraft: bool) -> tuple[str, bool]:
-    return ("auto" if d == AUTO else "fixed", predraft)
+    return (d if is_auto(d) else "fixed", predraft)
 
 
 def _session_config(args, d):
@@ -201,7 +216,8 @@ def _session_config(args, d):
     from ..edge_worker.session import SessionConfig
 
     return SessionConfig(max_new_tokens=args.max_new_tokens, params=SamplingParams(args.temperature),
-                         mode=args.mode, seed=args.seed, draft_len=None if d == AUTO else d)
+                         mode=args.mode, seed=args.seed, draft_len=None if is_auto(d) else d,
+                         objective=objective_of(d) or "balanced")
 
 
 def _cpu(pids: list[int]) -> dict[str, float]:
@@ -226,7 +242,7 @@ def make_row(args, link: LinkSpec, described: str, probe: dict, d, predraft: boo
     gaps = [g for r in ok for g in r.gaps_ms()]
     tpot = [(r.commits[-1][0] - r.commits[0][0]) * 1e3 / (len(r.ids) - 1) for r in ok if len(r.ids) > 1]
     return {
-        "draft_len": d, "predraft": predraft, "link": described, "link_rtt_ms": round(link.rtt_s * 1e3, 3),
+        "draft_len": AUTO if is_auto(d) else d, "objective": objective_of(d), "predraft": predraft, "link": described, "link_rtt_ms": round(link.rtt_s * 1e3, 3),
         "link_rate_mbit": None if link.rate_bps is None else link.rate_bps / 1e6, **probe,
         "sessions": args.sessions, "prompts": n_prompts, "max_new_tokens": args.max_new_tokens,
         "repeats": len(tally.tokens), "tokens_per_s": round(tps, 2),
@@ -266,16 +282,17 @@ def evaluate(rows: list[dict]) -> dict:
                  "calls_le_1.02x_theory": bool(calls) and max(calls) <= 1.02, "auto_vs_best_fixed": {},
                  "predraft_gain": {}}
     for (link, predraft), group in _groups(rows).items():
-        auto = next((r for r in group if r["draft_len"] == AUTO), None)
         fixed = [r for r in group if r["draft_len"] != AUTO]
-        if auto and fixed:
-            best = max(fixed, key=lambda r: r["tokens_per_s"])
-            out["auto_vs_best_fixed"][f"{link} predraft={predraft}"] = {
+        best = max(fixed, key=lambda r: r["tokens_per_s"]) if fixed else None
+        for auto in (r for r in group if r["draft_len"] == AUTO and best):
+            out["auto_vs_best_fixed"][f"{link} predraft={predraft} objective={auto['objective']}"] = {
                 "auto": auto["tokens_per_s"], "best_fixed_draft_len": best["draft_len"],
                 "best_fixed": best["tokens_per_s"], "ratio": round(auto["tokens_per_s"] / best["tokens_per_s"], 3),
                 "auto_ge_0.97x_best": auto["tokens_per_s"] >= 0.97 * best["tokens_per_s"],
                 "auto_ge_target_alone": auto["speedup_vs_target_alone"] >= 1.0,
-                "speedup_vs_target_alone": auto["speedup_vs_target_alone"]}
+                "speedup_vs_target_alone": auto["speedup_vs_target_alone"],
+                "cloud_calls_per_token": auto["cloud_calls_per_token"],
+                "best_fixed_cloud_calls_per_token": best["cloud_calls_per_token"]}
     for r in rows:
         twin = next((x for x in rows if x["link"] == r["link"] and x["draft_len"] == r["draft_len"]
                      and r["predraft"] and not x["predraft"]), None)

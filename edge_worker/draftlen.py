@@ -43,8 +43,8 @@ PREDRAFT_SHARE = 0.7         # pre-drafting stops this far into the expected wai
 SHARED_EVERY = 8             # rounds (of all sessions) between two choices of a busy edge's shared length
 TIE = 0.01                   # speed: a shorter draft within 1 % of the best rate wins (the rate is flat near its
                              # top and its estimate noisy; a shorter draft wastes less of the cloud)
-TOLERANCE = {Objective.SPEED: 0.0, Objective.BALANCED: 0.10, Objective.CLOUD: 0.30}  # rate given up for fewer calls
-SATURATED = 0.40             # every objective's tolerance when the cloud is saturated (utilisation >= BUSY_FULL)
+TOLERANCE = {Objective.SPEED: 0.0, Objective.BALANCED: 0.10}  # share of the best rate given up for fewer calls
+SATURATED = 0.40             # speed's and balanced's tolerance when the cloud is saturated (utilisation >= BUSY_FULL)
 BUSY_KNEE, BUSY_FULL = 0.85, 0.98  # the cloud's utilisation from which the price of a call rises, and where it tops
 DRAFT_PRIOR = 0.25           # a draft step's cost relative to the forward pass's fixed cost, until one is timed
 
@@ -155,7 +155,8 @@ class EdgeEstimates:
     row_extra: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 0.0))  # tokens per row besides d + 1
     prefill: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 0.0))    # prompt tokens per pass
     busy: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 0.0))       # the cloud's utilisation, 0..1
-    steps_per_token: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 1.0))  # draft steps per block token
+    steps_per_token: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 1.0))  # draft steps per target token
+    lookahead: int = 0  # target tokens drafted past a block (1 for a cross-vocabulary draft: the last may grow)
     rounds: int = 0                                                           # rounds observed (all sessions)
     sessions: int = 1                                                         # sessions in flight (the shell's)
     _shared: dict = field(default_factory=dict)                              # objective -> (shared d, at round)
@@ -166,9 +167,25 @@ class EdgeEstimates:
         longest job and a session drafting longer than the rest delays them all."""
         chosen = self._shared.get(objective)
         if chosen is None or self.rounds - chosen[1] >= SHARED_EVERY:
-            d = best_length(self.prior_rates(top + 1), self.round_model(), top, self.tolerance(objective))
+            d = self.best_length(self.prior_rates(top + 1), top, objective)
             chosen = self._shared[objective] = (d, self.rounds)
         return chosen[0]
+
+    def best_length(self, a: list[float], top: int, objective: Objective) -> int:
+        """The objective's d at acceptance a_0..a_top: `speed` and `balanced` trade the session's rate for calls
+        within their tolerance; `cloud` minimises the cloud's time per committed token (cloud_length), and never
+        makes more calls than `balanced` would."""
+        if objective == Objective.CLOUD:
+            return max(cloud_length(a, self.row_share, top), self.best_length(a, top, Objective.BALANCED))
+        return best_length(a, self.round_model(), top, self.tolerance(objective))
+
+    def row_share(self, d: int) -> float:
+        """The cloud's time one row drafting d costs: its share F(d) / B of a forward pass (mean field), or,
+        without load hints, the measured latency line."""
+        if not self.forward.known:
+            l0, l1 = self.latency.fit() if self.latency.known else (10.0, 10.0 * CLOUD_SLOPE_PRIOR)
+            return l0 + l1 * (d + 1)
+        return self.forward_time(d) / max(1.0, self.batch.value)
 
     def tolerance(self, objective: Objective) -> float:
         """The objective's tolerance at the cloud's measured utilisation."""
@@ -181,11 +198,15 @@ class EdgeEstimates:
         return rates + [tail] * (n - len(rates))
 
     def observe_block_steps(self, steps: int, tokens: int) -> None:
-        """A block of `tokens` target tokens took `steps` draft-model steps: 1 with one vocabulary; a
-        cross-vocabulary draft writes text in its own (finer) vocabulary, re-tokenised for the target
-        (edge_worker/xdrafter.py), and drafts on until the last token is final."""
-        if tokens > 0:
-            self.steps_per_token.observe(steps / tokens)
+        """A cross-vocabulary block of `tokens` target tokens took `steps` draft-model steps: the draft writes text
+        in its own (finer) vocabulary, re-tokenised for the target (edge_worker/xdrafter.py), and drafts one
+        target token past the block (the last may still grow): steps = s * (d + 1)."""
+        self.lookahead = 1
+        self.steps_per_token.observe(steps / (tokens + 1))
+
+    def draft_steps(self, d: int) -> float:
+        """Draft-model steps for a block of d target tokens (d with one vocabulary)."""
+        return self.steps_per_token.value * (d + self.lookahead) if d > 0 else 0.0
 
     def observe_steps(self, steps: int, seconds: float) -> None:
         """The draft thread ran a lockstep batch of `steps` steps in `seconds` (pre-draft chunks included)."""
@@ -249,13 +270,14 @@ class EdgeEstimates:
 
     def round_model(self):
         """`round_time` with the fits done once: the function best_length evaluates for every candidate d."""
-        t, budget = self.draft_per_step() * self.steps_per_token.value, self.predraft_budget()  # per block token
+        t, budget = self.draft_per_step(), self.predraft_budget()
         wait = self.rtt.value + self.queue.value
         fit = self.forward.fit() if self.forward.known else None
         l0, l1 = self.latency.fit() if self.latency.known else (10.0, 10.0 * CLOUD_SLOPE_PRIOR)
 
         def model(d: int, p_next: float) -> float:
-            draft = t * (d - p_next * min(d, max(0, budget - 1))) if d > 0 else 0.0
+            saved = p_next * min(d, max(0, budget - 1)) * self.steps_per_token.value  # steps pre-drafted
+            draft = t * max(0.0, self.draft_steps(d) - saved)
             if fit is None:  # no load hints: the measured latency line
                 return draft + l0 + l1 * (d + 1)
             return draft + wait + self.forward_time(d, fit)
@@ -277,10 +299,22 @@ def best_length(a: list[float], round_time, top: int, tolerance: float = 0.0) ->
     return max(d for d, rate in enumerate(rates) if rate >= (1 - tolerance) * best)
 
 
+def cloud_length(a: list[float], row_share, top: int) -> int:
+    """The longest d within TIE of the least cloud time per committed token, row_share(d) / E(d): a longer draft
+    saves calls (E grows) until the rejected tokens it makes the cloud verify cost more than the calls saved."""
+    costs, expected, p = [], 0.0, 1.0  # p = P_d, expected = E(d)
+    for d in range(top + 1):
+        expected += p
+        p *= a[d]
+        costs.append(row_share(d) / expected)
+    least = min(costs)
+    return max(d for d, cost in enumerate(costs) if cost <= (1 + TIE) * least)
+
+
 def tolerance(objective: Objective, busy: float) -> float:
     """The share of the best rate an objective gives up for fewer cloud calls, at the cloud's utilisation `busy`
     (0..1): its own below BUSY_KNEE, rising linearly to SATURATED at BUSY_FULL."""
-    own = TOLERANCE[objective]
+    own = TOLERANCE.get(objective, SATURATED)
     pressure = min(1.0, max(0.0, (busy - BUSY_KNEE) / (BUSY_FULL - BUSY_KNEE)))
     return own + max(0.0, SATURATED - own) * pressure
 
@@ -309,7 +343,7 @@ class GoodputController:
             return 1
         if self.edge.sessions > 1:
             return min(top, self.edge.shared(self.max_len, self.objective))
-        return best_length(self.rates(top + 1), self.edge.round_model(), top, self.edge.tolerance(self.objective))
+        return self.edge.best_length(self.rates(top + 1), top, self.objective)
 
     def observe_block(self, d: int, n_accepted: int, bonus_match: bool | None = None) -> None:
         informative = d > 0 or bonus_match is not None

@@ -44,7 +44,7 @@ def parse_lens(text: str, objectives: str = "balanced") -> list[int | str]:
 
 
 def is_auto(d) -> bool:
-    return isinstance(d, str)
+    return isinstance(d, str) and d.startswith(AUTO)
 
 
 def objective_of(d) -> str | None:

@@ -110,6 +110,7 @@ def parser() -> argparse.ArgumentParser:
                            help="what auto optimises")
             p.add_argument("--concurrency", type=int, default=8, help="sessions in flight at once")
             p.add_argument("--xv", action="store_true", help="the cross-vocabulary pair (demo-draft-xv)")
+            p.add_argument("--link", default="0", metavar="RTT", help="emulated edge<->broker link (default 0)")
     for name, (module, _) in EXTERNAL.items():  # listed for --help; main() hands their arguments to the module
         sub.add_parser(name, help=f"{module} (specrelay bench {name} --help)")
     p = sub.add_parser("all", help="every benchmark in specrelay.bench.legacy, default settings")

@@ -23,18 +23,20 @@ def bench_calls(args) -> dict:
     """Cloud calls per token through the broker, greedy, under --draft-len (auto: under --objective) against
     --draft-len 0 (whose output is the target alone's); per-position acceptance and the lengths auto chose."""
     from ..cluster import LocalCluster
+    from .link import LinkRelay, LinkSpec
 
     texts = load_prompts(args.prompts, args.num_prompts)
     draft_len = None if args.draft_len == "auto" else int(args.draft_len)
     run = dict(target_tok=args.target_tokenizer, max_new_tokens=args.max_new_tokens)
-    with LocalCluster(args.target) as c:
-        spec, wall = asyncio.run(run_edge(c.frontend, args.draft, texts, args.concurrency, draft_len=draft_len,
+    with LocalCluster(args.target) as c, LinkRelay(LinkSpec.parse(args.link), c.frontend, rate_by="relay") as link:
+        spec, wall = asyncio.run(run_edge(link.endpoint, args.draft, texts, args.concurrency, draft_len=draft_len,
                                           objective=args.objective, **run))
-        base, base_wall = asyncio.run(run_edge(c.frontend, args.draft, texts, args.concurrency, draft_len=0, **run))
+        base, base_wall = asyncio.run(run_edge(link.endpoint, args.draft, texts, args.concurrency, draft_len=0,
+                                               **run))
     s, b = totals(spec), totals(base)
     per_tok = s["cloud_calls"] / s["generated_tokens"]
     return {"prompts": len(texts), "max_new_tokens": args.max_new_tokens, "draft": args.draft,
-            "cross_vocab": bool(args.target_tokenizer), "concurrency": args.concurrency,
+            "cross_vocab": bool(args.target_tokenizer), "concurrency": args.concurrency, "link": link.described,
             "draft_len": args.draft_len, "objective": args.objective,
             "generated_tokens": s["generated_tokens"], "cloud_calls": s["cloud_calls"],
             "cloud_calls_per_token": round(per_tok, 4),

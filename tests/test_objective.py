@@ -157,3 +157,18 @@ def test_sweep_runs_auto_once_per_objective():
     with pytest.raises(SystemExit):
         parse_lens("auto", "fastest")
     assert not is_auto("fixed") and is_auto("auto:cloud")  # the edge keys of fixed lengths are "fixed"
+
+
+def test_report_merge_regenerates_only_what_was_rerun(tmp_path):
+    import json
+
+    from specrelay.bench.report import render_docs
+
+    docs, out = tmp_path / "benchmarks.md", tmp_path / "out"
+    out.mkdir()
+    docs.write_text("# Measured numbers\n\n## sweep-s16\n\nold sweep table\n\n## calls\n\nold calls\n\n"
+                    "## JSON schema\n\nold schema\n")
+    (out / "calls.json").write_text(json.dumps({"bench": "calls", "meta": {}, "cloud_calls_per_token": 0.23}))
+    text = render_docs(out, docs, tmp_path / "img", merge=True).read_text()
+    assert "old sweep table" in text and "old calls" not in text and "0.23" in text
+    assert "old schema" not in text and text.count("## JSON schema") == 1

@@ -95,6 +95,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=DEFAULT_OUT)
     p.add_argument("--docs", default="docs/benchmarks.md", help="markdown file to write")
     p.add_argument("--images", default="docs/bench", help="directory the plots are copied to")
+    p.add_argument("--merge", action="store_true", help="keep the sections of --docs that no result in --out "
+                   "replaces (regenerate only what was rerun)")
 
     sub.add_parser("schema", help="print the JSON schema of sweep rows and stress results")
 
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.name == "report":
         from .report import render_docs
-        print(f"-> {render_docs(args.out, args.docs, args.images)}", file=sys.stderr)
+        print(f"-> {render_docs(args.out, args.docs, args.images, args.merge)}", file=sys.stderr)
         return 0
     return _run(args, argv)
 

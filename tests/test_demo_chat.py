@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 from conftest import MODELS, demo_available
 from specrelay.edge_worker.api import ChatRequest, chat_prompt_ids, parse
 
-pytestmark = pytest.mark.skipif(not demo_available(), reason="demo models not trained")
+pytestmark = [pytest.mark.demo, pytest.mark.skipif(not demo_available(), reason="demo models not trained")]
 
 
 @pytest.mark.parametrize("name", ["demo-target", "demo-draft"])

@@ -170,4 +170,7 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
         write_result(args.out, name, result)
         report.write_outputs(args.out, name, result, plots=not args.no_plots)
         print(json.dumps(result, indent=None if args.json else 1))
+        if name == "wire":  # README's "Wire protocol" table, as tests/test_readme_wire.py expects it
+            from .legacy import wire_markdown
+            print(wire_markdown(result), file=sys.stderr)
     return 0

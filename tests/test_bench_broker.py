@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from specrelay.bench.broker_load import main
+
+pytestmark = pytest.mark.process  # bench broker starts a broker process
 
 
 def test_bench_broker_routes_round_trips_without_errors(tmp_path, capsys):

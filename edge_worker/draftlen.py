@@ -46,6 +46,9 @@ TIE = 0.01                   # speed: a shorter draft within 1 % of the best rat
 TOLERANCE = {Objective.SPEED: 0.0, Objective.BALANCED: 0.10}  # share of the best rate given up for fewer calls
 SATURATED = 0.40             # speed's and balanced's tolerance when the cloud is saturated (utilisation >= BUSY_FULL)
 BUSY_KNEE, BUSY_FULL = 0.85, 0.98  # the cloud's utilisation from which the price of a call rises, and where it tops
+PROBE_EVERY = 4              # at d = 0, one round in 4 pre-drafts the guess for the next token (an acceptance
+                             # sample): the draft's catch-up and steps are not free on an edge whose CPU is busy,
+                             # and a cross-vocabulary guess takes ~3 draft steps and a re-tokenisation
 DRAFT_PRIOR = 0.25           # a draft step's cost relative to the forward pass's fixed cost, until one is timed
 
 
@@ -322,14 +325,19 @@ def tolerance(objective: Objective, busy: float) -> float:
 class GoodputController:
     """One session's draft length: its own acceptance (starting from the edge's pooled rates), the edge's costs."""
 
-    probes = True  # at d = 0 the shell may still pre-draft the next token: a free acceptance sample
 
     def __init__(self, edge: EdgeEstimates | None = None, max_len: int = AUTO_MAX,
                  objective: Objective = Objective.BALANCED) -> None:
         self.edge, self.objective = edge or EdgeEstimates(), objective
         self.max_len = min(max_len, MAX_DRAFT)
         self.own = AcceptanceCounts(SESSION_DECAY)
-        self.zero_rounds = 0  # consecutive rounds at d = 0
+        self.zero_rounds = 0  # consecutive rounds at d = 0 that taught nothing
+        self.rounds_at_zero = 0  # consecutive rounds at d = 0
+
+    @property
+    def probes(self) -> bool:
+        """Whether the shell may pre-draft the next token at d = 0 (one round in PROBE_EVERY)."""
+        return self.rounds_at_zero % PROBE_EVERY == 0
 
     def rates(self, n: int) -> list[float]:
         return self.own.rates(n, self.edge.prior_rates(n), SESSION_PRIOR_WEIGHT)
@@ -348,6 +356,7 @@ class GoodputController:
     def observe_block(self, d: int, n_accepted: int, bonus_match: bool | None = None) -> None:
         informative = d > 0 or bonus_match is not None
         self.zero_rounds = 0 if informative else self.zero_rounds + 1
+        self.rounds_at_zero = self.rounds_at_zero + 1 if d == 0 else 0
         if informative:
             self.own.observe(d, n_accepted, bonus_match)
             self.edge.acceptance.observe(d, n_accepted, bonus_match)

@@ -172,3 +172,16 @@ def test_report_merge_regenerates_only_what_was_rerun(tmp_path):
     text = render_docs(out, docs, tmp_path / "img", merge=True).read_text()
     assert "old sweep table" in text and "old calls" not in text and "0.23" in text
     assert "old schema" not in text and text.count("## JSON schema") == 1
+
+
+def test_at_d_0_one_round_in_four_probes():
+    from specrelay.edge_worker.draftlen import PROBE_EVERY, GoodputController
+
+    ctl = GoodputController()
+    seen = []
+    for _ in range(2 * PROBE_EVERY):
+        seen.append(ctl.probes)
+        ctl.observe_block(0, 0, bonus_match=True if ctl.probes else None)
+    assert seen == ([True] + [False] * (PROBE_EVERY - 1)) * 2
+    ctl.observe_block(3, 2)  # drafting again: the next d = 0 round probes at once
+    assert ctl.probes

@@ -48,7 +48,8 @@ SATURATED = 0.40             # speed's and balanced's tolerance when the cloud i
 BUSY_KNEE, BUSY_FULL = 0.85, 0.98  # the cloud's utilisation from which the price of a call rises, and where it tops
 PROBE_EVERY = 4              # at d = 0, one round in 4 pre-drafts the guess for the next token (an acceptance
                              # sample): the draft's catch-up and steps are not free on an edge whose CPU is busy,
-                             # and a cross-vocabulary guess takes ~3 draft steps and a re-tokenisation
+                             # (a cross-vocabulary guess takes ~3 draft steps and a re-tokenisation: one round in
+                             # EXPLORE_AFTER then)
 DRAFT_PRIOR = 0.25           # a draft step's cost relative to the forward pass's fixed cost, until one is timed
 
 
@@ -336,8 +337,9 @@ class GoodputController:
 
     @property
     def probes(self) -> bool:
-        """Whether the shell may pre-draft the next token at d = 0 (one round in PROBE_EVERY)."""
-        return self.rounds_at_zero % PROBE_EVERY == 0
+        """Whether the shell may pre-draft the next token at d = 0 (one round in PROBE_EVERY, in EXPLORE_AFTER
+        with a cross-vocabulary draft)."""
+        return self.rounds_at_zero % (EXPLORE_AFTER if self.edge.lookahead else PROBE_EVERY) == 0
 
     def rates(self, n: int) -> list[float]:
         return self.own.rates(n, self.edge.prior_rates(n), SESSION_PRIOR_WEIGHT)

@@ -185,3 +185,10 @@ def test_at_d_0_one_round_in_four_probes():
     assert seen == ([True] + [False] * (PROBE_EVERY - 1)) * 2
     ctl.observe_block(3, 2)  # drafting again: the next d = 0 round probes at once
     assert ctl.probes
+    ctl.edge.observe_block_steps(9, 3)  # a cross-vocabulary draft: one round in EXPLORE_AFTER
+    from specrelay.edge_worker.draftlen import EXPLORE_AFTER
+    seen = []
+    for _ in range(EXPLORE_AFTER):
+        seen.append(ctl.probes)
+        ctl.observe_block(0, 0)
+    assert seen == [True] + [False] * (EXPLORE_AFTER - 1)

@@ -98,9 +98,10 @@ def cmd_edge_worker(args) -> int:
 
     async def main() -> None:
         warning = warn_if_unreachable(args.broker, args.connect_timeout, curve=curve)
+        config = EdgeConfig(retry_budget_s=args.retry_budget, max_context=args.max_model_len)
         await serve(args.broker, args.draft_model, args.listen, args.target_tokenizer, device=args.device,
-                    dtype=args.dtype, config=EdgeConfig(retry_budget_s=args.retry_budget), curve=curve,
-                    http=args.http, served_model_name=args.served_model_name, health_port=args.health_port,
+                    dtype=args.dtype, config=config, curve=curve, http=args.http, http_limits=http_limits(args),
+                    served_model_name=args.served_model_name, health_port=args.health_port,
                     health_host=args.health_host)
         warning.cancel()
 
@@ -118,7 +119,7 @@ def cmd_serve(args) -> int:
     set_threads()
     from .onebox import serve
 
-    run_async(serve(args))
+    run_async(serve(args, http_limits(args)))
     return 0
 
 
@@ -137,6 +138,21 @@ def check_ports(args) -> None:
                 sock.bind((host, number))
             except OSError as exc:
                 raise ConfigError(f"{flag}: cannot listen on {host}:{number}: {exc.strerror or exc}") from None
+
+
+def http_limits(args):
+    """The HTTP API's guards from --api-key / --api-key-file / SPECRELAY_API_KEY and the limit flags."""
+    from .common.errors import ConfigError
+    from .edge_worker.httpguard import HttpLimits, load_api_keys
+
+    try:
+        keys = load_api_keys(args.api_key, args.api_key_file)
+        return HttpLimits(api_keys=keys, max_concurrent=args.max_concurrent_requests,
+                          max_prompt_tokens=args.max_prompt_tokens_in_flight)
+    except OSError as exc:
+        raise ConfigError(f"--api-key-file: cannot read {args.api_key_file}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ConfigError(f"--api-key: {exc}") from None
 
 
 def check_edge_models(args) -> None:
@@ -214,6 +230,16 @@ def add_http(p, default: str | None) -> None:
                    metavar="HOST:PORT", help="serve the OpenAI-compatible HTTP API here")
     p.add_argument("--served-model-name", default=defaults.SERVED_MODEL_NAME,
                    help="the `model` name the HTTP API answers to")
+    p.add_argument("--api-key", action=cliargs.Append, default=None, metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on /v1/* (repeatable; each key gets a fair share)")
+    p.add_argument("--api-key-file", default=None, metavar="PATH", help="API keys, one a line (# comments)")
+    p.add_argument("--max-concurrent-requests", type=cliargs.positive_int, default=64,
+                   help="HTTP generations in flight; more get 429 with Retry-After")
+    p.add_argument("--max-prompt-tokens-in-flight", type=cliargs.positive_int, default=1 << 19,
+                   help="prompt tokens of HTTP generations in flight (at most the broker's per-client quota)")
+    p.add_argument("--max-model-len", type=cliargs.positive_int, default=None,
+                   help="the target's context; a longer request is refused before any work (default: the target "
+                        "config next to --target-tokenizer)")
 
 
 def add_sampling(p) -> None:

@@ -24,6 +24,7 @@ import urllib.request
 
 import pytest
 
+from specrelay.bench import httpfuzz
 from specrelay.cluster import LocalCluster, free_port
 from specrelay.edge_worker.httpguard import FairShare, HttpLimits, load_api_keys
 
@@ -82,20 +83,7 @@ def stack(tiny_pair, tmp_path_factory):
 
 def post(base: str, path: str, body: dict, key: str | None = KEYS[0], timeout: float = 60) -> tuple[int, dict, dict]:
     """(status, JSON body, headers) of one POST."""
-    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
-    request = urllib.request.Request(base + path, json.dumps(body).encode(), headers)
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as r:
-            return r.status, json.loads(r.read()), dict(r.headers)
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read()), dict(exc.headers)
-
-
-def rss_kib(pid: int) -> int:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmRSS")
+    return httpfuzz.post(base, path, body, key, timeout)
 
 
 def metric(port: int, name: str) -> float:
@@ -126,42 +114,19 @@ def test_each_configured_key_is_served(stack, key):
 
 # ------------------------------------------------------------------------------------------ bodies, slow clients
 
-def send_large_body(port: int, total: int, chunked: bool) -> bytes:
-    """Send up to `total` bytes of body (1 MiB at a time) until the edge answers or closes; its answer."""
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEYS[0]}\r\n"
-            "Content-Type: application/json\r\n")
-    head += "Transfer-Encoding: chunked\r\n\r\n" if chunked else f"Content-Length: {total}\r\n\r\n"
-    chunk = b"x" * (1 << 20)
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
-        sock.sendall(head.encode())
-        try:
-            for _ in range(total // len(chunk)):
-                sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk)
-        except OSError:  # the edge closed the connection: it read no more than it had to
-            pass
-        try:
-            return sock.recv(65536)
-        except OSError:
-            return b""
-
-
 @pytest.mark.parametrize("chunked", [False, True])
 def test_a_64_mb_body_is_refused_without_being_read_whole(stack, chunked):
     pid = stack["edge"].pid
-    before = rss_kib(pid)
-    answer = send_large_body(stack["port"], 64 << 20, chunked)
-    grown_mib = (rss_kib(pid) - before) / 1024
+    before = httpfuzz.rss_kib(pid)
+    answer = httpfuzz.send_large_body(stack["port"], 64 << 20, chunked, KEYS[0])
+    grown_mib = (httpfuzz.rss_kib(pid) - before) / 1024
     assert answer == b"" or answer.startswith(b"HTTP/1.1 413"), answer[:200]
     assert grown_mib < 32, f"the edge grew {grown_mib:.0f} MiB reading a 64 MiB body"
     assert stack["edge"].poll() is None
 
 
 def test_half_sent_headers_neither_delay_a_request_nor_stay_open(stack):
-    slow = []
-    for _ in range(200):
-        sock = socket.create_connection(("127.0.0.1", stack["port"]), timeout=30)
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # never finished
-        slow.append(sock)
+    slow = httpfuzz.half_sent_heads(stack["port"], 200)
     try:
         t0 = time.monotonic()
         status, _, _ = post(stack["base"], "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2},
@@ -271,14 +236,5 @@ def test_template_errors_are_logged_not_returned(stack):
 
 @pytest.mark.parametrize("role", ["broker", "cloud worker", "edge"])
 def test_idle_connections_do_not_starve_the_health_port(stack, role):
-    port = stack["health"][role]
-    idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(64)]
-    try:
-        for _ in range(3):
-            t0 = time.monotonic()
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
-                assert r.status == 200
-            assert time.monotonic() - t0 < 1, f"{role} /healthz took {time.monotonic() - t0:.2f} s"
-    finally:
-        for sock in idle:
-            sock.close()
+    worst = httpfuzz.healthz_under_idle(stack["health"][role], n_idle=64)
+    assert worst < 1, f"{role} /healthz took {worst:.2f} s with 64 idle connections held"

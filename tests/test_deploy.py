@@ -293,3 +293,9 @@ def test_units_raise_the_open_file_limit_above_the_processes_own_caps(name):
 
     limit = int(read_unit(SYSTEMD / name)["Service"]["LimitNOFILE"][-1])
     assert limit >= 4 * (HttpLimits().max_connections + HEALTH_CONNECTIONS), f"{name}: LimitNOFILE={limit}"
+
+
+def test_edge_unit_knows_the_targets_context():
+    unit = read_unit(SYSTEMD / "specrelay-edge-worker.service")
+    args = parse_cli(["edge-worker"], unit_environment(unit, "0"))
+    assert args.max_model_len or args.target_tokenizer

@@ -453,3 +453,11 @@ def test_an_edge_on_a_pod_address_requires_api_keys(overlay):
     _, container, args = by_command(rendered()[overlay])["edge-worker"]
     if args.http and args.http[0] not in ("127.0.0.1", "::1"):
         assert args.api_key or args.api_key_file, "the edge's HTTP API listens on the pod IP without API keys"
+
+
+@every_overlay()
+def test_the_edge_knows_the_targets_context(overlay):
+    """The edge reads the target's config (its context) from the directory the Job fills: a request past the
+    context is refused before any work."""
+    _, _, args = by_command(rendered()[overlay])["edge-worker"]
+    assert args.max_model_len or args.target_tokenizer == "/models/target"

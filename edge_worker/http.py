@@ -175,6 +175,7 @@ class OpenAIApp:
     async def _complete(self, request: Request, shape: api.Shape, ids, config, stops, ticket, request_id):
         """A plain request; a watcher cancels the generation if the client disconnects first."""
         work = asyncio.create_task(self._generate(ids, config, stops, ticket))
+        work.add_done_callback(lambda _: ticket.release())  # also when cancelled before it ever ran
         gone = asyncio.create_task(_disconnected(request.receive))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)

@@ -23,6 +23,7 @@ from pathlib import Path
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from ..common.errors import ConfigError
 from .api import APIError
 
 RETRY_AFTER_S = 1
@@ -59,6 +60,19 @@ def load_api_keys(keys: list[str] | str | None, key_file: str | None) -> tuple[s
         lines = Path(key_file).read_text().splitlines()
         found += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
     return tuple(dict.fromkeys(k.strip() for k in found))
+
+
+def limits_from_args(args) -> HttpLimits:
+    """The CLI's --api-key / --api-key-file / SPECRELAY_API_KEY and limit flags; a bad one is a ConfigError."""
+    try:
+        return HttpLimits(api_keys=load_api_keys(args.api_key, args.api_key_file),
+                          max_concurrent=args.max_concurrent_requests,
+                          max_prompt_tokens=args.max_prompt_tokens_in_flight,
+                          header_timeout_s=args.http_read_timeout, body_timeout_s=3 * args.http_read_timeout)
+    except OSError as exc:
+        raise ConfigError(f"--api-key-file: cannot read {args.api_key_file}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ConfigError(f"--api-key: {exc}") from None
 
 
 # ------------------------------------------------------------------------------------------ per request

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import structlog
+
 from ..common import transport
 from ..common.errors import FatalError
 from ..common.modelsource import check_model
@@ -97,6 +99,10 @@ async def serve(broker: str, draft_model: str, listen: str | None, target_tokeni
     config = replace(config or EdgeConfig(), listen=listen)
     edge = await load_edge(broker, draft_model, target_tokenizer, device=device, dtype=dtype, config=config,
                            **options)
+    if edge.config.max_context is None:
+        structlog.get_logger("specrelay.edge").warning(
+            "the target's context is unknown (no config next to --target-tokenizer, no --max-model-len): a request "
+            "past it fails only when the cloud worker refuses it, after generating")
     stats = HttpStats()
     services = [edge] + ([HttpFrontend(edge, *http, served_model_name, stats, http_limits)] if http else [])
     services += [EdgeHealth(edge, stats, health_host, health_port)] if health_port is not None else []

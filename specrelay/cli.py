@@ -141,18 +141,9 @@ def check_ports(args) -> None:
 
 
 def http_limits(args):
-    """The HTTP API's guards from --api-key / --api-key-file / SPECRELAY_API_KEY and the limit flags."""
-    from .common.errors import ConfigError
-    from .edge_worker.httpguard import HttpLimits, load_api_keys
+    from .edge_worker.httpguard import limits_from_args
 
-    try:
-        keys = load_api_keys(args.api_key, args.api_key_file)
-        return HttpLimits(api_keys=keys, max_concurrent=args.max_concurrent_requests,
-                          max_prompt_tokens=args.max_prompt_tokens_in_flight)
-    except OSError as exc:
-        raise ConfigError(f"--api-key-file: cannot read {args.api_key_file}: {exc.strerror or exc}") from None
-    except ValueError as exc:
-        raise ConfigError(f"--api-key: {exc}") from None
+    return limits_from_args(args)
 
 
 def check_edge_models(args) -> None:
@@ -237,6 +228,8 @@ def add_http(p, default: str | None) -> None:
                    help="HTTP generations in flight; more get 429 with Retry-After")
     p.add_argument("--max-prompt-tokens-in-flight", type=cliargs.positive_int, default=1 << 19,
                    help="prompt tokens of HTTP generations in flight (at most the broker's per-client quota)")
+    p.add_argument("--http-read-timeout", type=cliargs.seconds, default=10.0, metavar="SECONDS",
+                   help="a request's head must arrive within this, its body within 3x (slow clients are closed)")
     p.add_argument("--max-model-len", type=cliargs.positive_int, default=None,
                    help="the target's context; a longer request is refused before any work (default: the target "
                         "config next to --target-tokenizer)")

@@ -3,7 +3,7 @@ broker` + `specrelay cloud-worker` (tiny target, context 512) + `specrelay edge-
 --api-key K2 --max-concurrent-requests 2` (tiny draft).
 
 No key -> 401; a 64 MB body -> 413 with the edge's RSS growing far less; 200 connections holding half-sent headers
-do not delay a legit request and are closed at the head deadline; one key cannot take the other's share (429 with
+do not delay a legit request and are closed at the head deadline, a body that stops arriving gets 408; one key cannot take the other's share (429 with
 Retry-After); a request past the target's context is a 400 before any work, on HTTP and on the ZeroMQ client; a
 chat template's error text never reaches the client; 64 idle connections to each health port leave /healthz
 answering in under 1 s.
@@ -33,21 +33,10 @@ pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny-target"
 KEYS = ("key-one", "key-two")
 CONTEXT = 512  # tests/tiny.py: the tiny target's max_position_embeddings
+READ_TIMEOUT = 3  # --http-read-timeout: a request head within 3 s, its body within 9 s
 CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('SECRET template "
                  "detail') }}{% endif %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-
-
-def wait_http(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"edge worker exited with {proc.returncode}"
-        try:
-            with urllib.request.urlopen(url, timeout=1):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise TimeoutError(url)
 
 
 @pytest.fixture(scope="module")
@@ -67,12 +56,12 @@ def stack(tiny_pair, tmp_path_factory):
                                  "--draft-model", str(draft), "--target-tokenizer", str(tok_dir), "--listen", listen,
                                  "--http", f"127.0.0.1:{http_port}", "--served-model-name", MODEL,
                                  "--api-key", KEYS[0], "--api-key-file", str(key_file),
-                                 "--max-concurrent-requests", "2",
+                                 "--max-concurrent-requests", "2", "--http-read-timeout", str(READ_TIMEOUT),
                                  "--health-port", str(edge_health)],
                                 env=dict(os.environ, SPECRELAY_THREADS="1", OMP_NUM_THREADS="1"))
         try:
             base = f"http://127.0.0.1:{http_port}"
-            wait_http(base + "/health", edge)
+            httpfuzz.wait_http(base + "/health", edge)
             yield {"base": base, "port": http_port, "edge": edge, "listen": listen,
                    "health": {"broker": cluster.broker_health_port, "cloud worker": cluster.health_ports[0],
                               "edge": edge_health}}
@@ -132,7 +121,7 @@ def test_half_sent_headers_neither_delay_a_request_nor_stay_open(stack):
         status, _, _ = post(stack["base"], "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2},
                             timeout=10)
         assert status == 200 and time.monotonic() - t0 < 10
-        for sock in slow:  # the head deadline (10 s) closes every one of them; recv returns b"" (or a reset)
+        for sock in slow:  # the head deadline closes every one of them; recv returns b"" (or a reset)
             try:
                 assert sock.recv(1024) == b""
             except ConnectionResetError:
@@ -141,6 +130,16 @@ def test_half_sent_headers_neither_delay_a_request_nor_stay_open(stack):
         for sock in slow:
             sock.close()
     assert metric(stack["health"]["edge"], "specrelay_edge_http_timeouts_total") >= 200
+
+
+def test_a_body_that_stops_arriving_is_a_408(stack):
+    with socket.create_connection(("127.0.0.1", stack["port"]), timeout=60) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEYS[0]}\r\n"
+                     "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\": ".encode())
+        t0 = time.monotonic()
+        answer = sock.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert 3 * READ_TIMEOUT - 1 < time.monotonic() - t0 < 60
 
 
 # ------------------------------------------------------------------------------------------ fair share
@@ -192,6 +191,11 @@ def test_api_keys_from_flags_env_and_file(tmp_path):
     assert load_api_keys("k-env", None) == ("k-env",)
     with pytest.raises(ValueError):
         HttpLimits(api_keys=(" spaced",))
+    from specrelay.common.errors import ConfigError
+    with pytest.raises(ConfigError, match="--api-key-file"):  # the CLI's one line, exit 2
+        cli.http_limits(cliargs.parse(cli.parser(), ["edge-worker", "--api-key-file", str(tmp_path / "nope")], {}))
+    with pytest.raises(ConfigError, match="--api-key"):
+        cli.http_limits(cliargs.parse(cli.parser(), ["edge-worker", "--api-key", ""], {}))
 
 
 # ------------------------------------------------------------------------------------------ context, errors

@@ -27,6 +27,20 @@ KEY = "bench-key"
 MODEL = "specrelay"
 
 
+def wait_http(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Until `url` answers (any status); fails if `proc` exits first or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(url)
+
+
 def rss_kib(pid: int) -> int:
     for line in open(f"/proc/{pid}/status"):
         if line.startswith("VmRSS:"):
@@ -149,15 +163,7 @@ def run(args) -> dict:
                                 env=dict(os.environ, SPECRELAY_THREADS=str(args.threads)))
         try:
             base = f"http://127.0.0.1:{http_port}"
-            deadline = time.monotonic() + 300
-            while True:
-                try:
-                    urllib.request.urlopen(base + "/health", timeout=1).read()
-                    break
-                except OSError:
-                    if edge.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError("the edge worker did not start") from None
-                    time.sleep(0.2)
+            wait_http(base + "/health", edge, timeout=300)
             health = {"broker": cluster.broker_health_port, "cloud_worker": cluster.health_ports[0],
                       "edge": edge_health}
             return attack(base, http_port, edge.pid, health) | {"edge_alive": edge.poll() is None}

@@ -1,8 +1,9 @@
 """The guards of the edge's HTTP API (edge_worker/http.py): every HTTP client of an edge is assumed hostile.
 
     API keys         `Authorization: Bearer K` on /v1/* (as vLLM and OpenAI); none configured = open
-    connections      at most max_connections open; past it the oldest idle one (no request in progress) is closed,
-                     so slow or idle clients cannot use up the process's descriptors or keep a newcomer out
+    connections      at most max_connections open (and half the open-file limit); past it the oldest idle one
+                     (no request in progress) is closed, so slow or idle clients cannot use up the process's
+                     descriptors or keep a newcomer out
     request head     must be complete within header_timeout_s of the connection (or of the previous response);
                      a client sending its headers a byte at a time is closed at that deadline (slowloris)
     body             read as it arrives, at most max_body_bytes (413 at once past it, never read whole first),
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import resource
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,17 +168,25 @@ def _busy(message: str) -> APIError:
 
 # ------------------------------------------------------------------------------------------ per connection
 
+def connection_cap(limits: HttpLimits) -> int:
+    """max_connections, and at most half the process's open-file limit (the rest: ZeroMQ, models, health)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return limits.max_connections if soft == resource.RLIM_INFINITY else min(limits.max_connections,
+                                                                             max(16, soft // 2))
+
+
 def guarded_protocol(limits: HttpLimits, stats) -> type[H11Protocol]:
     """uvicorn's h11 protocol with the connection cap and the request-head deadline (one class per server:
     `open_conns` is that server's, oldest first)."""
     open_conns: dict[GuardedH11Protocol, None] = {}
+    cap = connection_cap(limits)
 
     class GuardedH11Protocol(H11Protocol):
         head_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            if len(open_conns) >= limits.max_connections:
+            if len(open_conns) >= cap:
                 idle = next((c for c in open_conns if c.cycle is None or c.cycle.response_complete), None)
                 stats.http_connections_dropped += 1
                 if idle is None:  # every connection is serving a request: the newcomer waits its turn elsewhere

@@ -89,13 +89,20 @@ def half_sent_heads(port: int, n: int) -> list[socket.socket]:
     return socks
 
 
+def closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the server closes `sock` (EOF or a reset) before the socket's own timeout."""
+    try:
+        return sock.recv(1024) == b""
+    except ConnectionResetError:
+        return True
+    except OSError:  # the timeout
+        return False
+
+
 def seconds_until_closed(socks: list[socket.socket]) -> float:
     t0 = time.monotonic()
     for sock in socks:
-        try:
-            sock.recv(1024)
-        except OSError:
-            pass
+        closed_by_peer(sock)
     return time.monotonic() - t0
 
 

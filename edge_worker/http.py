@@ -125,6 +125,7 @@ class OpenAIApp:
         self.stats = stats or HttpStats()
         self.limits = limits or HttpLimits()
         self.share = httpguard.FairShare(self.limits)
+        self.bodies = httpguard.BodyBudget(self.limits.max_body_bytes_in_flight)
 
     def asgi(self) -> Starlette:
         routes = [Route("/v1/models", self.models), Route("/health", self.health),
@@ -155,7 +156,7 @@ class OpenAIApp:
         request_id = "req-" + uuid.uuid4().hex[:16]
         try:
             key = httpguard.authorize(self.limits, request.headers.get("authorization"))
-            req = api.parse(await httpguard.read_body(request, self.limits), kind)
+            req = api.parse(await httpguard.read_body(request, self.limits, self.bodies), kind)
             api.check(req, self.served_model)
             ids = await asyncio.to_thread(prompt_ids, self.edge.tokenizer, req)
             room = self.edge.context_limit - len(ids)  # the chat default is "up to the context"
@@ -230,7 +231,7 @@ class OpenAIApp:
     def _error(self, error: api.APIError, request_id: str | None = None) -> JSONResponse:
         self.stats.count(error.status)
         headers = error.headers | ({"x-request-id": request_id} if request_id else {})
-        if error.status in (408, 413):  # the rest of the body is not wanted: end the connection
+        if error.status in (408, 413, 429):  # the rest of the body is not wanted: end the connection
             headers["connection"] = "close"
         return JSONResponse(error.body(), status_code=error.status, headers=headers)
 

@@ -7,7 +7,8 @@
     request head     must be complete within header_timeout_s of the connection (or of the previous response);
                      a client sending its headers a byte at a time is closed at that deadline (slowloris)
     body             read as it arrives, at most max_body_bytes (413 at once past it, never read whole first),
-                     complete within body_timeout_s (408)
+                     complete within body_timeout_s (408); all bodies being read together hold at most
+                     max_body_bytes_in_flight (429 past it), so many large bodies at once cannot exhaust memory
     concurrency      at most max_concurrent generations in flight (429 with Retry-After)
     fair share       with N API keys, one key holds at most 1/N of the edge's budget of requests and prompt tokens
                      in flight (the edge's share of its broker quota), so one key cannot exhaust it for everyone
@@ -40,6 +41,7 @@ class HttpLimits:
 
     api_keys: tuple[str, ...] = ()
     max_body_bytes: int = 8 << 20
+    max_body_bytes_in_flight: int = 64 << 20  # all bodies being read at once
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     max_connections: int = 512          # well below the default 1,024 open files (ZeroMQ and models need some)
@@ -49,7 +51,8 @@ class HttpLimits:
     def __post_init__(self) -> None:
         if any(not key or key != key.strip() for key in self.api_keys):
             raise ValueError("an API key must be non-empty, without surrounding whitespace")
-        if min(self.max_body_bytes, self.max_connections, self.max_concurrent, self.max_prompt_tokens) < 1:
+        if min(self.max_body_bytes, self.max_body_bytes_in_flight, self.max_connections, self.max_concurrent,
+               self.max_prompt_tokens) < 1:
             raise ValueError("HTTP limits must be >= 1")
         if not (self.header_timeout_s > 0 and self.body_timeout_s > 0):
             raise ValueError("HTTP timeouts must be > 0")
@@ -91,9 +94,17 @@ def authorize(limits: HttpLimits, authorization: str | None) -> str:
     raise APIError(401, "a valid API key is required: send `Authorization: Bearer <key>`", code="invalid_api_key")
 
 
-async def read_body(request, limits: HttpLimits) -> bytes:
+@dataclass
+class BodyBudget:
+    """Bytes of request bodies being read, over all connections (at most `limit`)."""
+
+    limit: int
+    used: int = 0
+
+
+async def read_body(request, limits: HttpLimits, budget: BodyBudget) -> bytes:
     """The body as it arrives: 413 past max_body_bytes (a larger Content-Length is refused before reading),
-    408 if it is not complete within body_timeout_s."""
+    429 while the bodies being read hold the whole budget, 408 if it is not complete within body_timeout_s."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limits.max_body_bytes:
         raise _too_large(limits)
@@ -102,9 +113,12 @@ async def read_body(request, limits: HttpLimits) -> bytes:
     async def pull() -> None:
         nonlocal size
         async for chunk in request.stream():
-            size += len(chunk)
-            if size > limits.max_body_bytes:
+            if size + len(chunk) > limits.max_body_bytes:
                 raise _too_large(limits)
+            if budget.used + len(chunk) > budget.limit:
+                raise _busy("too many request bodies are being read at once")
+            size += len(chunk)
+            budget.used += len(chunk)
             chunks.append(chunk)
 
     try:
@@ -112,6 +126,8 @@ async def read_body(request, limits: HttpLimits) -> bytes:
     except asyncio.TimeoutError:
         raise APIError(408, f"the request body did not arrive within {limits.body_timeout_s:g} s",
                        code="request_timeout") from None
+    finally:
+        budget.used -= size
     return b"".join(chunks)
 
 

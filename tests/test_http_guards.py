@@ -114,6 +114,32 @@ def test_a_64_mb_body_is_refused_without_being_read_whole(stack, chunked):
     assert stack["edge"].poll() is None
 
 
+def test_many_large_bodies_at_once_are_bounded_together(stack):
+    """Ten bodies within the 8 MiB limit, held open, 71 MiB together: past the 64 MiB budget of bodies being read
+    the edge answers 429 (the rest get 408 when their time is up), and its RSS grows by less than the budget."""
+    pid, chunk = stack["edge"].pid, b"x" * (1 << 20)
+    before = httpfuzz.rss_kib(pid)
+    socks = []
+    for mib in [7] * 9 + [8]:
+        sock = socket.create_connection(("127.0.0.1", stack["port"]), timeout=60)
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEYS[0]}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {8 << 20}\r\n\r\n".encode())
+        try:
+            sock.sendall(chunk * mib)
+        except OSError:  # refused and closed while it was sending
+            pass
+        socks.append(sock)
+    try:
+        answers = [httpfuzz.first_line(sock) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+    assert any(a.startswith("HTTP/1.1 429") for a in answers), answers
+    assert all(a.split()[1:2] in (["429"], ["408"]) or a == "" for a in answers), answers
+    assert (httpfuzz.rss_kib(pid) - before) / 1024 < 96
+    assert post(stack["base"], "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2})[0] == 200
+
+
 def test_half_sent_headers_neither_delay_a_request_nor_stay_open(stack):
     slow = httpfuzz.half_sent_heads(stack["port"], 200)
     try:

@@ -89,6 +89,14 @@ def half_sent_heads(port: int, n: int) -> list[socket.socket]:
     return socks
 
 
+def first_line(sock: socket.socket) -> str:
+    """The status line the server answers on `sock` ("" when it closed without one)."""
+    try:
+        return sock.recv(65536).split(b"\r\n", 1)[0].decode()
+    except OSError:
+        return ""
+
+
 def closed_by_peer(sock: socket.socket) -> bool:
     """Whether the server closes `sock` (EOF or a reset) before the socket's own timeout."""
     try:

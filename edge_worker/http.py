@@ -170,7 +170,7 @@ class OpenAIApp:
         stream_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
             events = self._events(shape, ids, config, api.stops(req), stream_usage, ticket, request_id)
-            return EventStream(events, self, ticket)
+            return EventStream(events, self, ticket, request_id)
         return await self._complete(request, shape, ids, config, api.stops(req), ticket, request_id)
 
     async def _complete(self, request: Request, shape: api.Shape, ids, config, stops, ticket, request_id):
@@ -253,8 +253,10 @@ class EventStream:
     """An SSE response that owns its event iterator: the client disconnecting (or a write failing) closes the
     iterator at once, whose `finally` cancels the generation."""
 
-    def __init__(self, events: AsyncIterator[bytes], app: OpenAIApp, ticket: httpguard.Ticket) -> None:
+    def __init__(self, events: AsyncIterator[bytes], app: OpenAIApp, ticket: httpguard.Ticket,
+                 request_id: str) -> None:
         self.events, self.app, self.ticket = events, app, ticket
+        self.headers = SSE_HEADERS + [(b"x-request-id", request_id.encode())]
 
     async def __call__(self, scope, receive, send) -> None:
         async with aclosing(self.events):
@@ -269,7 +271,7 @@ class EventStream:
                 self.ticket.release()  # also when the stream never started its generation
 
     async def _pump(self, send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
         try:
             async for event in self.events:
                 await send({"type": "http.response.body", "body": event, "more_body": True})

@@ -187,6 +187,7 @@ def test_one_key_cannot_take_the_other_keys_share(stack):
                                      {"Content-Type": "application/json", "Authorization": f"Bearer {KEYS[0]}"})
     with urllib.request.urlopen(request, timeout=60) as held:
         held.readline()  # the stream has started: key one holds its share
+        assert held.headers["x-request-id"].startswith("req-")
         status, body, headers = post(stack["base"], "/v1/completions",
                                      {"model": MODEL, "prompt": "x", "max_tokens": 2})
         assert status == 429 and body["error"]["type"] == "rate_limit_error" and headers["retry-after"] == "1"

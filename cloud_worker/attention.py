@@ -344,3 +344,27 @@ def _tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+# ---- the start-up self-check -----------------------------------------------------------------------------------
+
+def self_check(model, shape, deterministic: bool) -> None:
+    """Raise FatalError (one line) unless ragged packed forwards over a scratch store, with a rollback, give the
+    model's own logits (common/selfcheck.py)."""
+    from ..common import selfcheck
+
+    a, b = selfcheck.probe(model.get_output_embeddings().weight.shape[0])
+    want = selfcheck.reference(model, [a, b])
+    store = KVStore(shape, 256, next(model.parameters()).device, block=128 if deterministic else 32)
+    for key in (0, 1):
+        store.reserve(key, 32)
+
+    def run(*rows):
+        return forward_packed(model, store, [Row(*r) for r in rows], deterministic=deterministic)
+
+    a1, b1 = run((0, a[:15], 15), (1, b[:4], 4))
+    a2, b2 = run((0, a[15:19], 4), (1, b[4:12], 8))
+    store.truncate(0, 17)                      # a rollback: the last two of a's positions were rejected
+    b3, a3 = run((1, b[12:], 1), (0, a[17:], 4))
+    got = [torch.cat([a1, a2[:2], a3]), torch.cat([b1, b2, b3])]
+    selfcheck.require_close(model, "the cloud worker's packed forward over its KV store", got, want)

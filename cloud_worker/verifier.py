@@ -30,7 +30,7 @@ from ..common.protocol import Mode, SessionKey, Strategy
 from ..common.rng import Purpose, gumbel, uniform
 from ..common.runner import ModelRunner
 from ..common.sampling import SamplingParams, probs_from_logits
-from .attention import Row, forward_packed, install
+from .attention import Row, forward_packed, install, self_check
 from .kvcache import KVFull, KVStore
 
 log = structlog.get_logger("specrelay.cloud")
@@ -93,6 +93,7 @@ class Verifier:
         # deterministic attention reads key blocks of `block` tokens: fewer, larger blocks cost less
         self.store = KVStore.from_budget(shape, budget, runner.device, block=128 if c.deterministic else 32)
         install(runner.model)
+        self_check(runner.model, shape, c.deterministic)  # before READY: an unsupported feature fails here
         self.sessions: OrderedDict[SessionKey, CloudSession] = OrderedDict()  # LRU order: oldest first
         self.stats = {"forward_passes": 0, "evictions": 0, "prefill_tokens": 0, "forward_tokens": 0}
         self._masks: dict[bytes, torch.Tensor] = {}

@@ -101,23 +101,28 @@ class _Plan:
 
 # ---- installing the attention function ------------------------------------------------------------------
 
-def install(model) -> None:
+def install(model) -> bool:
     """Route the model's attention through `_attention`, and its linear layers through `_linear` (idempotent).
-    Calls outside `forward_packed` go to the implementation the model had, with the masks it had."""
+    Calls outside `forward_packed` go to the implementation the model had, with the masks it had. Returns
+    False, changing nothing, when the model does not take a custom attention function (transformers'
+    AttentionInterface: Falcon, Bloom), which the KV store needs."""
     current = model.config._attn_implementation or "eager"
     if current.startswith(PREFIX):
-        return
-    for module in model.modules():
-        if type(module) is nn.Linear:
-            module.forward = _linear.__get__(module)
+        return True
     name = PREFIX + current
     if name not in ALL_ATTENTION_FUNCTIONS:
         AttentionInterface.register(name, _dispatcher(current))
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[current])
-    model.set_attn_implementation(name)
+    try:
+        model.set_attn_implementation(name)
+    except (ValueError, NotImplementedError):
+        pass
     if model.config._attn_implementation != name:
-        raise FatalError(f"{type(model).__name__} does not take a custom attention function "
-                         "(transformers' AttentionInterface), which the cloud worker's KV store needs")
+        return False
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.forward = _linear.__get__(module)
+    return True
 
 
 def _dispatcher(original: str):
@@ -348,23 +353,23 @@ def _tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 # ---- the start-up self-check -----------------------------------------------------------------------------------
 
-def self_check(model, shape, deterministic: bool) -> None:
-    """Raise FatalError (one line) unless ragged packed forwards over a scratch store, with a rollback, give the
-    model's own logits (common/selfcheck.py)."""
+def self_check(model, store: KVStore, deterministic: bool, forward=forward_packed,
+               path: str = "the cloud worker's packed forward over its KV store") -> None:
+    """Raise FatalError (one line) unless ragged `forward`s over `store` (an empty scratch store of the worker's
+    kind), with a rollback, give the model's own logits (common/selfcheck.py)."""
     from ..common import selfcheck
 
     a, b = selfcheck.probe(model.get_output_embeddings().weight.shape[0])
     want = selfcheck.reference(model, [a, b])
-    store = KVStore(shape, 256, next(model.parameters()).device, block=128 if deterministic else 32)
     for key in (0, 1):
         store.reserve(key, 32)
 
     def run(*rows):
-        return forward_packed(model, store, [Row(*r) for r in rows], deterministic=deterministic)
+        return forward(model, store, [Row(*r) for r in rows], deterministic=deterministic)
 
     a1, b1 = run((0, a[:15], 15), (1, b[:4], 4))
     a2, b2 = run((0, a[15:19], 4), (1, b[4:12], 8))
     store.truncate(0, 17)                      # a rollback: the last two of a's positions were rejected
     b3, a3 = run((1, b[12:], 1), (0, a[17:], 4))
     got = [torch.cat([a1, a2[:2], a3]), torch.cat([b1, b2, b3])]
-    selfcheck.require_close(model, "the cloud worker's packed forward over its KV store", got, want)
+    selfcheck.require_close(model, path, got, want)

@@ -32,6 +32,7 @@ from ..common.runner import ModelRunner
 from ..common.sampling import SamplingParams, probs_from_logits
 from .attention import Row, forward_packed, install, self_check
 from .kvcache import KVFull, KVStore
+from .owncache import OwnCacheStore, announce_fallback, forward_own_cache
 
 log = structlog.get_logger("specrelay.cloud")
 
@@ -91,9 +92,14 @@ class Verifier:
         shape = runner.kv_shape
         budget = min(c.max_cache_bytes, c.max_sessions * (self.max_context + OPEN_HEADROOM) * shape.bytes_per_token)
         # deterministic attention reads key blocks of `block` tokens: fewer, larger blocks cost less
-        self.store = KVStore.from_budget(shape, budget, runner.device, block=128 if c.deterministic else 32)
-        install(runner.model)
-        self_check(runner.model, shape, c.deterministic)  # before READY: an unsupported feature fails here
+        packed = install(runner.model)  # False: no AttentionInterface; the model's own cache serves (owncache.py)
+        if not packed:
+            announce_fallback(runner.model, c.deterministic)
+        store, self._forward = (KVStore, forward_packed) if packed else (OwnCacheStore, forward_own_cache)
+        block = 128 if c.deterministic else 32
+        # before READY: an attention feature the path does not reproduce fails here, in one line
+        self_check(runner.model, store(shape, 256, runner.device, block), c.deterministic, self._forward)
+        self.store = store.from_budget(shape, budget, runner.device, block=block)
         self.sessions: OrderedDict[SessionKey, CloudSession] = OrderedDict()  # LRU order: oldest first
         self.stats = {"forward_passes": 0, "evictions": 0, "prefill_tokens": 0, "forward_tokens": 0}
         self._masks: dict[bytes, torch.Tensor] = {}
@@ -231,8 +237,8 @@ class Verifier:
         rows = [Row(w.session.key, w.session.tokens[self.cached(w.session.key):] + w.draft, keep=len(w.draft) + 1)
                 for w in work]
         try:
-            outputs = forward_packed(self.runner.model, self.store, rows + prefill,
-                                     deterministic=self.config.deterministic)
+            outputs = self._forward(self.runner.model, self.store, rows + prefill,
+                                    deterministic=self.config.deterministic)
         except Exception:
             for row in prefill:  # their state is unknown too; the caller drops the batch's sessions
                 self.close(row.key)

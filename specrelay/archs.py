@@ -41,6 +41,7 @@ ARCHS: tuple[Arch, ...] = (
     Arch("phi3", "sliding window", extra=SLIDING),
     Arch("starcoder2", "sliding window", mha=False, extra=SLIDING),
     Arch("exaone4", "sliding window (pattern)", extra={**SLIDING, "sliding_window_pattern": 2}),
+    Arch("cohere2", "sliding window (pattern)", extra={**SLIDING, "sliding_window_pattern": 2}),
     Arch("gpt_oss", "sliding window + attention sinks + experts",
          extra={**SLIDING, "num_local_experts": 4, "num_experts_per_tok": 2}),
     Arch("falcon", "no AttentionInterface", mha=True),
@@ -57,7 +58,7 @@ def config_for(arch: Arch, vocab_size: int, eos: int):
     fields = dict(vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
                   num_hidden_layers=LAYERS, num_attention_heads=heads, num_key_value_heads=kv_heads,
                   head_dim=HIDDEN // heads, max_position_embeddings=512, n_positions=512,
-                  bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, tie_word_embeddings=True)
+                  bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, tie_word_embeddings=False)
     if arch.model_type == "opt":
         fields.update(ffn_dim=2 * HIDDEN, word_embed_proj_dim=HIDDEN)
     if arch.model_type == "gptj":

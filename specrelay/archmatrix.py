@@ -191,5 +191,63 @@ async def run_pairs(chosen: list[Pair], models: dict, endpoints: dict, refs: dic
     return await asyncio.gather(*(run_pair(p, e, refs[p.target.model_type], n) for p, e in zip(chosen, edges)))
 
 
+# ---- the table ------------------------------------------------------------------------------------------------
+
+PATHS = {"kv-store": "supported (KV store)", "own-cache": "fallback (own cache, 1 forward/session)", None: "refused"}
+
+
+def table(rows: list[dict], endpoints: dict, archs: tuple[Arch, ...] = ARCHS) -> list[dict]:
+    """Per architecture: its attention feature, how the cloud serves it, and whether greedy output was exact
+    with it as the target and as a draft (✓ / ✗ / – not run)."""
+    def mark(found: list[dict]) -> str:
+        return "–" if not found else "✓" if all(r["exact"] for r in found) else "✗"
+
+    return [dict(architecture=a.model_type, feature=a.feature or "causal", cloud=PATHS[endpoints[a.model_type][1]]
+                 if a.model_type in endpoints else "–",
+                 target=mark([r for r in rows if r["target"] == a.model_type]),
+                 draft=mark([r for r in rows if r["draft"] == a.model_type and not r["cross_vocab"]]),
+                 cross_vocab_draft=mark([r for r in rows if r["draft"] == a.model_type and r["cross_vocab"]]))
+            for a in archs]
+
+
+def run(root: Path, n_prompts: int = 2, new_tokens: int = NEW_TOKENS) -> dict:
+    """The whole matrix; the result JSON (per-pair rows, per-architecture table, seconds per phase)."""
+    started = time.monotonic()
+    chosen = pairs()
+    models = build_models(root, chosen)
+    targets = sorted({p.target.model_type for p in chosen})
+    lines = Path(demo_model("heldout_prompts.jsonl")).read_text().splitlines()
+    prompts = [json.loads(line)["prompt"] for line in lines if line.strip()][:n_prompts]
+    refs = references(models, targets, prompts, new_tokens)
+    with cloud(models, targets) as endpoints:
+        rows = asyncio.run(run_pairs(chosen, models, endpoints, refs, new_tokens))
+    return dict(pairs=rows, table=table(rows, endpoints), prompts=n_prompts, new_tokens=new_tokens,
+                seconds=round(time.monotonic() - started, 1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`specrelay bench archs`: run the matrix, print the README table, write OUT/archs.json."""
+    import argparse
+    import tempfile
+
+    from .bench.runs import meta, text_table, write_result
+
+    ap = argparse.ArgumentParser(prog="specrelay bench archs", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=2, help="held-out prompts per pair")
+    ap.add_argument("--max-new-tokens", type=int, default=NEW_TOKENS)
+    ap.add_argument("--out", default="bench_results")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as root:
+        result = run(Path(root), args.prompts, args.max_new_tokens)
+    result["meta"] = meta(["archs", *(argv or [])])
+    write_result(args.out, "archs", result)
+    headers = ["architecture", "attention", "cloud worker", "as target", "as draft", "as cross-vocab draft"]
+    print(text_table(headers, [list(r.values()) for r in result["table"]]))
+    exact = sum(r["exact"] for r in result["pairs"])
+    print(f"\n{exact} of {len(result['pairs'])} pairs exact; {result['seconds']} s")
+    return 0 if exact == len(result["pairs"]) else 1
+
+
 if __name__ == "__main__":
     asyncio.run(_host(json.loads(sys.argv[1])))

@@ -5,30 +5,18 @@ target on held-out prompts; cross-vocabulary pairs included. Falcon and Bloom ar
 
 from __future__ import annotations
 
-import asyncio
-import json
-
 import pytest
 
 from specrelay import archmatrix as M
 from specrelay.archs import ARCHS
 
-from conftest import MODELS
-
 FALLBACK = {"falcon", "bloom"}  # no AttentionInterface: the model's own cache
 
 
 @pytest.fixture(scope="module")
-def matrix(tmp_path_factory):
-    """(rows of the result table, {target: (frontend, path, refusal)})."""
-    chosen = M.pairs()
-    models = M.build_models(tmp_path_factory.mktemp("archs"), chosen)
-    targets = sorted({p.target.model_type for p in chosen})
-    prompts = [json.loads(line)["prompt"] for line in (MODELS / "heldout_prompts.jsonl").read_text().splitlines()][:2]
-    refs = M.references(models, targets, prompts, M.NEW_TOKENS)
-    with M.cloud(models, targets) as endpoints:
-        rows = asyncio.run(M.run_pairs(chosen, models, endpoints, refs, M.NEW_TOKENS))
-    return rows, endpoints
+def matrix(tmp_path_factory) -> dict:
+    """The result of `specrelay bench archs` (2 held-out prompts, 8 new tokens per pair)."""
+    return M.run(tmp_path_factory.mktemp("archs"))
 
 
 def test_the_matrix_covers_enough_architectures():
@@ -39,14 +27,13 @@ def test_the_matrix_covers_enough_architectures():
 
 
 def test_every_architecture_starts_on_its_path(matrix):
-    _, endpoints = matrix
-    paths = {name: path for name, (_, path, _) in endpoints.items()}
-    assert {n for n, p in paths.items() if p == "own-cache"} == FALLBACK
-    assert {n for n, p in paths.items() if p == "kv-store"} == {a.model_type for a in ARCHS} - FALLBACK
+    cloud = {row["architecture"]: row["cloud"] for row in matrix["table"]}
+    assert {a for a, path in cloud.items() if path.startswith("fallback")} == FALLBACK
+    assert {a for a, path in cloud.items() if path.startswith("supported")} == {a.model_type for a in ARCHS} - FALLBACK
 
 
 def test_greedy_through_broker_worker_and_edge_equals_generate(matrix):
-    rows, _ = matrix
-    failed = [(r["pair"], r["error"]) for r in rows if not r["exact"]]
+    failed = [(r["pair"], r["error"]) for r in matrix["pairs"] if not r["exact"]]
     assert not failed
-    assert all(r["drafted"] > 0 for r in rows)  # every draft model drafted through the edge's K/V path
+    assert all(r["drafted"] > 0 for r in matrix["pairs"])  # every draft model drafted through the edge's K/V path
+    assert all(row["target"] == row["draft"] == "✓" for row in matrix["table"])

@@ -14,6 +14,25 @@ import torch
 from .errors import FatalError
 
 LENGTHS = (21, 13)
+ATTENTION_LAYERS = {"full_attention", "sliding_attention"}  # the `layer_types` a K/V cache with rollback can serve
+# config fields of state-space / recurrent layers (Mamba, Jamba, Falcon-H1, Qwen3-Next, LFM2)
+RECURRENT_FIELDS = ("state_size", "mamba_d_state", "ssm_state_size", "linear_conv_kernel_dim", "conv_L_cache")
+
+
+def refuse_recurrent(model) -> None:
+    """Raise FatalError (one line) for a model with layers that are not K/V attention: their recurrent state
+    cannot be rolled back to drop rejected drafts (state-space and hybrid models)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    others = sorted(set(getattr(config, "layer_types", None) or ()) - ATTENTION_LAYERS)
+    fields = [f for f in RECURRENT_FIELDS if getattr(config, f, None) is not None]
+    if others or fields:
+        what = f"layers of type {', '.join(others)}" if others else f"state-space layers ({fields[0]})"
+        raise FatalError(f"{_name(model)} has {what}: a recurrent state cannot be rolled back to drop rejected "
+                         "drafts, so specrelay cannot serve it (state-space and hybrid models are not supported)")
+
+
+def _name(model) -> str:
+    return f"{type(model).__name__} ({getattr(model.config, 'model_type', '?')})"
 
 
 def probe(vocab_size: int) -> list[list[int]]:
@@ -31,13 +50,28 @@ def reference(model, sequences: list[list[int]]) -> list[torch.Tensor]:
             for s in sequences]
 
 
+def compare(model, path: str, run) -> None:
+    """Raise FatalError (one line) naming the architecture and the path unless `run()` (the path's logits for
+    the probe, [n, V] per sequence) matches the model's own forward; an exception inside the path counts."""
+    refuse_recurrent(model)
+    want = reference(model, probe(model.get_output_embeddings().weight.shape[0]))
+    try:
+        got = run()
+    except FatalError:
+        raise
+    except Exception as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else ""
+        raise FatalError(f"{_name(model)}: {path} failed on the start-up self-check ({type(exc).__name__}: "
+                         f"{reason}); this architecture is not supported") from exc
+    require_close(model, path, got, want)
+
+
 def require_close(model, path: str, got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
     """Raise FatalError naming the architecture and the path unless every got[i] matches want[i]."""
     tolerance = 1e-3 if model.dtype == torch.float32 else 5e-2
     worst = max(float((g.float().cpu() - w).abs().max() / max(1.0, float(w.abs().max())))
                 for g, w in zip(got, want))
     if not worst <= tolerance:  # also catches NaN
-        kind = getattr(model.config, "model_type", type(model).__name__)
-        raise FatalError(f"{type(model).__name__} ({kind}): {path} does not reproduce the model's own forward "
+        raise FatalError(f"{_name(model)}: {path} does not reproduce the model's own forward "
                          f"(relative logit difference {worst:.2g} > {tolerance:g}); this architecture uses an "
                          "attention feature specrelay does not support")

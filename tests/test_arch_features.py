@@ -105,3 +105,14 @@ def test_bfloat16_greedy_equals_the_targets_own_bfloat16_output(checkpoints, nam
     out, _ = speculative_generate(draft, Verifier(target, VerifierConfig(**SMALL)), ids, max_new_tokens=16,
                                   draft_len=3)
     assert out == want
+
+
+@pytest.mark.parametrize("name,extra", [("mamba", {"state_size": 8}), ("jamba", {"attn_layer_period": 2,
+                                                                                  "attn_layer_offset": 1})])
+def test_state_space_and_hybrid_models_are_refused_at_load_in_one_line(tmp_path, name, extra):
+    from specrelay.archs import Arch
+
+    path = build(Arch(name, extra=extra), MODELS / "demo-target", tmp_path / name)
+    with pytest.raises(FatalError, match=r"\(%s\) has layers of type .*cannot be rolled back" % name) as err:
+        ModelRunner.load(str(path))  # cloud worker and edge both load through here
+    assert "\n" not in str(err.value)

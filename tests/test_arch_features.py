@@ -116,3 +116,22 @@ def test_state_space_and_hybrid_models_are_refused_at_load_in_one_line(tmp_path,
     with pytest.raises(FatalError, match=r"\(%s\) has layers of type .*cannot be rolled back" % name) as err:
         ModelRunner.load(str(path))  # cloud worker and edge both load through here
     assert "\n" not in str(err.value)
+
+
+def test_self_checks_shrink_a_real_checkpoints_long_window_so_the_probe_slides_past_it(tmp_path, monkeypatch):
+    arch = BY_TYPE["gemma2"]
+    path = build(type(arch)(arch.model_type, extra={**arch.extra, "sliding_window": 4096}), MODELS / "demo-target",
+                 tmp_path / "gemma2-4096")
+    runner = ModelRunner.load(str(path))
+    install(runner.model)
+    store = KVStore(runner.kv_shape, 256)
+    self_check(runner.model, store, False)
+    draftkv.self_check(runner)
+    assert runner.model.config.sliding_window == 4096  # restored
+    monkeypatch.setattr(draftkv, "attention_windows", lambda config: None)
+    with pytest.raises(FatalError, match="does not reproduce"):
+        draftkv.self_check(runner)
+    ignore_window = classmethod(lambda cls, module, kwargs: cls(softcap=kwargs.get("softcap")))
+    monkeypatch.setattr(attention._Features, "of", ignore_window)
+    with pytest.raises(FatalError, match="does not reproduce"):
+        self_check(runner.model, KVStore(runner.kv_shape, 256), False)

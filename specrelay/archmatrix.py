@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .archs import ARCHS, Arch, build
-from .cluster import free_port
 from .paths import demo_model
 
 TARGET_TOKENIZER = Path(demo_model("demo-target"))
 XV_TOKENIZER = Path(demo_model("demo-draft-xv"))
 NEW_TOKENS = 8
 DRAFT_LEN = 3
+LOOPBACK = "tcp://127.0.0.1:0"  # a broker binds a free port itself
 WORKER = dict(max_sessions=8, max_cache_bytes=1 << 22, max_wait_ms=2.0)  # tiny models: a 4 MiB KV store
 
 
@@ -68,14 +68,14 @@ def build_models(root: Path, chosen: list[Pair]) -> dict[tuple[str, bool], Path]
 # ---- the cloud side: one process, a broker + a cloud worker per target ------------------------------------------
 
 async def _host(spec: list[dict]) -> None:
-    """Start every {name, model, frontend, backend} of `spec`; print `READY name path` or `REFUSED name: why`
-    per entry; serve until stdin closes."""
+    """Start a broker (on free ports it binds itself: no race for a port) and a cloud worker for every
+    {name, model} of `spec`; print `READY name path frontend` or `REFUSED name: why` per entry; serve until
+    stdin closes."""
     import torch
 
     from .broker.server import Broker
     from .cloud_worker.config import WorkerConfig
     from .cloud_worker.server import CloudWorker
-    from .common.errors import FatalError
     from .common.runner import ModelRunner
 
     torch.set_num_threads(1)
@@ -83,23 +83,21 @@ async def _host(spec: list[dict]) -> None:
         for entry in spec:
             try:
                 runner = await asyncio.to_thread(ModelRunner.load, entry["model"])
-                worker = CloudWorker(entry["backend"], runner, WorkerConfig(**WORKER))
-            except FatalError as exc:
-                print("REFUSED", entry["name"] + ":", exc, flush=True)
+                broker = await stack.enter_async_context(Broker(LOOPBACK, LOOPBACK, linger_ms=0))
+                worker = await stack.enter_async_context(CloudWorker(broker.backend, runner, WorkerConfig(**WORKER)))
+            except Exception as exc:  # FatalError: refused at start-up; anything else is reported the same way
+                print("REFUSED", entry["name"] + ":", " ".join(f"{type(exc).__name__}: {exc}".split()), flush=True)
                 continue
-            await stack.enter_async_context(Broker(entry["frontend"], entry["backend"], linger_ms=0))
-            await stack.enter_async_context(worker)
             path = "own-cache" if type(worker.verifier.store).__name__ == "OwnCacheStore" else "kv-store"
-            print("READY", entry["name"], path, flush=True)
+            print("READY", entry["name"], path, broker.frontend, flush=True)
         print("ALL", flush=True)
         await asyncio.to_thread(sys.stdin.read)
 
 
 @contextlib.contextmanager
 def cloud(models: dict[tuple[str, bool], Path], targets: list[str], timeout: float = 300.0):
-    """Yield {target: (frontend, path or None if refused, refusal)} while the cloud-side process runs."""
-    spec = [dict(name=t, model=str(models[t, False]), frontend=f"tcp://127.0.0.1:{free_port()}",
-                 backend=f"tcp://127.0.0.1:{free_port()}") for t in targets]
+    """Yield {target: (frontend or None, path or None if refused, refusal)} while the cloud-side process runs."""
+    spec = [dict(name=t, model=str(models[t, False])) for t in targets]
     proc = subprocess.Popen([sys.executable, "-m", "specrelay.archmatrix", json.dumps(spec)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     try:
@@ -109,16 +107,16 @@ def cloud(models: dict[tuple[str, bool], Path], targets: list[str], timeout: flo
             if word == "ALL":
                 break
             if word == "READY":
-                name, path = rest.split()
-                status[name] = (path, "")
+                name, path, frontend = rest.split()
+                status[name] = (frontend, path, "")
             elif word == "REFUSED":
                 name, _, why = rest.partition(": ")
-                status[name.rstrip(":")] = (None, why)
+                status[name.rstrip(":")] = (None, None, why)
             if time.monotonic() > deadline:
                 raise TimeoutError("the cloud side did not start in time")
-        if proc.poll() is not None:
-            raise RuntimeError(f"the cloud side exited with {proc.returncode}")
-        yield {e["name"]: (e["frontend"], *status.get(e["name"], (None, "no answer"))) for e in spec}
+        else:
+            raise RuntimeError(f"the cloud side exited early: {proc.wait()}")
+        yield {t: status.get(t, (None, None, "no answer")) for t in targets}
     finally:
         proc.stdin.close()
         try:

@@ -22,6 +22,7 @@ EXTERNAL: dict[str, tuple[str, str]] = {
     "xvdraft": ("specrelay.bench_xvocab", "main"),     # cross-vocabulary drafts: plain vs distilled, TLI vs retok
     "draft": ("specrelay.bench_draft", "main"),        # the edge's lockstep draft step: in-place K/V vs restack
     "archs": ("specrelay.archmatrix", "main"),         # the architecture matrix and the README's table (issue 19)
+    "httpfuzz": ("specrelay.bench.httpfuzz", "main"),  # the edge's HTTP API and health ports under attack
     "broker": ("specrelay.bench.broker_load", "main"),  # round trips per broker core, fake workers and edges
 }
 

@@ -6,8 +6,10 @@ tests drive heartbeats and expiry without sleeping.
 
 Frames (the first frame is always the ROUTER's routing id of the peer):
   frontend in/out : [edge_id, header, body]               edges send OPEN VERIFY RESAMPLE CLOSE HEARTBEAT
-  backend out     : [worker_id, edge_id, header, body]    edge_id b"" for HEARTBEAT / DISCONNECT
-  backend in      : [worker_id, client_id, header, body]  client_id b"" for READY / HEARTBEAT / DISCONNECT
+  backend out     : [worker_id, handle, header, body]     handle b"" for HEARTBEAT / DISCONNECT
+  backend in      : [worker_id, handle, header, body]     handle b"" for READY / HEARTBEAT / DISCONNECT
+An edge's routing id never leaves the broker: workers see an opaque `handle` (a keyed hash of it, the key drawn
+at start), so no worker learns the ids the frontend generates (README, Security: routing ids).
 
 Rules:
 - A session is (edge_id, the edge's session id) and belongs to that connection and the key it authenticated
@@ -24,7 +26,9 @@ Rules:
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import os
 
 import structlog
 
@@ -66,6 +70,8 @@ class Router:
         self.usage: dict[object, Usage] = {}           # Peer.client -> what it holds
         self.stats = Stats()
         self._serials = itertools.count()
+        self._handle_key = os.urandom(32)
+        self.edges_by_handle: dict[bytes, bytes] = {}  # handle -> routing id, for every edge in `peers`
         self._next_heartbeat: float | None = None
 
     # ---- edge side -------------------------------------------------------------------------------
@@ -118,6 +124,7 @@ class Router:
         if peer is None:
             burst = max(1.0, self.limits.bad_replies_per_s)
             peer = self.peers[edge] = Peer(edge, user, now, TokenBucket(self.limits.bad_replies_per_s, burst))
+            self.edges_by_handle[self.handle(edge)] = edge
             self.stats.live_edges = len(self.peers)
         peer.expires = now + self.limits.edge_ttl
         return peer, actions
@@ -248,8 +255,8 @@ class Router:
     def _reply(self, worker: Worker, msg_type: MsgType, frames: list[bytes]) -> list[Action]:
         """VERDICT / RESAMPLED / ERROR for a session this worker holds: settle the request it answers, book or
         free the session, pass the frames to the edge. Anything else is dropped."""
-        client = frames[1]
-        if not client:
+        client = self.edges_by_handle.get(frames[1], b"")
+        if not frames[1]:
             return self._bad_worker(worker.identity, f"{msg_type.name} without the edge's id in frame 1")
         try:
             session_id, seq = read_head(msg_type, frames[3])
@@ -317,7 +324,7 @@ class Router:
         return self._worker_full(frames)
 
     def _worker_full(self, frames: list[bytes]) -> list[Action]:
-        edge, msg_type = frames[1], protocol.parse_header(frames[2])
+        edge, msg_type = self.edges_by_handle.get(frames[1], b""), protocol.parse_header(frames[2])
         if not edge or msg_type == MsgType.CLOSE:
             return []  # a heartbeat or a CLOSE: nobody waits for an answer
         session_id, seq = read_head(msg_type, frames[3])
@@ -330,6 +337,7 @@ class Router:
     def _edge_gone(self, edge: bytes) -> list[Action]:
         """The edge disconnected or went silent: close its sessions on their workers so they free the memory."""
         peer = self.peers.pop(edge, None)
+        self.edges_by_handle.pop(self.handle(edge), None)
         self.stats.live_edges = len(self.peers)
         actions = []
         for key in sorted(peer.sessions) if peer is not None else []:
@@ -382,9 +390,13 @@ class Router:
         self.stats.frontend_out += 1
         return FRONTEND, [edge, *message]
 
+    def handle(self, edge: bytes) -> bytes:
+        """What workers see for the edge with this routing id: 16 bytes that reveal nothing about it."""
+        return hashlib.blake2b(edge, key=self._handle_key, digest_size=16).digest()
+
     def _to_worker(self, worker_id: bytes, edge: bytes, message: list[bytes]) -> Action:
         self.stats.backend_out += 1
-        return BACKEND, [worker_id, edge, *message]
+        return BACKEND, [worker_id, self.handle(edge) if edge else b"", *message]
 
     def _disconnect(self, worker_id: bytes, reason: str) -> Action:
         return self._to_worker(worker_id, b"", protocol.encode(protocol.Disconnect(reason=reason)))

@@ -26,7 +26,7 @@ def edge_send(router, msg, edge=EDGE, now=0.0, user=None):
 
 
 def worker_send(router, worker, msg, client=EDGE, now=0.0):
-    return router.from_worker([worker, client, *protocol.encode(msg)], now)
+    return router.from_worker([worker, router.handle(client) if client else b"", *protocol.encode(msg)], now)
 
 
 def errors_to(actions, edge=EDGE) -> list[protocol.Error]:
@@ -108,7 +108,7 @@ def test_a_silent_edge_has_its_sessions_closed(router):
         worker_send(router, worker, protocol.Heartbeat(), client=b"", now=8.0)
     assert all(f[1] == b"" for _, f in router.tick(8.9))  # worker heartbeats only: the edge is still alive
     actions = router.tick(9.0)
-    closes = [(f[0], protocol.decode(f[2:])) for s, f in actions if s == BACKEND and f[1] == EDGE]
+    closes = [(f[0], protocol.decode(f[2:])) for s, f in actions if s == BACKEND and f[1] == router.handle(EDGE)]
     assert sorted((w, m.session) for w, m in closes) == [(W1, 1), (W2, 2)]
     assert all(isinstance(m, protocol.Close) for _, m in closes)
     assert router.stats.sessions_open == 0 and router.stats.live_edges == 0 and router.stats.edges_expired == 1

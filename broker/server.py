@@ -57,6 +57,9 @@ class Broker(transport.Service):
             raise ValueError(f"linger_ms must be in [0, 5000] so shutdown cannot hang, got {linger_ms}")
         if curve_secret is not None and (edge_keys is None or worker_keys is None):
             raise FatalError("--curve-secret needs both --edge-keys DIR and --worker-keys DIR")
+        if curve_secret is None and (edge_keys is not None or worker_keys is not None):
+            raise FatalError("--edge-keys / --worker-keys need --curve-secret (the broker's key pair): without "
+                             "it the broker would run without CURVE")
         self.router = Router(heartbeat_interval=heartbeat_interval, liveness=liveness, limits=limits)
         self._keys = (curve_secret, edge_keys, worker_keys) if curve_secret is not None else None
         self._insecure = insecure
@@ -120,16 +123,13 @@ class Broker(transport.Service):
     # ---- the three loops ---------------------------------------------------------------------------
 
     async def _pump(self, name: str) -> None:
-        """Read one socket forever; each message becomes Router actions, sent at once. On the frontend with
-        keys, each message carries the edge's authenticated key (its User-Id)."""
-        if name == FRONTEND:
-            def on_message(frames: list[bytes], n_frames: int, user: str | None = None) -> None:
-                self._send(self._route(self.router.from_edge, frames, self._clock(), n_frames, user))
-        else:
-            def on_message(frames: list[bytes], n_frames: int) -> None:
-                self._send(self._route(self.router.from_worker, frames, self._clock(), n_frames))
-        with_user = name == FRONTEND and self._keys is not None
-        await transport.receive_forever(self._sockets[name], on_message, with_user=with_user)
+        """Read one socket forever; each message becomes Router actions, sent at once. With keys, each message
+        carries the peer's authenticated key (its User-Id)."""
+        handler = self.router.from_edge if name == FRONTEND else self.router.from_worker
+
+        def on_message(frames: list[bytes], n_frames: int, user: str | None = None) -> None:
+            self._send(self._route(handler, frames, self._clock(), n_frames, user))
+        await transport.receive_forever(self._sockets[name], on_message, with_user=self._keys is not None)
 
     async def _ticker(self) -> None:
         """Heartbeats and expiry: sleep until the Router's next deadline (at most a tenth of an interval, so

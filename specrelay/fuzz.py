@@ -134,14 +134,14 @@ def squat(endpoint: str, ids: list[bytes], *, curve=None, anonymous: int = 5, ti
         for identity in [*ids, *[None] * anonymous]:
             sock = transport.make_socket(ctx, zmq.DEALER, linger_ms=0, identity=identity, curve=curve)
             socks.append(sock)
-            _connect_and_handshake(sock, endpoint, timeout)
+            connect_and_handshake(sock, endpoint, timeout)
     except BaseException:
         _close_all(ctx, socks)
         raise
     return [ctx, socks]
 
 
-def _connect_and_handshake(sock, endpoint: str, timeout: float) -> None:
+def connect_and_handshake(sock, endpoint: str, timeout: float) -> None:
     """Connect and wait for the ZMTP handshake (EVENT_HANDSHAKE_SUCCEEDED); a refused key fails at once."""
     import zmq
     from zmq.utils.monitor import recv_monitor_message

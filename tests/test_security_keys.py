@@ -128,3 +128,13 @@ def _handshake(endpoint: str, curve, identity: bytes | None) -> None:
     finally:
         sock.close(linger=0)
         ctx.term()
+
+
+async def test_an_edge_without_keys_is_told_the_broker_wants_them(zctx, keys):
+    from specrelay.edge_worker.probe import probe_broker
+
+    secrets, edges, workers = keys
+    async with Broker(ANY, ANY, context=zctx, linger_ms=0, curve_secret=str(secrets / "broker.key_secret"),
+                      edge_keys=str(edges), worker_keys=str(workers)) as broker:
+        with pytest.raises(FatalError, match="one side has keys and the other none"):
+            await probe_broker(broker.frontend, 10.0, worker=False, context=zctx)

@@ -15,8 +15,8 @@ from typing import Awaitable, Callable
 import structlog
 import zmq
 
+from ..common import auth, transport
 from ..common import protocol as P
-from ..common import transport
 from ..common.errors import ErrorCode, FatalError, InvalidRequest, RequestError
 from ..common.sampling import SamplingParams
 from .session import SessionConfig
@@ -77,6 +77,11 @@ class ClientFrontend:
         self._requests: dict[tuple[bytes, int], asyncio.Task] = {}
 
     def open(self) -> None:
+        """Bind the client port: it has no CURVE, so only loopback / ipc:// unless `insecure_listen`."""
+        if not (self.edge.config.insecure_listen or auth.is_loopback(self.listen)):
+            raise FatalError(f"refusing --listen {self.listen}: the edge's client port has no CURVE, and anyone "
+                             "who reaches it could generate on this edge's broker key. Listen on 127.0.0.1 or "
+                             "ipc://, put --http behind --api-key, or pass --insecure on a trusted network.")
         self._sock = transport.make_socket(self.edge.ctx, zmq.ROUTER, linger_ms=self.edge.config.linger_ms,
                                            mandatory=True)  # a vanished client -> EHOSTUNREACH, not silence
         self.endpoint = transport.bind(self._sock, self.listen, "edge worker")

@@ -58,6 +58,7 @@ class EdgeConfig:
     UNAVAILABLE, INTERNAL) are retried before the generation fails."""
 
     listen: str | None = None
+    insecure_listen: bool = False      # allow `listen` on a non-loopback address (it has no CURVE)
     request_timeout_s: float = 30.0
     retry_budget_s: float = 30.0
     retry_backoff_s: float = 0.1      # doubled per consecutive failure, capped at max_backoff_s

@@ -138,3 +138,21 @@ async def test_an_edge_without_keys_is_told_the_broker_wants_them(zctx, keys):
                       edge_keys=str(edges), worker_keys=str(workers)) as broker:
         with pytest.raises(FatalError, match="one side has keys and the other none"):
             await probe_broker(broker.frontend, 10.0, worker=False, context=zctx)
+
+
+@pytest.mark.parametrize("listen, refused", [("tcp://0.0.0.0:0", True), ("tcp://127.0.0.1:0", False)])
+async def test_the_edge_client_port_without_curve_stays_on_loopback(zctx, tiny_runners, listen, refused):
+    from specrelay.edge_worker.drafter import Drafter
+    from specrelay.edge_worker.server import EdgeConfig, EdgeWorker
+
+    target, draft = tiny_runners
+    edge = EdgeWorker("tcp://127.0.0.1:9", Drafter(draft, target.vocab_size), target.tokenizer,
+                      EdgeConfig(listen=listen, linger_ms=0), context=zctx)
+    if refused:
+        with pytest.raises(FatalError, match="--insecure"):
+            await edge.start()
+        await edge.stop()
+        edge = EdgeWorker("tcp://127.0.0.1:9", Drafter(draft, target.vocab_size), target.tokenizer,
+                          EdgeConfig(listen=listen, linger_ms=0, insecure_listen=True), context=zctx)
+    async with edge:
+        assert edge.frontend.endpoint.startswith("tcp://")

@@ -21,6 +21,7 @@ import zmq.asyncio
 
 from specrelay.common import auth, health, transport
 from specrelay.common.errors import FatalError
+from specrelay.common.membudget import MemoryBudget
 
 from .routing import BACKEND, FRONTEND, HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, Action, Router
 from .table import Limits
@@ -41,7 +42,8 @@ class Broker(transport.Service):
 
     With `curve_secret`, both sockets are CURVE servers: edges must present a key listed in `edge_keys`, workers
     one listed in `worker_keys` (directories of NAME.key files, re-read by `reload_keys()` / SIGHUP). Without
-    keys, binding anything but loopback needs `insecure=True`.
+    keys, binding anything but loopback needs `insecure=True`. With `max_rss_mb` the process exits
+    (common/membudget.py) once its resident memory passes that many MiB, for its supervisor to restart it.
     """
 
     name = "broker"
@@ -50,7 +52,7 @@ class Broker(transport.Service):
                  liveness: int = HEARTBEAT_LIVENESS, linger_ms: int = DEFAULT_LINGER_MS,
                  health_port: int | None = None, health_host: str = "127.0.0.1", limits: Limits | None = None,
                  curve_secret: str | None = None, edge_keys: str | None = None, worker_keys: str | None = None,
-                 insecure: bool = False, context: zmq.asyncio.Context | None = None,
+                 insecure: bool = False, max_rss_mb: float | None = None, context: zmq.asyncio.Context | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
         if not 0 <= linger_ms <= 5000:
@@ -64,6 +66,7 @@ class Broker(transport.Service):
         self._keys = (curve_secret, edge_keys, worker_keys) if curve_secret is not None else None
         self._insecure = insecure
         self._allowlists: auth.Allowlists | None = None
+        self._memory = MemoryBudget(max_rss_mb) if max_rss_mb else None
         self.loop_lag_s = 0.0
         self.frontend, self.backend = frontend, backend
         self.health_port, self.health_host = health_port, health_host
@@ -80,6 +83,8 @@ class Broker(transport.Service):
 
     async def _open(self) -> None:
         """Start the ZAP authenticator (keys) before binding both sockets, then the health port."""
+        if self._memory is not None:
+            self._memory.start()
         auth.check_insecure_bind([self.frontend, self.backend], keys=self._keys is not None, insecure=self._insecure)
         curves = {FRONTEND: None, BACKEND: None}
         if self._keys is not None:
@@ -110,6 +115,8 @@ class Broker(transport.Service):
         return [self._pump(FRONTEND), self._pump(BACKEND), self._ticker()]
 
     async def _close(self) -> None:
+        if self._memory is not None:
+            self._memory.stop()
         if self._health is not None:
             self._health.close()
         if self._allowlists is not None:

@@ -58,7 +58,7 @@ def cmd_broker(args) -> int:
                     max_prompt_tokens_per_client=args.max_prompt_tokens_per_client, edge_ttl=args.edge_ttl)
     run_async(serve(args.frontend, args.backend, health_port=args.health_port, health_host=args.health_host,
                     limits=limits, curve_secret=args.curve_secret, edge_keys=args.edge_keys,
-                    worker_keys=args.worker_keys, insecure=args.insecure))
+                    worker_keys=args.worker_keys, insecure=args.insecure, max_rss_mb=args.max_rss_mb or None))
     return 0
 
 
@@ -245,6 +245,8 @@ def broker_flags(p) -> None:
     p.add_argument("--worker-keys", default=None, metavar="DIR", help="public keys cloud workers may use "
                    "(re-read on SIGHUP)")
     p.add_argument("--insecure", action="store_true", help="allow binding a non-loopback address without keys")
+    p.add_argument("--max-rss-mb", type=float, default=1024, metavar="MiB", help="exit (code 75) for a restart once "
+                   "resident memory passes this (one huge multipart message can grow it; 0: no limit)")
     p.add_argument("--max-sessions-per-client", type=cliargs.positive_int, default=256,
                    help="open sessions per edge key")
     p.add_argument("--max-prompt-tokens-per-client", type=cliargs.positive_int, default=1 << 20,

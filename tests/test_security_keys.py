@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from rolekeys import role_keys
 import zmq
 import zmq.auth
 
@@ -27,15 +28,7 @@ ANY = "tcp://127.0.0.1:0"
 
 @pytest.fixture
 def keys(tmp_path):
-    secrets, edges, workers = tmp_path / "secrets", tmp_path / "edges", tmp_path / "workers"
-    for name in ("broker", "edge", "worker", "rogue"):
-        auth.generate(secrets, name)
-    edges.mkdir()
-    workers.mkdir()
-    shutil.copy(secrets / "edge.key", edges)
-    shutil.copy(secrets / "worker.key", workers)
-    return secrets, edges, workers
-
+    return role_keys(tmp_path)
 
 def test_a_secret_key_is_private_from_the_start_and_checked_on_load(tmp_path):
     umask = os.umask(0o022)

@@ -7,11 +7,11 @@ greedy generation afterwards equals the target alone."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 import subprocess
 import sys
 
 import pytest
+from rolekeys import role_keys
 import torch
 
 from specrelay import Client
@@ -40,17 +40,7 @@ def reference(tiny_pair) -> list[int]:
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory):
-    """secrets/ (every key pair), edges/ (edge.key), workers/ (worker.key)."""
-    root = tmp_path_factory.mktemp("keys")
-    secrets, edges, workers = root / "secrets", root / "edges", root / "workers"
-    for name in ("broker", "edge", "worker"):
-        auth.generate(secrets, name)
-    edges.mkdir()
-    workers.mkdir()
-    shutil.copy(secrets / "edge.key", edges)
-    shutil.copy(secrets / "worker.key", workers)
-    return secrets, edges, workers
-
+    return role_keys(tmp_path_factory.mktemp("keys"))
 
 def attack(endpoint: str, curve, procs: list[subprocess.Popen], what: str) -> list:
     """Squat the predicted ids, then 5 connections without an id; every process must still run."""

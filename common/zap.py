@@ -1,9 +1,10 @@
 """The broker's ZAP handler (RFC 27): pyzmq's asyncio authenticator plus a handshake budget and a log of refusals.
 
 Handshake budget: each (domain, peer address, CURVE key) may complete `burst` handshakes at once and then
-`rate` per second (GCRA). A handshake past the budget is not refused: its ZAP reply waits until the budget allows
-it (a legit client that reconnects in a burst is only slowed, never told its key is bad); one that would wait
-longer than `MAX_WAIT_S`, or arrives while `MAX_PENDING` replies already wait, gets the temporary failure 300.
+`rate` per second (GCRA). A handshake past the budget is never refused (a refusal tells a client its key is bad,
+and edges end on that): its ZAP reply waits until the budget allows it; one that would wait longer than
+`MAX_WAIT_S`, or arrives while `MAX_PENDING` replies already wait, is left unanswered, so libzmq drops it after
+its handshake timeout (HANDSHAKE_IVL, 30 s) and the client reconnects. No routing id is made for either.
 This bounds how many connections, and so how many routing ids, one key from one address can make in a given
 time (README, Security: routing ids). Refused keys are logged at a bounded rate with their domain and address.
 """
@@ -22,7 +23,7 @@ from .ratelimit import LogLimiter
 log = structlog.get_logger("specrelay.auth")
 limited = LogLimiter(log)
 
-MAX_WAIT_S = 10.0      # a handshake held longer than this is answered 300 (temporary) instead
+MAX_WAIT_S = 10.0      # a handshake that would be held longer than this is left unanswered
 MAX_PENDING = 1024     # ZAP replies held back at once, over all peers
 MAX_PEERS = 65_536     # (domain, address, key) budgets remembered; idle ones are dropped first
 
@@ -65,10 +66,9 @@ class ThrottledAuthenticator(AsyncioAuthenticator):
         domain, address, key = msg[2].decode("utf-8", "replace"), msg[3].decode("utf-8", "replace"), msg[6]
         wait = self.budget.delay((domain, address, key)) if len(self._held) < MAX_PENDING else None
         if wait is None:
-            self.throttled += 1
-            limited.warning("handshake refused for now: too many from this key and address", domain=domain,
+            self.throttled += 1  # unanswered: libzmq drops the connection at its handshake timeout
+            limited.warning("handshake left unanswered: too many from this key and address", domain=domain,
                             address=address, key=z85.encode(key).decode())
-            self._send_zap_reply(msg[1], b"300", b"too many handshakes; retry later")
         elif wait == 0:
             await self._answer(msg, domain, address)
         else:

@@ -149,3 +149,20 @@ async def test_the_edge_client_port_without_curve_stays_on_loopback(zctx, tiny_r
                           EdgeConfig(listen=listen, linger_ms=0, insecure_listen=True), context=zctx)
     async with edge:
         assert edge.frontend.endpoint.startswith("tcp://")
+
+
+async def test_handshakes_past_the_budget_are_held_not_refused(zctx, keys):
+    """A valid key reconnecting past its budget is slowed (its ZAP reply held), never told its key is bad."""
+    import time
+
+    secrets, edges, workers = keys
+    async with Broker(ANY, ANY, context=zctx, linger_ms=0, curve_secret=str(secrets / "broker.key_secret"),
+                      edge_keys=str(edges), worker_keys=str(workers)) as broker:
+        zap = broker._allowlists.zap
+        zap.budget = HandshakeBudget(rate=0.5, burst=2)
+        edge = auth.client(secrets / "edge.key_secret", secrets / "broker.key")
+        for _ in range(2):
+            await asyncio.to_thread(_handshake, broker.frontend, edge, None)
+        t0 = time.monotonic()
+        await asyncio.to_thread(_handshake, broker.frontend, edge, None)  # held ~2 s, then admitted
+        assert time.monotonic() - t0 >= 1.5 and zap.delayed == 1 and zap.refused == 0

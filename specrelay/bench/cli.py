@@ -21,6 +21,7 @@ EXTERNAL: dict[str, tuple[str, str]] = {
     "fuzz": ("specrelay.bench_fuzz", "main"),          # legit sessions under malformed / abusive traffic
     "xvdraft": ("specrelay.bench_xvocab", "main"),     # cross-vocabulary drafts: plain vs distilled, TLI vs retok
     "draft": ("specrelay.bench_draft", "main"),        # the edge's lockstep draft step: in-place K/V vs restack
+    "broker": ("specrelay.bench.broker_load", "main"),  # round trips per broker core, fake workers and edges
 }
 
 
@@ -170,4 +171,7 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
         write_result(args.out, name, result)
         report.write_outputs(args.out, name, result, plots=not args.no_plots)
         print(json.dumps(result, indent=None if args.json else 1))
+        if name == "wire":  # README's "Wire protocol" table, as tests/test_readme_wire.py expects it
+            from .legacy import wire_markdown
+            print(wire_markdown(result), file=sys.stderr)
     return 0

@@ -32,6 +32,7 @@ log = structlog.get_logger("specrelay.auth")
 
 EDGE_DOMAIN = "edge"
 WORKER_DOMAIN = "worker"
+CLIENT_DOMAIN = "client"  # applications on an edge worker's --listen port (edge-worker --client-keys)
 
 
 def generate(directory: str | os.PathLike, name: str) -> tuple[Path, Path]:
@@ -85,9 +86,11 @@ HANDSHAKE_BURST = 64
 class Allowlists:
     """The broker's ZAP handler: edge keys may use the frontend, worker keys the backend, nothing else."""
 
-    def __init__(self, ctx: zmq.Context, edge_keys: str | os.PathLike, worker_keys: str | os.PathLike, *,
-                 handshakes_per_s: float = HANDSHAKES_PER_S, handshake_burst: int = HANDSHAKE_BURST) -> None:
-        self.dirs = {EDGE_DOMAIN: Path(edge_keys), WORKER_DOMAIN: Path(worker_keys)}
+    def __init__(self, ctx: zmq.Context, edge_keys: str | os.PathLike | None, worker_keys: str | os.PathLike | None,
+                 *, client_keys: str | os.PathLike | None = None, handshakes_per_s: float = HANDSHAKES_PER_S,
+                 handshake_burst: int = HANDSHAKE_BURST) -> None:
+        dirs = {EDGE_DOMAIN: edge_keys, WORKER_DOMAIN: worker_keys, CLIENT_DOMAIN: client_keys}
+        self.dirs = {domain: Path(path) for domain, path in dirs.items() if path is not None}
         self._read()  # refuse a bad directory at start-up, with one line
         self._auth = ThrottledAuthenticator(ctx, handshakes_per_s=handshakes_per_s, handshake_burst=handshake_burst)
 
@@ -104,7 +107,7 @@ class Allowlists:
 
     def _read(self) -> dict[str, dict[bytes, bool]]:
         """Both directories' public keys; FatalError naming the problem if either cannot be used."""
-        if self.dirs[EDGE_DOMAIN].resolve() == self.dirs[WORKER_DOMAIN].resolve():
+        if len({path.resolve() for path in self.dirs.values()}) < len(self.dirs):
             raise FatalError(f"--edge-keys and --worker-keys are the same directory ({self.dirs[EDGE_DOMAIN]}): "
                              "every worker key would be an edge key too; give each role its own directory")
         lists = {}
@@ -115,7 +118,7 @@ class Allowlists:
                 lists[domain] = zmq.auth.load_certificates(path)
             except (OSError, ValueError) as exc:
                 raise FatalError(f"cannot read the {domain} keys in {path}: {exc}") from None
-        both = lists[EDGE_DOMAIN].keys() & lists[WORKER_DOMAIN].keys()
+        both = lists.get(EDGE_DOMAIN, {}).keys() & lists.get(WORKER_DOMAIN, {}).keys()
         if both:
             names = ", ".join(k.decode() for k in sorted(both))
             raise FatalError(f"{len(both)} key(s) listed as both edge and worker ({names}): a key may have one "

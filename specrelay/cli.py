@@ -100,7 +100,8 @@ def cmd_edge_worker(args) -> int:
         warning = warn_if_unreachable(args.broker, args.connect_timeout, curve=curve)
         await serve(args.broker, args.draft_model, args.listen, args.target_tokenizer, device=args.device,
                     dtype=args.dtype, curve=curve,
-                    config=EdgeConfig(retry_budget_s=args.retry_budget, insecure_listen=args.insecure),
+                    config=EdgeConfig(retry_budget_s=args.retry_budget, insecure_listen=args.insecure,
+                                      client_keys=args.client_keys),
                     http=args.http, served_model_name=args.served_model_name, health_port=args.health_port,
                     health_host=args.health_host)
         warning.cancel()
@@ -279,7 +280,9 @@ def edge_worker_flags(p) -> None:
     add_broker(p, defaults.BROKER_FRONTEND, "frontend")
     add_edge(p)
     p.add_argument("--listen", default=defaults.EDGE_ENDPOINT, help="ZeroMQ endpoint specrelay.Client connects to "
-                   "(no CURVE: loopback or ipc:// only, unless --insecure)")
+                   "(without --client-keys: loopback or ipc:// only, unless --insecure)")
+    p.add_argument("--client-keys", default=None, metavar="DIR", help="public keys (NAME.key) of the applications "
+                   "that may use --listen: CURVE with this edge's --curve-secret (clients pass its public key)")
     p.add_argument("--insecure", action="store_true", help="allow --listen on a non-loopback address: anyone who "
                    "reaches it can run generations on this edge's broker key")
     add_http(p, None)

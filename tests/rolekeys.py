@@ -9,13 +9,12 @@ from specrelay.common import auth
 
 
 def role_keys(root: Path) -> tuple[Path, Path, Path]:
-    """Key pairs in root/secrets (broker, edge, worker, rogue), and the public keys the broker admits: edge.key in
-    root/edges, worker.key in root/workers."""
+    """Key pairs in root/secrets (broker, edge, worker, app, rogue); the public keys the broker admits: edge.key in
+    root/edges, worker.key in root/workers; and app.key in root/apps (an edge's --client-keys)."""
     secrets, edges, workers = root / "secrets", root / "edges", root / "workers"
-    for name in ("broker", "edge", "worker", "rogue"):
+    for name in ("broker", "edge", "worker", "app", "rogue"):
         auth.generate(secrets, name)
-    edges.mkdir()
-    workers.mkdir()
-    shutil.copy(secrets / "edge.key", edges)
-    shutil.copy(secrets / "worker.key", workers)
+    for directory, name in ((edges, "edge"), (workers, "worker"), (root / "apps", "app")):
+        directory.mkdir()
+        shutil.copy(secrets / f"{name}.key", directory)
     return secrets, edges, workers

@@ -166,3 +166,27 @@ async def test_handshakes_past_the_budget_are_held_not_refused(zctx, keys):
         t0 = time.monotonic()
         await asyncio.to_thread(_handshake, broker.frontend, edge, None)  # held ~2 s, then admitted
         assert time.monotonic() - t0 >= 1.5 and zap.delayed == 1 and zap.refused == 0
+
+
+async def test_the_edge_client_port_with_client_keys_is_curve(zctx, keys, tiny_runners):
+    """`--client-keys`: the client port is a CURVE server with the edge's key pair, on any address; a listed
+    application key completes the handshake, an unlisted one is refused."""
+    from specrelay.edge_worker.drafter import Drafter
+    from specrelay.edge_worker.server import EdgeConfig, EdgeWorker
+
+    secrets, edges, _ = keys
+    apps = secrets.parent / "apps"
+    target, draft = tiny_runners
+    edge_curve = auth.client(secrets / "edge.key_secret", secrets / "broker.key")
+    edge = EdgeWorker("tcp://127.0.0.1:9", Drafter(draft, target.vocab_size), target.tokenizer,
+                      EdgeConfig(listen="tcp://0.0.0.0:0", linger_ms=0, client_keys=str(apps)), context=zctx,
+                      curve=edge_curve)
+    async with edge:
+        endpoint = edge.endpoint.replace("0.0.0.0", "127.0.0.1")
+        app = auth.client(secrets / "app.key_secret", secrets / "edge.key")
+        await asyncio.to_thread(_handshake, endpoint, app, None)
+        rogue = auth.client(secrets / "rogue.key_secret", secrets / "edge.key")
+        with pytest.raises(ConnectionRefusedError):
+            await asyncio.to_thread(_handshake, endpoint, rogue, None)
+        with pytest.raises((ConnectionRefusedError, TimeoutError)):
+            await asyncio.to_thread(_handshake, endpoint, None, None)  # no keys at all

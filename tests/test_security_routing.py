@@ -17,8 +17,6 @@ import torch
 from specrelay import Client
 from specrelay.cluster import LocalCluster, free_port
 from specrelay.common import auth
-from specrelay.edge_worker.loading import load_edge
-from specrelay.edge_worker.session import SessionConfig
 from specrelay.fuzz import end_squat, predicted_routing_ids, squat
 
 pytestmark = pytest.mark.timeout(240)
@@ -64,14 +62,33 @@ def test_squatting_every_router_of_a_curve_cluster(tiny_pair, keys, reference):
                    "--worker-keys", str(workers))
     with LocalCluster(str(target), extra_broker_args=broker_args, extra_worker_args=worker_args) as cluster:
         listen = f"tcp://127.0.0.1:{free_port()}"
-        edge = cluster._spawn("edge-worker", "--broker", cluster.frontend, "--draft-model", str(draft),
-                              "--listen", listen, *(a.format(secrets / "edge.key_secret") for a in client_keys))
-        asyncio.run(generate_via_client(listen))  # the edge is up and connected
+        cluster._spawn("edge-worker", "--broker", cluster.frontend, "--draft-model", str(draft), "--listen", listen,
+                       "--client-keys", str(secrets.parent / "apps"),
+                       *(a.format(secrets / "edge.key_secret") for a in client_keys))
+        app = auth.client(secrets / "app.key_secret", secrets / "edge.key")
+        asyncio.run(generate_via_client(listen, app))  # the edge is up and connected
         edge_curve = auth.client(secrets / "edge.key_secret", secrets / "broker.key")
         worker_curve = auth.client(secrets / "worker.key_secret", secrets / "broker.key")
         squats = [attack(cluster.frontend, edge_curve, cluster.procs, "broker frontend"),
                   attack(cluster.backend, worker_curve, cluster.procs, "broker backend"),
-                  attack(listen, None, cluster.procs, "edge worker's --listen port")]
+                  attack(listen, app, cluster.procs, "edge worker's --listen port (CURVE, an app key)")]
+        try:
+            assert asyncio.run(generate_via_client(listen, app)) == reference
+        finally:
+            for squatted in squats:
+                end_squat(squatted)
+        assert all(p.poll() is None for p in cluster.procs)
+
+
+def test_squatting_a_keyless_loopback_broker_and_edge(tiny_pair, reference):
+    target, draft = tiny_pair
+    with LocalCluster(str(target)) as cluster:
+        listen = f"tcp://127.0.0.1:{free_port()}"
+        cluster._spawn("edge-worker", "--broker", cluster.frontend, "--draft-model", str(draft), "--listen", listen)
+        asyncio.run(generate_via_client(listen))  # the edge is up and connected
+        squats = [attack(cluster.frontend, None, cluster.procs, "keyless broker frontend"),
+                  attack(cluster.backend, None, cluster.procs, "keyless broker backend"),
+                  attack(listen, None, cluster.procs, "edge worker's keyless --listen port")]
         try:
             assert asyncio.run(generate_via_client(listen)) == reference
         finally:
@@ -80,28 +97,9 @@ def test_squatting_every_router_of_a_curve_cluster(tiny_pair, keys, reference):
         assert all(p.poll() is None for p in cluster.procs)
 
 
-def test_squatting_a_keyless_loopback_broker(tiny_pair, reference):
-    target, draft = tiny_pair
-    with LocalCluster(str(target)) as cluster:
-        squats = [attack(cluster.frontend, None, cluster.procs, "keyless broker frontend"),
-                  attack(cluster.backend, None, cluster.procs, "keyless broker backend")]
-        try:
-            assert asyncio.run(generate_in_process(cluster.frontend, str(draft))) == reference
-        finally:
-            for squatted in squats:
-                end_squat(squatted)
-        assert all(p.poll() is None for p in cluster.procs)
-
-
-async def generate_via_client(listen: str) -> list[int]:
-    async with Client(listen, timeout=120) as client:
+async def generate_via_client(listen: str, curve=None) -> list[int]:
+    async with Client(listen, timeout=120, curve=curve) as client:
         return (await client.generate(PROMPT, max_new_tokens=N_NEW)).token_ids
-
-
-async def generate_in_process(frontend: str, draft: str) -> list[int]:
-    async with await load_edge(frontend, draft) as edge:
-        out, _ = await edge.generate(edge.tokenizer(PROMPT).input_ids, SessionConfig(max_new_tokens=N_NEW))
-    return out
 
 
 if __name__ == "__main__":

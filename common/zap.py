@@ -6,7 +6,8 @@ and edges end on that): its ZAP reply waits until the budget allows it; one that
 `MAX_WAIT_S`, or arrives while `MAX_PENDING` replies already wait, is left unanswered, so libzmq drops it after
 its handshake timeout (HANDSHAKE_IVL, 30 s) and the client reconnects. No routing id is made for either.
 This bounds how many connections, and so how many routing ids, one key from one address can make in a given
-time (README, Security: routing ids). Refused keys are logged at a bounded rate with their domain and address.
+time (README, Security: routing ids). A key not listed is refused at once and spends no budget (so unlisted keys
+cannot fill the budget's table); refused keys are logged at a bounded rate with their domain and address.
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ class ThrottledAuthenticator(AsyncioAuthenticator):
             await super().handle_zap_message(msg)
             return
         domain, address, key = msg[2].decode("utf-8", "replace"), msg[3].decode("utf-8", "replace"), msg[6]
+        if not self.certs.get(domain, {}).get(z85.encode(key)):  # refused at once: unlisted keys spend no budget
+            await self._answer(msg, domain, address)
+            return
         wait = self.budget.delay((domain, address, key)) if len(self._held) < MAX_PENDING else None
         if wait is None:
             self.throttled += 1  # unanswered: libzmq drops the connection at its handshake timeout

@@ -27,6 +27,8 @@ HANDSHAKE_FAILED = {
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the ZeroMQ handshake with {} failed (CURVE keys on one side only, or "
                                           "not a ZeroMQ peer)",
 }
+MECHANISM_MISMATCH = ("the broker at {} and this process disagree on CURVE: one side has keys and the other "
+                      "none; pass --curve-secret and --broker-key (or neither, on both sides)")
 RETRY_S = 0.25  # between worker checks while the broker answers UNAVAILABLE
 
 
@@ -71,11 +73,15 @@ async def _handshake(monitor: zmq.asyncio.Socket, endpoint: str, timeout: float,
         except asyncio.TimeoutError:
             raise FatalError(f"cannot reach the broker at {endpoint} within {timeout:g} s: {why}; check --broker "
                              "and that `specrelay broker` runs there (or raise --connect-timeout)") from None
-        event = parse_monitor_message(frames)["event"]
+        message = parse_monitor_message(frames)
+        event = message["event"]
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             return
         if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             raise AuthenticationFailed(HANDSHAKE_FAILED[event].format(endpoint))
+        if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and \
+                message["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            raise FatalError(MECHANISM_MISMATCH.format(endpoint))
         if event in HANDSHAKE_FAILED:
             raise FatalError(HANDSHAKE_FAILED[event].format(endpoint))
         if event in (zmq.EVENT_CONNECT_RETRIED, zmq.EVENT_CONNECT_DELAYED, zmq.EVENT_CLOSED):

@@ -58,6 +58,8 @@ class EdgeConfig:
     UNAVAILABLE, INTERNAL) are retried before the generation fails."""
 
     listen: str | None = None
+    insecure_listen: bool = False      # allow `listen` on a non-loopback address without client_keys
+    client_keys: str | None = None     # a directory of public keys that may use `listen` (CURVE; edge's keys)
     request_timeout_s: float = 30.0
     retry_budget_s: float = 30.0
     retry_backoff_s: float = 0.1      # doubled per consecutive failure, capped at max_backoff_s

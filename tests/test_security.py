@@ -8,6 +8,7 @@ import shutil
 import time
 
 import pytest
+from rolekeys import role_keys
 import torch
 import zmq
 import zmq.asyncio
@@ -26,16 +27,7 @@ ANY = "tcp://127.0.0.1:0"
 
 @pytest.fixture
 def keys(tmp_path):
-    """Key pairs in secrets/, and the public keys the broker admits: edge.key in edges/, worker.key in workers/."""
-    secrets, edges, workers = tmp_path / "secrets", tmp_path / "edges", tmp_path / "workers"
-    for name in ("broker", "edge", "worker", "rogue"):
-        auth.generate(secrets, name)
-    edges.mkdir()
-    workers.mkdir()
-    shutil.copy(secrets / "edge.key", edges)
-    shutil.copy(secrets / "worker.key", workers)
-    return secrets, edges, workers
-
+    return role_keys(tmp_path)
 
 def client_keys(secrets, name: str) -> transport.Curve:
     return auth.client(secrets / f"{name}.key_secret", secrets / "broker.key")

@@ -39,15 +39,39 @@ def candidate_slots(round_: int) -> tuple[int, int]:
 
 # ---------------------------------------------------------------------------------------------- cloud side
 
-@dataclass(frozen=True)
+@dataclass
 class Pending:
     """A sampled rejection the edge has not resolved yet: the verdict's seq, the absolute position of the
-    rejected token, the target distribution there, and the rejected draft token x."""
+    rejected token, the target distribution there, and the rejected draft token x.
+
+    What the edge may ask for it, each at most once and in this order (so one rejection costs the worker at
+    most SRDV_MAX_ROUNDS + 1 RESAMPLEs): CANDIDATES rounds 1, 2, ... < SRDV_MAX_ROUNDS, then HR, then
+    SERVER_ONLY (which ends it)."""
 
     seq: int
     position: int
     p: torch.Tensor  # [V_target] float32
     rejected: int
+    last_round: int = 0       # the last CANDIDATES round served (the VERDICT carried round 0)
+    hr_sent: bool = False
+    finished: bool = False    # SERVER_ONLY drew the token: nothing more to serve
+
+    def admit(self, kind: ResampleKind, round_: int) -> None:
+        """Refuse (InvalidRequest, naming the field) a RESAMPLE that is out of order or already served."""
+        if self.finished:
+            raise InvalidRequest(f"the rejection at seq {self.seq} is already resolved", field="seq")
+        if kind == ResampleKind.CANDIDATES:
+            if round_ != self.last_round + 1 or self.hr_sent or round_ >= SRDV_MAX_ROUNDS:
+                raise InvalidRequest(f"round {round_} out of order: the next candidate round for seq {self.seq} is "
+                                     f"{self.last_round + 1} (rounds < {SRDV_MAX_ROUNDS}, none after hr)",
+                                     field="round")
+            self.last_round = round_
+        elif kind == ResampleKind.HR:
+            if self.hr_sent:
+                raise InvalidRequest(f"the hr payload for seq {self.seq} was already sent", field="kind")
+            self.hr_sent = True
+        else:
+            self.finished = True
 
 
 def _shared_ids(mask: torch.Tensor | None, v: int) -> torch.Tensor:  # -> [V_c] sorted target ids
@@ -92,18 +116,22 @@ def rejection_verdict(session: int, n_accepted: int, pending: Pending, strategy:
 
 
 def serve_resample(req: P.Resample, pending: Pending, shared: torch.Tensor | None, seed: int) -> P.Resampled:
-    """RESAMPLE for `pending`: hr's server-only draw, another SR-DV round, or SR-DV's fallback to the hr payload."""
+    """RESAMPLE for `pending`: hr's server-only draw, another SR-DV round, or SR-DV's fallback to the hr payload.
+    Each is served once per rejection and in order (Pending.admit); anything else is an InvalidRequest."""
     out = P.Resampled(req.session, req.seq)
     if req.kind == ResampleKind.SERVER_ONLY:
         if shared is None:
             raise InvalidRequest("server_only resampling needs a cross-vocabulary session", field="kind")
         only = pending.p.double() * (~shared)  # p restricted to V_o
+        if not only.sum() > 0:  # theta_o = 0: an honest edge never asks
+            raise InvalidRequest("server_only resampling: p has no mass outside the shared vocabulary", field="kind")
+        pending.admit(req.kind, req.round)
         out.token = sample_index(only, uniform(seed, pending.position, Purpose.SERVER_ONLY))
     elif req.kind == ResampleKind.CANDIDATES:
-        if not 1 <= req.round < SRDV_MAX_ROUNDS:
-            raise InvalidRequest(f"round must be in [1, {SRDV_MAX_ROUNDS})", field="round")
+        pending.admit(req.kind, req.round)
         out.candidates, out.cand_p = _candidates(seed, pending.position, pending.p, req.round, pending.rejected)
     else:
+        pending.admit(req.kind, req.round)
         out.p, out.theta_o = _hr_payload(pending.p, shared)
     return out
 

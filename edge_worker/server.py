@@ -4,7 +4,8 @@ through `frontend.ClientFrontend` when `EdgeConfig.listen` is set).
 One zmq.asyncio DEALER (CURVE when keys are configured). Its routing id is chosen by the broker's ROUTER, so no
 other edge can claim it; a session belongs to this connection and its key. A receiver loop hands each VERDICT /
 RESAMPLED / ERROR to the session waiting on it; a heartbeat loop tells the broker this edge is alive (it closes
-the sessions of a silent edge); a monitor loop notices a refused key (fatal: AuthenticationFailed) and a dropped
+the sessions of a silent edge); a monitor loop notices a refused key (fatal: AuthenticationFailed, the edge
+stops, so /readyz goes with it and the CLI exits with one line) and a dropped
 connection (the requests in flight are retried at once instead of after their timeout). Sessions are numbered
 from a per-edge counter (1, 2, ...): the broker and the workers key them by (this edge's peer id, session), so
 ids stay small (1 byte in MessagePack below 128, at most 3 below SID_WRAP) in every message.
@@ -141,6 +142,7 @@ class EdgeWorker(transport.Service):
         self.identity = identity  # None: the broker's ROUTER picks one (the safe default)
         self.connected = asyncio.Event()  # set while the broker connection is up (handshake done)
         self.auth_error: AuthenticationFailed | None = None
+        self._refused = asyncio.Event()   # set with auth_error: the heartbeat loop ends the service
         self.ctx = context or zmq.asyncio.Context.instance()
         self.frontend = None  # frontend.ClientFrontend when config.listen is set
         self._curve = curve
@@ -336,11 +338,16 @@ class EdgeWorker(transport.Service):
             self._log.warning("send to the broker failed", session=session.sid, error=str(error))
 
     async def _heartbeat(self) -> None:
-        """Tell the broker this edge is alive (it closes the sessions of an edge silent past its edge TTL)."""
+        """Tell the broker this edge is alive (it closes the sessions of an edge silent past its edge TTL).
+        Ends by raising the broker's refusal of this edge's key: the edge stops (the CLI prints one line)."""
         beat = P.encode(P.Heartbeat())
         while True:
             transport.send_nowait(self._sock, beat)
-            await asyncio.sleep(self.config.heartbeat_s)
+            try:
+                await asyncio.wait_for(self._refused.wait(), self.config.heartbeat_s)
+            except asyncio.TimeoutError:
+                continue
+            raise self.auth_error
 
     def _on_event(self, event: int) -> None:
         """Socket monitor: a refused key is fatal; a dropped connection fails the requests in flight with a
@@ -350,9 +357,10 @@ class EdgeWorker(transport.Service):
         elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             self.auth_error = AuthenticationFailed(
                 f"authentication failed: the broker at {self.broker} refused this edge's CURVE key")
-            self._log.warning("authentication failed", broker=self.broker)
+            self._log.error("authentication failed; the edge stops", broker=self.broker)
             for route in self._routes.values():
                 route.fail(self.auth_error)
+            self._refused.set()
         elif event == zmq.EVENT_DISCONNECTED and self.connected.is_set():
             self.connected.clear()
             self._log.warning("broker connection lost; requests in flight are retried", broker=self.broker)

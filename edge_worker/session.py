@@ -17,13 +17,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..common import protocol as P
-from ..common.errors import ErrorCode, InvalidRequest, from_wire
+from ..common.errors import ErrorCode, InternalError, InvalidRequest, from_wire
 from ..common.protocol import DEFAULT_SAMPLED_MODE, DEFAULT_STRATEGY, Mode, Strategy
 from ..common.resample import Rejection
 from ..common.sampling import SamplingParams
 from .draftlen import EdgeEstimates, FixedDraftLen, GoodputController
 from .drafter import DraftBlock, Drafter, DraftJob
 from .predraft import DraftChain
+
+
+class WorkerMisbehaved(InternalError):
+    """A reply no honest worker sends (an id outside the vocabulary): counted, and the session re-OPENs."""
 
 
 @dataclass(frozen=True)
@@ -195,10 +199,12 @@ class EdgeSession:
                 self.stats.reopens += 1
             raise from_wire(reply.code, reply.message)
         if isinstance(reply, P.Resampled):
+            self._check_ids(reply)
             return self._resolve(self._rejection.step(reply))
         if not isinstance(reply, P.Verdict) or reply.seq != self.seq:
             raise InvalidRequest(f"unexpected reply {type(reply).__name__} (seq {getattr(reply, 'seq', '?')}, "
                                  f"waiting for {self.seq})", field="seq")
+        self._check_ids(reply)
         return self._apply_verdict(reply)
 
     def _apply_verdict(self, v: P.Verdict) -> list[int]:
@@ -230,6 +236,17 @@ class EdgeSession:
             return None
         guess = chain.guess(n)
         return None if guess is None else guess == token
+
+    def _check_ids(self, reply: P.Verdict | P.Resampled) -> None:
+        """Every id a worker sends must index the target vocabulary (an out-of-range id would fault a CUDA
+        gather on q'); -1 means "no token". A bad worker fails the request (retried), never the edge."""
+        v = self.drafter.target_vocab_size
+        token = reply.next_token if isinstance(reply, P.Verdict) else reply.token
+        ids = [*reply.candidates, *([token] if token != -1 else [])]
+        bad = next((t for t in ids if not 0 <= t < v), None)
+        if bad is not None:
+            raise WorkerMisbehaved(f"the worker sent token id {bad} for session {self.sid}, outside the target "
+                                   f"vocabulary [0, {v})")
 
     def _resolve(self, outcome) -> list[int]:
         if isinstance(outcome, P.Resample):

@@ -20,7 +20,8 @@ EXTERNAL: dict[str, tuple[str, str]] = {
     "kv": ("specrelay.kvbench", "main"),               # KV store, chunked prefill, determinism (issue 9)
     "fuzz": ("specrelay.bench_fuzz", "main"),          # legit sessions under malformed / abusive traffic
     "xvdraft": ("specrelay.bench_xvocab", "main"),     # cross-vocabulary drafts: plain vs distilled, TLI vs retok
-    "draft": ("specrelay.bench_draft", "main"),        # the edge's lockstep draft step: in-place K/V vs restack
+    "draft": ("specrelay.bench_draft", "main"),
+    "worker-abuse": ("specrelay.bench_worker_abuse", "main"),  # RESAMPLE floods, OPEN/CLOSE churn (issue 18)        # the edge's lockstep draft step: in-place K/V vs restack
 }
 
 

@@ -1,0 +1,189 @@
+"""`specrelay bench worker-abuse`: one hostile edge against a broker and a cloud worker (real processes), issue 18
+items 6, 7 and 9; prints and writes JSON (OUT/worker_abuse.json).
+
+    python -m specrelay.bench_worker_abuse [--flood-s 75] [--sessions 14] [--in-flight 60] [--pairs 20000]
+
+resample flood (item 6): the attacker opens `--sessions` SAMPLE/srdv sessions, gets each a rejected VERIFY, then
+keeps `--in-flight` RESAMPLE(CANDIDATES, last round) per session in flight for `--flood-s` seconds, while 8 legit
+greedy generations run. Measured: the worker's slowest /healthz (polled every 50 ms), workers the broker declared
+lost, legit outputs against target-alone greedy, and what the attacker got back (answers by kind).
+open/close (item 7): `--pairs` OPEN + CLOSE with a fresh shared_vocab bitmap each, twice; the worker's RSS
+growth over the second round (the first warms the allocator up), per pair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from collections import Counter
+
+from .bench.runs import load_prompts, write_result
+from .bench_fuzz import HealthWatch, legit
+
+
+def _rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:"))
+
+
+async def _rejections(sock, sessions: int, prompt: list[int]) -> list[int]:
+    """One rejected SAMPLE/srdv VERIFY per session (draft token 7 sent with q = 1): the session ids."""
+    import torch
+
+    from .common import protocol as P
+
+    rejected = []
+    for sid in range(1, sessions + 1):
+        for seed in range(100):
+            await sock.send_multipart(P.encode(P.Open(sid, prompt, P.Mode.SAMPLE, 1.0, seed=seed,
+                                                      resample=P.Strategy.SRDV)))
+            await sock.send_multipart(P.encode(P.Verify(sid, 1, len(prompt), [], [7], P.f32(torch.ones(1)))))
+            reply = P.decode(await sock.recv_multipart())
+            if isinstance(reply, P.Verdict) and reply.next_token < 0:
+                rejected.append(sid)
+                break
+    return rejected
+
+
+async def flood(frontend: str, seconds: float, sessions: int, in_flight: int, prompt: list[int]) -> Counter:
+    """The attacker of item 6: RESAMPLE(CANDIDATES, last round), `in_flight` per session, for `seconds`."""
+    import zmq
+    import zmq.asyncio
+
+    from .common import protocol as P
+    from .common.resample import SRDV_MAX_ROUNDS
+
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(frontend)
+    answers: Counter = Counter()
+    try:
+        sids = await _rejections(sock, sessions, prompt)
+        answers["sessions_with_a_rejection"] = len(sids)
+        for sid in sids:
+            for _ in range(in_flight):
+                await sock.send_multipart(P.encode(P.Resample(sid, 1, P.ResampleKind.CANDIDATES, SRDV_MAX_ROUNDS - 1)))
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if not await sock.poll(1000):
+                continue
+            reply = P.decode(await sock.recv_multipart())
+            answers[reply.code.name if isinstance(reply, P.Error) else type(reply).__name__] += 1
+            await sock.send_multipart(P.encode(P.Resample(reply.session, 1, P.ResampleKind.CANDIDATES,
+                                                          SRDV_MAX_ROUNDS - 1)))
+    finally:
+        sock.close()
+        ctx.term()
+    return answers
+
+
+async def open_close(frontend: str, pairs: int, vocab: int, prompt: list[int]) -> None:
+    """Item 7's attacker: OPEN + CLOSE with a fresh bitmap each (one token left out per pair), then one VERIFY
+    round trip so every pair has been handled when this returns."""
+    import zmq
+    import zmq.asyncio
+
+    from .common import protocol as P
+
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(frontend)
+    size = (vocab + 7) // 8
+    try:
+        for n in range(pairs):
+            bits = bytearray(b"\xff" * size)
+            bits[n % size] &= ~(1 << (n // size) % 8)
+            await sock.send_multipart(P.encode(P.Open(1, prompt, shared_vocab=bytes(bits))))
+            await sock.send_multipart(P.encode(P.Close(1)))
+        await sock.send_multipart(P.encode(P.Open(2, prompt)))
+        await sock.send_multipart(P.encode(P.Verify(2, 1, len(prompt))))
+        await asyncio.wait_for(sock.recv_multipart(), 300)
+        await sock.send_multipart(P.encode(P.Close(2)))
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def run(args) -> dict:
+    from .cluster import LocalCluster
+    from .common.runner import ModelRunner
+    from .speculative import target_generate
+
+    prompts = load_prompts(args.prompts, 8)
+    target = ModelRunner.load(args.target)
+    refs = [target_generate(target, target.tokenizer(p).input_ids, args.max_new_tokens) for p in prompts]
+    attack_prompt = target.tokenizer(prompts[0]).input_ids
+    with LocalCluster(args.target, threads=1) as cluster:
+        worker_pid, health = cluster.worker_procs[0].pid, cluster.health_ports[0]
+
+        async def attack_and_legit():
+            attacker = asyncio.create_task(flood(cluster.frontend, args.flood_s, args.sessions, args.in_flight,
+                                                 attack_prompt))
+            await asyncio.sleep(min(5.0, args.flood_s / 4))  # the flood is on before the legit runs start
+            runs = []
+            while not attacker.done() or not runs:  # legit greedy runs, one after another, for the whole flood
+                runs.append((await legit(cluster.frontend, args.draft, prompts, args.max_new_tokens))[0])
+            return runs, await attacker
+
+        base, _ = asyncio.run(legit(cluster.frontend, args.draft, prompts, args.max_new_tokens))
+        lost_before = cluster.metrics(cluster.broker_health_port)["specrelay_broker_workers_lost_total"]
+        with HealthWatch(health) as watch:
+            t0 = time.monotonic()
+            outs, answers = asyncio.run(attack_and_legit())
+            flood_wall = time.monotonic() - t0
+        lost = cluster.metrics(cluster.broker_health_port)["specrelay_broker_workers_lost_total"] - lost_before
+        asyncio.run(open_close(cluster.frontend, args.pairs, target.vocab_size, attack_prompt))  # warm-up
+        rss0 = _rss_kb(worker_pid)
+        t0 = time.monotonic()
+        asyncio.run(open_close(cluster.frontend, args.pairs, target.vocab_size, attack_prompt))
+        pairs_wall, rss1 = time.monotonic() - t0, _rss_kb(worker_pid)
+        alive = all(proc.poll() is None for proc in cluster.procs)
+    return {
+        "resample_flood": {
+            "flood_s": args.flood_s, "wall_s": round(flood_wall, 1), "sessions": args.sessions,
+            "in_flight_per_session": args.in_flight, "attacker_answers": dict(answers),
+            "worker_healthz_worst_s": round(watch.worst, 3), "worker_healthz_failures": watch.failures,
+            "workers_declared_lost": int(lost),
+            "legit_runs": len(outs), "legit_outputs_identical": all(o == refs for o in outs) and base == refs,
+        },
+        "open_close": {"pairs": args.pairs, "wall_s": round(pairs_wall, 1), "vocab": target.vocab_size,
+                       "worker_rss_before_kb": rss0, "worker_rss_after_kb": rss1,
+                       "growth_bytes_per_pair": round(1024 * (rss1 - rss0) / args.pairs, 1)},
+        "processes_alive": alive,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="specrelay bench worker-abuse", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .bench.runs import MODELS as models
+    ap.add_argument("--target", default=str(models / "demo-target"))
+    ap.add_argument("--draft", default=str(models / "demo-draft"))
+    ap.add_argument("--prompts", default=str(models / "heldout_prompts.jsonl"))
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--flood-s", type=float, default=75.0)
+    ap.add_argument("--sessions", type=int, default=14)
+    ap.add_argument("--in-flight", type=int, default=60)
+    ap.add_argument("--pairs", type=int, default=20_000)
+    ap.add_argument("--out", default="bench_results")
+    args = ap.parse_args(argv)
+    result = run(args)
+    write_result(args.out, "worker_abuse", result)
+    print(json.dumps(result, indent=1))
+    flood_r, pairs = result["resample_flood"], result["open_close"]
+    ok = (flood_r["worker_healthz_worst_s"] < 1.0 and flood_r["workers_declared_lost"] == 0
+          and flood_r["legit_outputs_identical"] and result["processes_alive"]
+          and pairs["growth_bytes_per_pair"] < 100)
+    print("bars met" if ok else "bars NOT met", file=sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())

@@ -357,7 +357,7 @@ class EdgeWorker(transport.Service):
         elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             self.auth_error = AuthenticationFailed(
                 f"authentication failed: the broker at {self.broker} refused this edge's CURVE key")
-            self._log.error("authentication failed; the edge stops", broker=self.broker)
+            self._log.warning("authentication failed; the edge stops", broker=self.broker)
             for route in self._routes.values():
                 route.fail(self.auth_error)
             self._refused.set()

@@ -7,7 +7,8 @@ Rules:
   are handed to the caller as they come up; VERIFYs join the batch. A second message of a session that is
   already in the batch waits for the next batch (it depends on the first one's outcome), and so does a VERIFY
   of a session that is not `ready` (its prompt is still being prefilled) — with every later message of that
-  session; other sessions' messages behind them go ahead.
+  session; other sessions' messages behind them go ahead. A CLOSE is the exception: it drops its session's
+  held messages and goes at once, so a worker never keeps prefilling for an edge that gave up.
 - At most `max_batch` VERIFYs per batch, and at most `max_control` other messages handled per `take` (then
   `stopped_early` is set and the caller yields to the event loop, so heartbeats and /healthz keep time under a
   flood of control messages).
@@ -72,6 +73,9 @@ class Batcher:
         handled = 0
         while self.queue and len(batch) < self.max_batch and handled < self.max_control:
             item = self.queue.popleft()
+            if isinstance(item.msg, P.Close) and item.key in held and item.key not in in_batch:
+                kept = deque(i for i in kept if i.key != item.key)  # the edge gave up: its held work goes
+                held.discard(item.key)
             if item.key in in_batch or item.key in held or (item.is_verify and not ready(item.key)):
                 waits_for_batch = waits_for_batch or item.key in in_batch
                 held.add(item.key)

@@ -121,14 +121,40 @@ class Verifier:
         if need > self.store.capacity:
             raise InvalidRequest(f"the context has {len(msg.tokens)} tokens; this worker's KV store holds "
                                  f"{self.store.capacity}", field="tokens")
-        self.close(key)  # validated before the old state is replaced
-        self._make_room(need)
-        self.store.reserve(key, need)
+        if not self._keep_prefix(key, msg.tokens, need):  # validated before the old state is replaced
+            self._make_room(need)
+            self.store.reserve(key, need)
         self.sessions[key] = CloudSession(key, list(msg.tokens), msg.mode, params, msg.seed, msg.resample,
                                           self._hold_mask(msg.shared_vocab, shared), used=self.clock(),
                                           bitmap=msg.shared_vocab)
         while len(self.sessions) > self.config.max_sessions:
             self._evict(next(iter(self.sessions)))
+
+    def _keep_prefix(self, key: SessionKey, tokens: list[int], need: int) -> bool:
+        """A re-OPEN (the edge timed out or retried) keeps the K/V its session already holds for the common
+        prefix of the old and new contexts, so a finished or half-done prefill is never redone; K/V depends on
+        the tokens alone. At least one token stays uncached (the first VERIFY row computes the logits after
+        the context). False (and the session closed) when nothing can be kept."""
+        old = self.sessions.get(key)
+        kept = 0
+        if old is not None:
+            limit = min(self.cached(key), len(tokens) - 1)
+            while kept < limit and old.tokens[kept] == tokens[kept]:
+                kept += 1
+        if not kept:
+            self.close(key)
+            return False
+        self.sessions.pop(key)
+        if old.bitmap:
+            self._release_mask(old.bitmap)
+        self.store.truncate(key, kept)
+        try:
+            self._make_room(max(0, need - self.store.span(key).capacity), busy=frozenset([key]))
+            self.store.ensure(key, need)
+        except BaseException:
+            self.store.free(key)
+            raise
+        return True
 
     def close(self, key: SessionKey) -> None:
         session = self.sessions.pop(key, None)

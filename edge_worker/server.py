@@ -60,6 +60,9 @@ class EdgeConfig:
 
     listen: str | None = None
     request_timeout_s: float = 30.0
+    # plus this many seconds per prompt token this edge's sessions wait to have prefilled (they queue for the
+    # worker's prefill budget, --prefill-tokens per forward pass): a long prompt under load is not given up on
+    prefill_s_per_token: float = 0.01
     retry_budget_s: float = 30.0
     retry_backoff_s: float = 0.1      # doubled per consecutive failure, capped at max_backoff_s
     max_backoff_s: float = 1.0
@@ -75,8 +78,8 @@ class EdgeConfig:
                                       # when a cloud worker shares this machine's CPU)
 
     def __post_init__(self) -> None:
-        if not self.request_timeout_s > 0:
-            raise ValueError("request_timeout_s must be > 0")
+        if not self.request_timeout_s > 0 or self.prefill_s_per_token < 0:
+            raise ValueError("request_timeout_s must be > 0, prefill_s_per_token >= 0")
         if self.retry_budget_s < 0 or self.retry_backoff_s < 0:
             raise ValueError("retry_budget_s and retry_backoff_s must be >= 0")
         if not 0 <= self.linger_ms <= 5000:
@@ -92,7 +95,7 @@ class _Route:
     """Where the receiver puts replies for one session: the one request it waits on, by seq and type."""
 
     def __init__(self, session: EdgeSession) -> None:
-        self.stats = session.stats
+        self.session, self.stats = session, session.stats
         self.seq = -1
         self.expect: type[P.Base] = P.Verdict
         self.waiter: asyncio.Future | None = None
@@ -303,7 +306,10 @@ class EdgeWorker(transport.Service):
         return self._batcher.predraft(job) if job is not None else None
 
     async def _wait(self, session: EdgeSession, waiter: asyncio.Future, seq: int) -> P.Base:
-        timeout = self.config.request_timeout_s
+        """The reply, within request_timeout_s plus prefill_s_per_token for every prompt token of this edge's
+        sessions the cloud has yet to prefill (this one's included: they share the worker's prefill budget)."""
+        backlog = sum(route.session.prefill_due for route in self._routes.values()) if session.prefill_due else 0
+        timeout = self.config.request_timeout_s + self.config.prefill_s_per_token * backlog
         try:
             return await asyncio.wait_for(waiter, timeout)
         except asyncio.TimeoutError:

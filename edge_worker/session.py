@@ -100,6 +100,7 @@ class EdgeSession:
         self.tokens = list(self.prompt_ids)      # committed: prompt + generated (target ids)
         self.generated: list[int] = []
         self.cloud_len = 0                       # how many of self.tokens the cloud holds
+        self.prefill_due = 0                     # tokens the cloud prefills before its next VERDICT (after OPEN)
         self.seq = 0
         self.done = False
         d = self.config.draft_len
@@ -118,7 +119,7 @@ class EdgeSession:
     def open_message(self) -> P.Open:
         """OPEN with the whole committed context (also the re-prefill on a retry)."""
         c = self.config
-        self.cloud_len = len(self.tokens)
+        self.cloud_len = self.prefill_due = len(self.tokens)
         self._rejection = self._pending = None
         return P.Open(self.sid, list(self.tokens), self.mode, c.params.temperature, c.params.top_k,
                       c.params.top_p, c.seed, c.resample, self.drafter.shared_bitmap(),
@@ -213,6 +214,7 @@ class EdgeSession:
             raise InvalidRequest(f"n_accepted {n} exceeds the draft length {len(block.ids)}", field="n_accepted")
         self.stats.cloud_calls += 1
         self.stats.accepted_tokens += n
+        self.prefill_due = 0
         self.stats.record_block(len(block.ids), n)
         self._hint = v.load
         self.policy.observe_block(len(block.ids), n, self._bonus_match(n, v.next_token))

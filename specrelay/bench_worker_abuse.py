@@ -9,6 +9,9 @@ greedy generations run. Measured: the worker's slowest /healthz (polled every 50
 lost, legit outputs against target-alone greedy, and what the attacker got back (answers by kind).
 open/close (item 7): `--pairs` OPEN + CLOSE with a fresh shared_vocab bitmap each, twice; the worker's RSS
 growth over the second round (the first warms the allocator up), per pair.
+prefill (item 9, `--prefill-only` runs just this): `--long-prompts` prompts of ~`--long-tokens` tokens at once
+from one edge, against a worker with `--prefill-tokens 4`; how many finished, and the worker's prefill tokens
+against the prompts' (1.0 = each prompt prefilled once).
 """
 
 from __future__ import annotations
@@ -137,6 +140,37 @@ async def open_close(frontend: str, pairs: int, vocab: int, prompt: list[int]) -
         ctx.term()
 
 
+def long_prompts(tokenizer, prompts: list[str], n: int, tokens: int) -> list[list[int]]:
+    """`n` distinct prompts of exactly `tokens` target tokens, from the held-out text repeated."""
+    text = "\n".join(prompts)
+    ids = tokenizer(text * (1 + tokens // max(1, len(tokenizer(text).input_ids)))).input_ids
+    return [tokenizer(f"# {i}\n").input_ids + ids[:tokens - len(tokenizer(f"# {i}\n").input_ids)] for i in range(n)]
+
+
+def run_prefill(args) -> dict:
+    from .cluster import LocalCluster
+    from .edge_worker.loading import load_edge
+    from .edge_worker.session import SessionConfig
+
+    with LocalCluster(args.target, threads=1, extra_worker_args=("--prefill-tokens", "4")) as cluster:
+        async def generate() -> tuple[list, float]:
+            async with await load_edge(cluster.frontend, args.draft) as edge:
+                ids = long_prompts(edge.tokenizer, load_prompts(args.prompts), args.long_prompts, args.long_tokens)
+                t0 = time.monotonic()
+                outs = await asyncio.gather(*(edge.generate(p, SessionConfig(16)) for p in ids),
+                                            return_exceptions=True)
+                return ids, outs, time.monotonic() - t0
+
+        ids, outs, wall = asyncio.run(generate())
+        prefilled = cluster.metrics(cluster.health_ports[0])["specrelay_cloud_prefill_tokens_total"]
+    failed = [f"{type(o).__name__}: {o}" for o in outs if isinstance(o, BaseException)]
+    prompt_tokens = sum(len(p) for p in ids)
+    return {"prompts": len(ids), "prompt_tokens_each": len(ids[0]), "finished": len(ids) - len(failed),
+            "failures": failed[:3], "wall_s": round(wall, 1), "worker_prefill_tokens": int(prefilled),
+            "prefill_per_prompt_token": round(prefilled / prompt_tokens, 3),
+            "retries": sum(o[1]["retries"] for o in outs if not isinstance(o, BaseException))}
+
+
 def run(args) -> dict:
     from .cluster import LocalCluster
     from .common.runner import ModelRunner
@@ -200,15 +234,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sessions", type=int, default=14)
     ap.add_argument("--in-flight", type=int, default=60)
     ap.add_argument("--pairs", type=int, default=20_000)
+    ap.add_argument("--long-prompts", type=int, default=12)
+    ap.add_argument("--long-tokens", type=int, default=1000)
+    ap.add_argument("--prefill-only", action="store_true", help="only the prefill part (item 9)")
     ap.add_argument("--out", default="bench_results")
     args = ap.parse_args(argv)
-    result = run(args)
-    write_result(args.out, "worker_abuse", result)
+    result = {} if args.prefill_only else run(args)
+    result["prefill"] = pre = run_prefill(args)
+    write_result(args.out, "worker_abuse_prefill" if args.prefill_only else "worker_abuse", result)
     print(json.dumps(result, indent=1))
-    flood_r, pairs = result["resample_flood"], result["open_close"]
-    ok = (flood_r["worker_healthz_worst_s"] < 1.0 and flood_r["workers_declared_lost"] == 0
-          and flood_r["legit_outputs_identical"] and result["processes_alive"]
-          and pairs["growth_bytes_per_pair"] < 100)
+    ok = pre["finished"] == pre["prompts"] and pre["prefill_per_prompt_token"] <= 1.0
+    if not args.prefill_only:
+        flood_r, pairs = result["resample_flood"], result["open_close"]
+        ok = ok and (flood_r["worker_healthz_worst_s"] < 1.0 and flood_r["workers_declared_lost"] == 0
+                     and flood_r["legit_outputs_identical"] and result["processes_alive"]
+                     and pairs["growth_bytes_per_pair"] < 100)
     print("bars met" if ok else "bars NOT met", file=sys.stderr)
     return 0 if ok else 1
 

@@ -9,6 +9,7 @@ STAMP   := $(VENV)/.installed
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
+	@echo "creating $(VENV): torch, transformers and the project (a few minutes, once)"
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c constraints.txt -e '.[test,fast]'
@@ -21,7 +22,7 @@ test: venv
 	$(BIN)/python -m pytest -q -ra
 
 test-fast: venv
-	$(BIN)/python -m pytest -q -ra -m "not demo"
+	$(BIN)/python -m pytest -q -ra -m unit
 
 bench: venv
 	$(BIN)/python -m specrelay.bench all

@@ -8,6 +8,7 @@
     │   ├── Overloaded          no live worker / a limit reached (retryable)          -> UNAVAILABLE
     │   ├── ConnectionLost      the link to the broker dropped mid-request (local)    -> UNAVAILABLE
     │   ├── GenerationTimeout   the client gave up waiting                            -> TIMEOUT
+    │   ├── InternalError       the cloud failed on this request; its state is gone  -> INTERNAL
     │   └── Unauthorized        the peer's key may not do this                        -> UNAUTHORIZED
     └── FatalError              the component cannot go on (model failed to load, socket gone)
         ├── AuthenticationFailed  the broker refused this process's CURVE key

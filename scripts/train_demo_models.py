@@ -103,6 +103,12 @@ def cmd_data(args) -> None:
 
 # ----------------------------------------------------------------------------- tokenizers
 
+# The demo target is a code model: a chat renders as Python comments and the assistant answers in code, so
+# /v1/chat/completions works out of the box (README's example). Real -Instruct checkpoints bring their own.
+CHAT_TEMPLATE = ("{% for m in messages %}# {{ m['role'] }}: {{ m['content'] | replace('\\n', '\\n# ') }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}# assistant:\n{% endif %}")
+
+
 def train_target_tokenizer(texts: list[str]):
     from tokenizers import ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast
@@ -110,7 +116,8 @@ def train_target_tokenizer(texts: list[str]):
     tok = ByteLevelBPETokenizer(add_prefix_space=False)
     tok.train_from_iterator(texts, vocab_size=8192, min_frequency=2, special_tokens=[EOS], show_progress=False)
     return PreTrainedTokenizerFast(tokenizer_object=tok._tokenizer, bos_token=EOS, eos_token=EOS,
-                                   pad_token=EOS, model_max_length=1024, clean_up_tokenization_spaces=False)
+                                   pad_token=EOS, model_max_length=1024, clean_up_tokenization_spaces=False,
+                                   chat_template=CHAT_TEMPLATE)
 
 
 def train_xv_tokenizer(texts: list[str]):

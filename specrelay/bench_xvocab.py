@@ -1,4 +1,4 @@
-"""`specrelay bench xvocab`: drafts with the target's vocabulary and without, side by side on the same prompts
+"""`specrelay bench xvdraft`: drafts with the target's vocabulary and without, side by side on the same prompts
 (in-process: the same edge and cloud cores the network path runs, counting the same message bytes).
 
     python -m specrelay.bench_xvocab [--prompts N] [--max-new-tokens N] [--out DIR]

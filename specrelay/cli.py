@@ -367,6 +367,10 @@ def parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------------------------------ main
 
 def main(argv: list[str] | None = None, environ=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"] and argv[1:2] in (["-h"], ["--help"]):  # the benchmarks' own help: every subcommand
+        from .bench import main as bench_main
+        return bench_main(argv[1:])
     args = cliargs.parse(parser(), argv, environ)
     logs.configure(args.log_level or args.log_default)
     try:

@@ -3,6 +3,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,25 @@ torch.set_num_threads(1)
 # timing in the suite erratic
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("SPECRELAY_THREADS", "1")
+
+# Tiers (`make test-fast` runs `unit` only): `demo`, tests that load the trained demo pair (marked by hand, or
+# through the demo_runners fixture);
+# `process`, every test of a module that starts processes (found in its source, so a new module cannot forget;
+# or marked by hand where a helper starts them);
+# `unit` is the rest: pure cores and sockets inside the test process.
+_STARTS_PROCESSES = re.compile(r"LocalCluster|subprocess|Popen|multiprocessing")
+
+
+def pytest_collection_modifyitems(config, items):
+    sources: dict[Path, bool] = {}
+    for item in items:
+        path = Path(item.fspath)
+        if path not in sources:
+            sources[path] = bool(_STARTS_PROCESSES.search(path.read_text()))
+        if "demo_runners" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.demo)
+        if item.get_closest_marker("demo") is None and item.get_closest_marker("process") is None:
+            item.add_marker(pytest.mark.process if sources[path] else pytest.mark.unit)
 
 
 @pytest.fixture(scope="session")

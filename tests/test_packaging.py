@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.demo  # the wheel carries the demo pair and `specrelay demo` runs it
 
 
 @pytest.fixture(scope="module")

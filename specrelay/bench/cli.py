@@ -20,8 +20,9 @@ EXTERNAL: dict[str, tuple[str, str]] = {
     "kv": ("specrelay.kvbench", "main"),               # KV store, chunked prefill, determinism (issue 9)
     "fuzz": ("specrelay.bench_fuzz", "main"),          # legit sessions under malformed / abusive traffic
     "xvdraft": ("specrelay.bench_xvocab", "main"),     # cross-vocabulary drafts: plain vs distilled, TLI vs retok
-    "draft": ("specrelay.bench_draft", "main"),
-    "worker-abuse": ("specrelay.bench_worker_abuse", "main"),  # RESAMPLE floods, OPEN/CLOSE churn (issue 18)        # the edge's lockstep draft step: in-place K/V vs restack
+    "draft": ("specrelay.bench_draft", "main"),        # the edge's lockstep draft step: in-place K/V vs restack
+    "broker": ("specrelay.bench.broker_load", "main"),  # round trips per broker core, fake workers and edges
+    "worker-abuse": ("specrelay.bench_worker_abuse", "main"),  # RESAMPLE floods, OPEN/CLOSE churn, long prefill
 }
 
 
@@ -171,4 +172,7 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
         write_result(args.out, name, result)
         report.write_outputs(args.out, name, result, plots=not args.no_plots)
         print(json.dumps(result, indent=None if args.json else 1))
+        if name == "wire":  # README's "Wire protocol" table, as tests/test_readme_wire.py expects it
+            from .legacy import wire_markdown
+            print(wire_markdown(result), file=sys.stderr)
     return 0

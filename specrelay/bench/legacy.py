@@ -163,7 +163,7 @@ def bench_wire(args) -> dict:
         f"VERDICT + load hint (1 in {P.HINT_EVERY})": size(P.Verdict(sid, 57, 3, 8001,
                                                                      load=P.LoadHint(16, 5, 41000, 3000, 80))),
         "VERDICT srdv (4 candidates)": size(P.Verdict(sid, 57, 1, -1, candidates=ids(4), cand_p=P.f32([0.1] * 4))),
-        "VERDICT hr (|V_c| = 2950 floats)": size(P.Verdict(sid, 57, 1, -1, p=P.f32([0.0] * 2950), theta_o=0.1)),
+        "VERDICT hr (p on V_c: 2950 floats + θ_o)": size(P.Verdict(sid, 57, 1, -1, p=P.f32([0.0] * 2950), theta_o=0.1)),
         "VERDICT full (8192 floats)": size(P.Verdict(sid, 57, 1, -1, p=P.f32([0.0] * 8192))),
         "RESAMPLE": size(P.Resample(sid, 57, P.ResampleKind.SERVER_ONLY)),
         "RESAMPLED": size(P.Resampled(sid, 57, 8001)),
@@ -173,6 +173,14 @@ def bench_wire(args) -> dict:
         "DISCONNECT": size(P.Disconnect("shutdown")),
     }
     return rows
+
+
+def wire_markdown(rows: dict) -> str:
+    """bench_wire's result as the README's table (tests/test_readme_wire.py keeps the README equal to it)."""
+    lines = ["| message | d = 4 | d = 8 |", "|---|---:|---:|"]
+    lines += [f"| {name} | {n} | {rows['d=8'][name]} |" for name, n in rows["d=4"].items()]
+    lines += [f"| {name} | {n} | {n} |" for name, n in rows["any d"].items()]
+    return "\n".join(lines)
 
 
 LEGACY = {"wire": bench_wire, "srdv_k": bench_srdv_k, "calls": bench_calls, "concurrency": bench_concurrency,

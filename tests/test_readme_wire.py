@@ -1,0 +1,15 @@
+"""README's wire table is `specrelay bench wire`'s, so it cannot drift from the protocol."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from specrelay.bench.legacy import bench_wire, wire_markdown
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_readme_wire_table_is_the_benchmark_output():
+    table = wire_markdown(bench_wire(argparse.Namespace()))
+    assert table in README.read_text(), f"README's wire table is stale; `specrelay bench wire` prints:\n{table}"

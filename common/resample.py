@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from . import protocol as P
@@ -97,8 +98,22 @@ def _candidates(seed: int, position: int, p: torch.Tensor, round_: int, rejected
     envelope[rejected] = 0.0
     if not envelope.sum() > 0:  # float round-off only: a rejection needs mass outside x
         envelope = p.double()
-    z = [sample_index(envelope, float(x)) for x in u]
+    z = _sample_many(envelope, u)
     return z, P.f32(p[list(dict.fromkeys(z))])
+
+
+def _sample_many(probs: torch.Tensor, u) -> list[int]:  # probs: [V] float64, u: [K] uniforms
+    """`sample_index(probs, x)` for every x in u, with one cumulative sum instead of K (a late SR-DV round draws
+    128 candidates: at a 128k vocabulary that was 128 passes over p on the worker's event loop)."""
+    p = probs.detach().cpu().numpy()
+    cdf = np.cumsum(p, dtype=np.float64)
+    idx = np.minimum(np.searchsorted(cdf, np.asarray(u, dtype=np.float64) * cdf[-1], side="right"), len(p) - 1)
+    out = idx.tolist()
+    for k, i in enumerate(out):
+        while p[i] <= 0:  # landed exactly on a boundary after a zero run (as sample_index)
+            i -= 1
+        out[k] = i
+    return out
 
 
 def rejection_verdict(session: int, n_accepted: int, pending: Pending, strategy: Strategy,

@@ -151,3 +151,14 @@ async def test_server_only_on_an_all_shared_session_gets_a_counted_bad_request(f
     error = await broker.reply(b"e")
     assert (error.code, error.seq) == (ErrorCode.BAD_REQUEST, 1) and "no mass outside" in error.message
     assert worker.stats["errors"]["BAD_REQUEST"] == 1
+
+
+def test_candidates_drawn_with_one_cumulative_sum_equal_one_draw_each():
+    """SR-DV candidates: one cdf for a round's K draws (was K passes over p), token for token the same."""
+    from specrelay.common.resample import _sample_many
+    from specrelay.common.rng import Purpose, sample_index, uniforms
+
+    p = torch.softmax(3 * torch.randn(5000, generator=torch.Generator().manual_seed(0)), 0).double()
+    p[100:900] = 0  # zero runs: a draw that lands on their boundary steps back to mass
+    u = uniforms(3, 7, Purpose.CANDIDATE, 252)
+    assert _sample_many(p, u) == [sample_index(p, float(x)) for x in u]

@@ -125,14 +125,19 @@ async def test_a_resample_flood_is_refused_cheaply_while_heartbeats_health_and_g
     await attacker
     assert out == target_continuation(target, ids_of(target, PROMPTS[0]), len(out))
     assert status == 200
-    codes = [(await broker.reply(b"bad")).code for _ in range(n)]
-    assert set(codes) <= {ErrorCode.BAD_REQUEST, ErrorCode.UNAVAILABLE}, set(codes)
     errors = worker.stats["errors"]
-    assert errors["BAD_REQUEST"] + errors["UNAVAILABLE"] == n and errors.get("INTERNAL", 0) == 0
+    await wait_until(lambda: errors["BAD_REQUEST"] + errors["UNAVAILABLE"] == n, 60)  # every one refused, counted
+    assert errors.get("INTERNAL", 0) == 0
+    queue = broker.queue(b"bad")  # what reached the "edge" (a full socket may drop replies, never the worker)
+    codes = {queue.get_nowait().code for _ in range(queue.qsize())}
+    assert codes <= {ErrorCode.BAD_REQUEST, ErrorCode.UNAVAILABLE}, codes
     await wait_until(lambda: worker.stats["heartbeats_sent"] > beats_before)
     await asyncio.sleep(0.2)  # the session's RESAMPLE bucket refills (burst at 200/s)
     await broker.send(b"bad", P.Resample(5, 1, ResampleKind.CANDIDATES, 1))
-    assert (await broker.reply(b"bad")).candidates  # the honest next round still works
+    reply = await broker.reply(b"bad")
+    while isinstance(reply, P.Error):  # a refusal of the flood still on its way
+        reply = await broker.reply(b"bad")
+    assert reply.candidates  # the honest next round still works
 
 
 async def test_server_only_on_an_all_shared_session_gets_a_counted_bad_request(fake_broker, start_worker,

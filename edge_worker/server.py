@@ -194,8 +194,8 @@ class EdgeWorker(transport.Service):
         for route in self._routes.values():
             route.fail(FatalError("the edge worker is closed"))
         await asyncio.sleep(0)  # let those callers run their `finally` (CLOSE) while the socket is open
-        if self._batcher is not None:
-            await self._batcher.close()
+        if self._batcher is not None:  # a generation still drafting ends with the reason too
+            await self._batcher.close(self.auth_error or FatalError("the edge worker is closed"))
         if self.frontend is not None:
             self.frontend.close()
         if self._sock is not None:

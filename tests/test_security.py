@@ -66,7 +66,10 @@ async def test_keys_admit_each_role_and_refuse_everything_else(zctx, keys, tiny_
     ids = target.tokenizer("def add(a, b):\n").input_ids
     ref = target.model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
     async with broker_with_keys(zctx, keys) as broker:
-        worker = CloudWorker(broker.backend, target, WorkerConfig(linger_ms=0, heartbeat_interval=0.2),
+        # the broker beats every 1 s: a worker liveness of 3 x 0.2 s held only while other traffic woke the broker
+        # (a refused edge reconnecting); a refused edge now stops, so the worker waits 10 x 0.2 s
+        worker = CloudWorker(broker.backend, target, WorkerConfig(linger_ms=0, heartbeat_interval=0.2,
+                                                                  heartbeat_liveness=10),
                              context=zctx, curve=client_keys(secrets, "worker"))
         async with worker:
             await wait_until(lambda: broker.stats["live_workers"] == 1)

@@ -20,6 +20,7 @@ import zmq
 import zmq.asyncio
 
 from specrelay.common import auth, health, transport
+from specrelay.common.pump import Pump, wake_sent
 from specrelay.common.errors import FatalError
 
 from .routing import BACKEND, FRONTEND, HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, Action, Router
@@ -68,6 +69,8 @@ class Broker(transport.Service):
         self._ctx = context or zmq.asyncio.Context.instance()
         self._clock = clock
         self._sockets: dict[str, zmq.asyncio.Socket] = {}
+        self._pumps: dict[str, Pump] = {}
+        self._pump_group: list[Pump] = []  # a send on one socket may hide input from the other's reader
         self._health: asyncio.Server | None = None
         self._log = log
 
@@ -88,6 +91,7 @@ class Broker(transport.Service):
             sock = transport.make_socket(self._ctx, zmq.ROUTER, linger_ms=self._linger_ms, mandatory=True,
                                          heartbeat_s=self.router.heartbeat_interval, curve=curves[name])
             self._sockets[name] = sock
+            self._pumps[name] = Pump(sock, self._pump_group)
             setattr(self, name, transport.bind(sock, endpoint, f"broker {name}"))
         self._log = log.bind(frontend=self.frontend, backend=self.backend)
         if self.health_port is not None:
@@ -116,6 +120,8 @@ class Broker(transport.Service):
         if self._sockets:
             self._log.info("broker stopped", **self.stats)
         self._sockets.clear()
+        self._pumps.clear()
+        self._pump_group.clear()
 
     # ---- the three loops ---------------------------------------------------------------------------
 
@@ -129,7 +135,7 @@ class Broker(transport.Service):
             def on_message(frames: list[bytes], n_frames: int) -> None:
                 self._send(self._route(self.router.from_worker, frames, self._clock(), n_frames))
         with_user = name == FRONTEND and self._keys is not None
-        await transport.receive_forever(self._sockets[name], on_message, with_user=with_user)
+        await self._pumps[name].receive_forever(on_message, with_user=with_user)
 
     async def _ticker(self) -> None:
         """Heartbeats and expiry: sleep until the Router's next deadline (at most a tenth of an interval, so
@@ -137,6 +143,7 @@ class Broker(transport.Service):
         step = self.router.heartbeat_interval / 10
         while True:
             self._send(self._route(self.router.tick, self._clock()))
+            wake_sent(self._pump_group)
             deadline = self.router.next_deadline()
             delay = min(max(step if deadline is None else deadline - self._clock(), 0.001), step)
             due = self._clock() + delay
@@ -148,13 +155,14 @@ class Broker(transport.Service):
         pending = deque(actions)
         while pending:
             name, frames = pending.popleft()
-            error = transport.send_nowait(self._sockets[name], frames)
+            error = self._pumps[name].send_nowait(frames)
             if error is None:
                 continue
             if error.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
                 raise error
             pending.extend(self._route(self.router.undeliverable, name, frames, self._clock(),
                                        peer_gone=error.errno == zmq.EHOSTUNREACH))
+
 
     def _route(self, handler: Callable[..., list[Action]], *args: object, **kwargs: object) -> list[Action]:
         """Call the Router; a bug there drops this one message, never the broker."""

@@ -5,7 +5,9 @@ Kubernetes must probe an HTTP port, never the ZeroMQ one: libzmq accepts TCP whi
   GET /readyz   200 while it can serve (readiness), else 503
   GET /metrics  Prometheus exposition (prometheus_client) of the process's counters and gauges
 The HTTP responder is deliberately tiny (GET/HEAD, one request per connection, bounded reads and connections):
-it must answer while the process is under attack.
+it must answer while the process is under attack. Idle or slow connections never block a probe: each gets
+READ_TIMEOUT to send its request, and past MAX_CONNECTIONS the oldest open connection is closed to make room for
+the new one (a fixed pool that refuses newcomers is what let 64 idle connections starve /healthz).
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ from .metrics import Histogram
 
 log = structlog.get_logger("specrelay.health")
 
-READ_TIMEOUT = 5.0
+READ_TIMEOUT = 2.0           # seconds a connection may take to send its request line and headers
 MAX_REQUEST_BYTES = 8192      # request line + headers; a longer request is refused with 431
-MAX_CONNECTIONS = 32          # concurrent health connections; more are closed at once
+MAX_CONNECTIONS = 256         # open health connections; a new one past this closes the oldest (descriptor bound)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 Probe = Callable[[], tuple[bool, dict]]  # -> (ok, details)
@@ -55,22 +57,24 @@ class Endpoints:
 
 async def start_http(host: str, port: int, endpoints: Endpoints) -> asyncio.Server:
     """Serve GET/HEAD on host:port (0 = any free port: read it from `server.sockets[0].getsockname()`)."""
-    gate = asyncio.Semaphore(MAX_CONNECTIONS)
+    open_writers: dict[asyncio.StreamWriter, None] = {}  # insertion order = age: the first is the oldest
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if gate.locked():  # connection cap: slow or idle clients cannot exhaust descriptors
+        if len(open_writers) >= MAX_CONNECTIONS:  # evict the oldest: newcomers (the kubelet's probe) get served
+            oldest = next(iter(open_writers))
+            open_writers.pop(oldest)
+            oldest.transport.abort()
+        open_writers[writer] = None
+        try:
+            status, ctype, body, head = await asyncio.wait_for(_answer(reader, endpoints), READ_TIMEOUT)
+            writer.write(f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                         "Connection: close\r\n\r\n".encode() + (b"" if head else body))
+            await asyncio.wait_for(writer.drain(), READ_TIMEOUT)  # a client that never reads cannot hold us
+        except (asyncio.TimeoutError, ConnectionError) as exc:
+            log.debug("health request dropped", error=repr(exc))
+        finally:
+            open_writers.pop(writer, None)
             writer.close()
-            return
-        async with gate:
-            try:
-                status, ctype, body, head = await asyncio.wait_for(_answer(reader, endpoints), READ_TIMEOUT)
-                writer.write(f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
-                             "Connection: close\r\n\r\n".encode() + (b"" if head else body))
-                await writer.drain()
-            except (asyncio.TimeoutError, ConnectionError) as exc:
-                log.debug("health request dropped", error=repr(exc))
-            finally:
-                writer.close()
 
     return await asyncio.start_server(handle, host, port, limit=MAX_REQUEST_BYTES)
 

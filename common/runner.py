@@ -78,13 +78,7 @@ class ModelRunner:
     @property
     def max_context(self) -> int | None:
         """The most positions the model takes (its config's max_position_embeddings or equivalent)."""
-        config = self.model.config
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx"):
-            value = getattr(config, name, None)
-            if isinstance(value, int) and value > 0:
-                return value
-        return None
+        return config_context(self.model.config)
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache()
@@ -208,3 +202,13 @@ class Decoder:
         if len(self.ids) == len(context):  # fully cached but logits lost to a rollback: re-run the last id
             self.rollback(len(context) - 1)
         return self.extend(context[len(self.ids):])[-1]
+
+
+def config_context(config) -> int | None:
+    """The most positions a model config allows (max_position_embeddings or equivalent); None if it names none."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

@@ -24,7 +24,7 @@ from ..common import protocol as P
 from ..common.errors import InvalidRequest
 
 COMPLETION_MAX_TOKENS = 16    # OpenAI's default for /v1/completions
-CHAT_MAX_TOKENS = 1024        # OpenAI's chat default is "up to the context"; this edge does not know the target's
+CHAT_MAX_TOKENS = 1024        # the chat default: up to the target's context (OpenAI's), at most this
 MAX_STOPS = 4
 FIELD_NAMES = {"max_new_tokens": "max_tokens"}  # SessionConfig / GENERATE field -> the API's name
 
@@ -33,9 +33,10 @@ class APIError(Exception):
     """An OpenAI-style error object with its HTTP status."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.param, self.kind, self.code = status, param, kind, code
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
@@ -158,13 +159,15 @@ def as_api_error(exc: InvalidRequest) -> APIError:
     return APIError(400, message, param=field)
 
 
-def completion_max_tokens(req: CompletionRequest) -> int:
+def completion_max_tokens(req: CompletionRequest, room: int) -> int:
+    """max_tokens, else OpenAI's default of 16. `room`: tokens left in the target's context after the prompt."""
     return COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
 
 
-def chat_max_tokens(req: ChatRequest) -> int:
+def chat_max_tokens(req: ChatRequest, room: int) -> int:
+    """max_completion_tokens (or max_tokens), else up to the context (at most CHAT_MAX_TOKENS)."""
     value = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return CHAT_MAX_TOKENS if value is None else value
+    return min(CHAT_MAX_TOKENS, max(1, room)) if value is None else value
 
 
 # ------------------------------------------------------------------------------------------ prompts
@@ -195,9 +198,18 @@ def chat_prompt_ids(tokenizer, req: ChatRequest) -> list[int]:
     messages = [{"role": m.role, "content": _text(m.content)} for m in req.messages]
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    except Exception as exc:  # the template's own checks (roles must alternate, ...) raise jinja errors
-        raise APIError(400, f"the chat template refused the messages: {exc}", param="messages") from None
+    except Exception as exc:  # the template's own checks (roles must alternate, ...) raise jinja errors: their text
+        raise TemplateRefused(exc) from None  # is logged (with the request id), never shown to the client
     return list(tokenizer(text, add_special_tokens=False).input_ids)  # the template wrote the special tokens
+
+
+class TemplateRefused(APIError):
+    """The chat template raised: a 400 whose client-facing text is generic; `cause` is for the log."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(400, "the chat template refused the messages (check the roles and their order)",
+                         param="messages")
+        self.cause = cause
 
 
 def _text(content: str | list[ContentPart] | None) -> str:

@@ -6,6 +6,10 @@ stream (the disconnect or the failed write) and in a plain request (a watcher on
 `generate` CLOSEs the session, so the cloud worker frees its KV at once.
 
     GET  /v1/models   POST /v1/completions   POST /v1/chat/completions   GET /health
+
+Every request passes the guards of edge_worker/httpguard.py (API key, body size and time, request-head deadline,
+connection cap, concurrency and per-key fair share). An error the client did not cause is logged with its
+request id (the `x-request-id` header) and answered with a generic message naming that id, never exception text.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, nullcontext
 from dataclasses import asdict, dataclass
@@ -27,8 +32,9 @@ from starlette.routing import Route
 
 from ..common import transport
 from ..common.errors import FatalError, InvalidRequest, RequestError
-from . import api
+from . import api, httpguard
 from .frontend import session_config
+from .httpguard import HttpLimits
 from .textstream import TextStream
 
 log = structlog.get_logger("specrelay.http")
@@ -46,8 +52,19 @@ class HttpStats:
     http_errors: int = 0           # answered with an error object (4xx / 5xx)
     http_disconnects: int = 0      # clients gone before the end: their generations were cancelled
     http_in_flight: int = 0
+    http_unauthorized: int = 0     # 401: no or a wrong API key
+    http_throttled: int = 0        # 429: the concurrency limit or the key's fair share
+    http_too_large: int = 0        # 413: a body past the limit (refused while it arrived)
+    http_timeouts: int = 0         # request heads or bodies not complete in time (closed, or 408)
+    http_connections_dropped: int = 0  # connections closed to stay under the connection cap
     prompt_tokens: int = 0
     completion_tokens: int = 0
+
+    def count(self, status: int) -> None:
+        self.http_errors += 1
+        counter = {401: "http_unauthorized", 429: "http_throttled", 413: "http_too_large", 408: "http_timeouts"}
+        if status in counter:
+            setattr(self, counter[status], getattr(self, counter[status]) + 1)
 
 
 # ------------------------------------------------------------------------------------------ one generation
@@ -76,8 +93,12 @@ async def run_generation(edge, prompt_ids: list[int], config, stops: list[str],
                        stats)
 
 
-def api_error(exc: BaseException) -> api.APIError:
-    """Any failure of a request -> an OpenAI-style error with its HTTP status."""
+def api_error(exc: BaseException, request_id: str = "") -> api.APIError:
+    """Any failure of a request -> an OpenAI-style error with its HTTP status. Text the client did not cause
+    (exceptions, template errors, a stopped edge) is logged under the request id and never sent."""
+    if isinstance(exc, api.TemplateRefused):
+        log.warning("chat template refused the messages", request_id=request_id, error=repr(exc.cause))
+        return exc
     if isinstance(exc, api.APIError):
         return exc
     if isinstance(exc, InvalidRequest):
@@ -86,9 +107,11 @@ def api_error(exc: BaseException) -> api.APIError:
         return api.APIError(503, f"the cloud could not serve the request: {exc}", kind="server_error",
                             code=exc.code.name.lower())
     if isinstance(exc, FatalError):
-        return api.APIError(503, str(exc), kind="server_error", code="unavailable")
-    log.error("request failed", error=repr(exc))
-    return api.APIError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
+        log.error("request failed: the edge cannot serve", request_id=request_id, error=str(exc))
+        return api.APIError(503, f"the server is unavailable (request id {request_id})", kind="server_error",
+                            code="unavailable")
+    log.error("request failed", request_id=request_id, exc_info=exc)
+    return api.APIError(500, f"internal error (request id {request_id})", kind="server_error")
 
 
 # ------------------------------------------------------------------------------------------ the ASGI app
@@ -96,9 +119,13 @@ def api_error(exc: BaseException) -> api.APIError:
 class OpenAIApp:
     """The routes over one EdgeWorker."""
 
-    def __init__(self, edge, served_model: str, stats: HttpStats | None = None) -> None:
+    def __init__(self, edge, served_model: str, stats: HttpStats | None = None,
+                 limits: HttpLimits | None = None) -> None:
         self.edge, self.served_model = edge, served_model
         self.stats = stats or HttpStats()
+        self.limits = limits or HttpLimits()
+        self.share = httpguard.FairShare(self.limits)
+        self.bodies = httpguard.BodyBudget(self.limits.max_body_bytes_in_flight)
 
     def asgi(self) -> Starlette:
         routes = [Route("/v1/models", self.models), Route("/health", self.health),
@@ -107,6 +134,10 @@ class OpenAIApp:
         return Starlette(routes=routes, exception_handlers={HTTPException: self._http_exception})
 
     async def models(self, request: Request) -> JSONResponse:
+        try:
+            httpguard.authorize(self.limits, request.headers.get("authorization"))
+        except api.APIError as exc:
+            return self._error(exc)
         return JSONResponse({"object": "list", "data": [{"id": self.served_model, "object": "model", "created": 0,
                                                           "owned_by": "specrelay"}]})
 
@@ -120,24 +151,32 @@ class OpenAIApp:
         return await self._serve(request, api.ChatRequest, api.chat_prompt_ids, api.chat_max_tokens)
 
     async def _serve(self, request: Request, kind, prompt_ids, max_tokens):
+        """Key, body, request, prompt, context, admission: each refused before any generation starts."""
         self.stats.http_requests += 1
+        request_id = "req-" + uuid.uuid4().hex[:16]
         try:
-            req = api.parse(await request.body(), kind)
+            key = httpguard.authorize(self.limits, request.headers.get("authorization"))
+            req = api.parse(await httpguard.read_body(request, self.limits, self.bodies), kind)
             api.check(req, self.served_model)
-            config = session_config(self.edge, api.generate_message(req, max_tokens(req)))
-            config.resolved_mode()
             ids = await asyncio.to_thread(prompt_ids, self.edge.tokenizer, req)
+            room = self.edge.context_limit - len(ids)  # the chat default is "up to the context"
+            config = session_config(self.edge, api.generate_message(req, max_tokens(req, room)))
+            config.resolved_mode()
+            self.edge.check_fits(len(ids), config.max_new_tokens)
+            ticket = self.share.admit(key, len(ids))
         except Exception as exc:
-            return self._error(api_error(exc))
+            return self._error(api_error(exc, request_id), request_id)
         shape = api.Shape(chat=kind is api.ChatRequest, model=self.served_model)
         stream_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
-            return EventStream(self._events(shape, ids, config, api.stops(req), stream_usage), self)
-        return await self._complete(request, shape, ids, config, api.stops(req))
+            events = self._events(shape, ids, config, api.stops(req), stream_usage, ticket, request_id)
+            return EventStream(events, self, ticket, request_id)
+        return await self._complete(request, shape, ids, config, api.stops(req), ticket, request_id)
 
-    async def _complete(self, request: Request, shape: api.Shape, ids, config, stops):
+    async def _complete(self, request: Request, shape: api.Shape, ids, config, stops, ticket, request_id):
         """A plain request; a watcher cancels the generation if the client disconnects first."""
-        work = asyncio.create_task(self._generate(ids, config, stops))
+        work = asyncio.create_task(self._generate(ids, config, stops, ticket))
+        work.add_done_callback(lambda _: ticket.release())  # also when cancelled before it ever ran
         gone = asyncio.create_task(_disconnected(request.receive))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -149,24 +188,26 @@ class OpenAIApp:
         if work.cancelled():
             return JSONResponse({}, status_code=499)  # nobody is listening
         if work.exception() is not None:
-            return self._error(api_error(work.exception()))
-        return JSONResponse(shape.full(work.result()))
+            return self._error(api_error(work.exception(), request_id), request_id)
+        return JSONResponse(shape.full(work.result()), headers={"x-request-id": request_id})
 
-    async def _generate(self, ids, config, stops, on_text=None) -> api.Outcome:
+    async def _generate(self, ids, config, stops, ticket: httpguard.Ticket, on_text=None) -> api.Outcome:
         self.stats.http_in_flight += 1
         try:
             out = await run_generation(self.edge, ids, config, stops, on_text)
         finally:
             self.stats.http_in_flight -= 1
+            ticket.release()
         self.stats.prompt_tokens += out.prompt_tokens
         self.stats.completion_tokens += out.completion_tokens
         return out
 
-    async def _events(self, shape: api.Shape, ids, config, stops, include_usage: bool) -> AsyncIterator[bytes]:
+    async def _events(self, shape: api.Shape, ids, config, stops, include_usage: bool, ticket: httpguard.Ticket,
+                      request_id: str) -> AsyncIterator[bytes]:
         """Server-sent events: a chunk per committed piece of text, the last chunk (finish_reason, speculative
         stats), the usage chunk if asked, [DONE]. Leaving early cancels the generation (its finally CLOSEs)."""
         pieces: asyncio.Queue = asyncio.Queue()
-        work = asyncio.create_task(self._generate(ids, config, stops, pieces.put))
+        work = asyncio.create_task(self._generate(ids, config, stops, ticket, pieces.put))
         work.add_done_callback(lambda _: pieces.put_nowait(None))
         try:
             if shape.chat:
@@ -174,8 +215,8 @@ class OpenAIApp:
             while (piece := await pieces.get()) is not None:
                 yield _sse(shape.chunk(piece))
             if work.exception() is not None:
-                error = api_error(work.exception())
-                self.stats.http_errors += 1
+                error = api_error(work.exception(), request_id)
+                self.stats.count(error.status)
                 yield _sse(error.body())
             else:
                 yield _sse(shape.last(work.result()))
@@ -187,9 +228,12 @@ class OpenAIApp:
                 work.cancel()
                 self.stats.http_disconnects += 1
 
-    def _error(self, error: api.APIError) -> JSONResponse:
-        self.stats.http_errors += 1
-        return JSONResponse(error.body(), status_code=error.status)
+    def _error(self, error: api.APIError, request_id: str | None = None) -> JSONResponse:
+        self.stats.count(error.status)
+        headers = error.headers | ({"x-request-id": request_id} if request_id else {})
+        if error.status in (408, 413, 429):  # the rest of the body is not wanted: end the connection
+            headers["connection"] = "close"
+        return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
     async def _http_exception(self, request: Request, exc: HTTPException) -> JSONResponse:
         return self._error(api.APIError(exc.status_code, exc.detail or "error", code=str(exc.status_code)))
@@ -209,8 +253,10 @@ class EventStream:
     """An SSE response that owns its event iterator: the client disconnecting (or a write failing) closes the
     iterator at once, whose `finally` cancels the generation."""
 
-    def __init__(self, events: AsyncIterator[bytes], app: OpenAIApp) -> None:
-        self.events, self.app = events, app
+    def __init__(self, events: AsyncIterator[bytes], app: OpenAIApp, ticket: httpguard.Ticket,
+                 request_id: str) -> None:
+        self.events, self.app, self.ticket = events, app, ticket
+        self.headers = SSE_HEADERS + [(b"x-request-id", request_id.encode())]
 
     async def __call__(self, scope, receive, send) -> None:
         async with aclosing(self.events):
@@ -222,9 +268,10 @@ class EventStream:
                 for task in (pump, gone):
                     task.cancel()
                 await asyncio.gather(pump, gone, return_exceptions=True)
+                self.ticket.release()  # also when the stream never started its generation
 
     async def _pump(self, send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
         try:
             async for event in self.events:
                 await send({"type": "http.response.body", "body": event, "more_body": True})
@@ -246,23 +293,28 @@ class HttpFrontend(transport.Service):
 
     name = "http"
 
-    def __init__(self, edge, host: str, port: int, served_model: str, stats: HttpStats | None = None) -> None:
+    def __init__(self, edge, host: str, port: int, served_model: str, stats: HttpStats | None = None,
+                 limits: HttpLimits | None = None) -> None:
         super().__init__()
         self.edge, self.host, self.port = edge, host, port
-        self.app = OpenAIApp(edge, served_model, stats)
+        self.app = OpenAIApp(edge, served_model, stats, limits)
         self._sock: socket.socket | None = None
         self._server: _Server | None = None
 
     async def _open(self) -> None:
         self._sock = _listen(self.host, self.port)
         self.port = self._sock.getsockname()[1]
-        config = uvicorn.Config(self.app.asgi(), lifespan="off", log_config=None, access_log=False,
+        protocol = httpguard.guarded_protocol(self.app.limits, self.app.stats)
+        config = uvicorn.Config(self.app.asgi(), http=protocol, lifespan="off", log_config=None, access_log=False,
                                 timeout_graceful_shutdown=GRACE_S)
         config.load()
         self._server = _Server(config)
         self._server.lifespan = config.lifespan_class(config)
         await self._server.startup(sockets=[self._sock])
-        log.info("HTTP API listening", url=f"http://{self.host}:{self.port}/v1", model=self.app.served_model)
+        log.info("HTTP API listening", url=f"http://{self.host}:{self.port}/v1", model=self.app.served_model,
+                 api_keys=len(self.app.limits.api_keys))
+        if not self.app.limits.api_keys and self.host not in ("127.0.0.1", "::1", "localhost"):
+            log.warning("the HTTP API takes requests without an API key on a non-loopback address: pass --api-key")
 
     def _loops(self):
         return [self._serve(), self._watch_edge()]

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 
+import structlog
+
 from ..common import transport
 from ..common.errors import FatalError
 from ..common.modelsource import check_model
-from ..common.runner import ModelRunner
+from ..common.runner import ModelRunner, config_context
 from .drafter import Drafter
 from .server import EdgeConfig, EdgeWorker
 from .xdrafter import CrossVocabDrafter
@@ -39,18 +41,31 @@ def load_drafter(draft_model: str, target_tokenizer: str | None = None, device: 
 def load_target_tokenizer(name: str):
     """(tokenizer, vocab size from the model config when `name` is a model, else None). The edge needs only
     the target's tokenizer files (its decode table), never its weights."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     name = check_model(name, "target tokenizer", weights=False)  # a path-looking name is never sent to the hub
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as exc:
         raise FatalError(f"cannot load the target tokenizer {name!r}: {exc}") from exc
+    config = _target_config(name)
+    return tokenizer, getattr(config, "vocab_size", None)
+
+
+def _target_config(name: str):
+    """The target's model config when `name` is a model directory (or id) that has one, else None."""
+    from transformers import AutoConfig
+
     try:
-        vocab_size = getattr(AutoConfig.from_pretrained(name), "vocab_size", None)
+        return AutoConfig.from_pretrained(check_model(name, "target tokenizer", weights=False))
     except (OSError, ValueError):
-        vocab_size = None
-    return tokenizer, vocab_size
+        return None
+
+
+def target_context(name: str | None) -> int | None:
+    """The target's context from its config next to the tokenizer (None: not known here)."""
+    config = _target_config(name) if name else None
+    return config_context(config) if config is not None else None
 
 
 async def load_edge(broker: str, draft_model: str, target_tokenizer: str | None = None, *, device: str = "cpu",
@@ -58,14 +73,19 @@ async def load_edge(broker: str, draft_model: str, target_tokenizer: str | None 
                     **options) -> EdgeWorker:
     """Load the draft model (in a thread) and build an EdgeWorker (not started). options: EdgeWorker's
     keyword arguments (context, identity, curve)."""
+    from dataclasses import replace
+
     drafter, tokenizer = await asyncio.to_thread(load_drafter, draft_model, target_tokenizer, device, dtype,
                                                  target_vocab_size)
+    config = config or EdgeConfig()
+    if config.max_context is None:  # requests past it are refused before any work (EdgeWorker.check_fits)
+        config = replace(config, max_context=await asyncio.to_thread(target_context, target_tokenizer))
     return EdgeWorker(broker, drafter, tokenizer, config, **options)
 
 
 async def serve(broker: str, draft_model: str, listen: str | None, target_tokenizer: str | None = None, *,
                 device: str = "cpu", dtype: str = "float32", config: EdgeConfig | None = None,
-                http: tuple[str, int] | None = None, served_model_name: str = "specrelay",
+                http: tuple[str, int] | None = None, http_limits=None, served_model_name: str = "specrelay",
                 health_port: int | None = None, health_host: str = "127.0.0.1", **options) -> None:
     """`specrelay edge-worker`: load the draft model, connect to the broker and serve clients on `listen`
     (ZeroMQ), on `http` (the OpenAI-compatible API) and health / metrics on `health_port`, until SIGTERM / SIGINT."""
@@ -79,8 +99,12 @@ async def serve(broker: str, draft_model: str, listen: str | None, target_tokeni
     config = replace(config or EdgeConfig(), listen=listen)
     edge = await load_edge(broker, draft_model, target_tokenizer, device=device, dtype=dtype, config=config,
                            **options)
+    if edge.config.max_context is None:
+        structlog.get_logger("specrelay.edge").warning(
+            "the target's context is unknown (no config next to --target-tokenizer, no --max-model-len): a request "
+            "past it fails only when the cloud worker refuses it, after generating")
     stats = HttpStats()
-    services = [edge] + ([HttpFrontend(edge, *http, served_model_name, stats)] if http else [])
+    services = [edge] + ([HttpFrontend(edge, *http, served_model_name, stats, http_limits)] if http else [])
     services += [EdgeHealth(edge, stats, health_host, health_port)] if health_port is not None else []
     await serve_all(*services)
 

@@ -76,6 +76,7 @@ class EdgeConfig:
     predraft: bool = True             # draft ahead while a VERIFY is in flight (edge_worker/predraft.py)
     predraft_window: str = "wait"     # the whole wait for the VERDICT, or only while it goes up ("uplink":
                                       # when a cloud worker shares this machine's CPU)
+    max_context: int | None = None    # the target's context (prompt + max_new_tokens); None = unknown
 
     def __post_init__(self) -> None:
         if not self.request_timeout_s > 0 or self.prefill_s_per_token < 0:
@@ -209,6 +210,17 @@ class EdgeWorker(transport.Service):
         await self._stopped.wait()
 
     # ------------------------------------------------------------------------------ generation
+    @property
+    def context_limit(self) -> int:
+        return min(self.config.max_context or P.MAX_CONTEXT, P.MAX_CONTEXT)
+
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """Refuse before any work a request the target's context cannot hold (never an error after generating)."""
+        if prompt_tokens + max_new_tokens > self.context_limit:
+            raise InvalidRequest(f"the prompt has {prompt_tokens} tokens and max_new_tokens is {max_new_tokens}: "
+                                 f"together past the target's context of {self.context_limit} tokens",
+                                 field="max_new_tokens")
+
     async def generate(self, prompt_ids: Sequence[int], config: SessionConfig,
                        on_tokens: OnTokens | None = None) -> tuple[list[int], dict[str, float]]:
         """Generate with the cloud's verification; returns (generated target ids, stats).
@@ -218,9 +230,7 @@ class EdgeWorker(transport.Service):
             raise FatalError("the edge worker is not started")
         if self.auth_error is not None:
             raise self.auth_error
-        if len(prompt_ids) + config.max_new_tokens > P.MAX_CONTEXT:
-            raise InvalidRequest(f"prompt ({len(prompt_ids)} tokens) plus max_new_tokens exceeds the "
-                                 f"{P.MAX_CONTEXT}-token context limit", field="prompt")
+        self.check_fits(len(prompt_ids), config.max_new_tokens)
         session = EdgeSession(list(prompt_ids), config, self.drafter, sid=self._new_sid(), estimates=self.estimates)
         route = self._routes[session.sid] = _Route(session)
         slog = self._log.bind(session=session.sid)

@@ -100,9 +100,10 @@ def cmd_edge_worker(args) -> int:
 
     async def main() -> None:
         warning = warn_if_unreachable(args.broker, args.connect_timeout, curve=curve)
+        config = EdgeConfig(retry_budget_s=args.retry_budget, max_context=args.max_model_len)
         await serve(args.broker, args.draft_model, args.listen, args.target_tokenizer, device=args.device,
-                    dtype=args.dtype, config=EdgeConfig(retry_budget_s=args.retry_budget), curve=curve,
-                    http=args.http, served_model_name=args.served_model_name, health_port=args.health_port,
+                    dtype=args.dtype, config=config, curve=curve, http=args.http, http_limits=http_limits(args),
+                    served_model_name=args.served_model_name, health_port=args.health_port,
                     health_host=args.health_host)
         warning.cancel()
 
@@ -120,7 +121,7 @@ def cmd_serve(args) -> int:
     set_threads()
     from .onebox import serve
 
-    run_async(serve(args))
+    run_async(serve(args, http_limits(args)))
     return 0
 
 
@@ -139,6 +140,12 @@ def check_ports(args) -> None:
                 sock.bind((host, number))
             except OSError as exc:
                 raise ConfigError(f"{flag}: cannot listen on {host}:{number}: {exc.strerror or exc}") from None
+
+
+def http_limits(args):
+    from .edge_worker.httpguard import limits_from_args
+
+    return limits_from_args(args)
 
 
 def check_edge_models(args) -> None:
@@ -216,6 +223,18 @@ def add_http(p, default: str | None) -> None:
                    metavar="HOST:PORT", help="serve the OpenAI-compatible HTTP API here")
     p.add_argument("--served-model-name", default=defaults.SERVED_MODEL_NAME,
                    help="the `model` name the HTTP API answers to")
+    p.add_argument("--api-key", action=cliargs.Append, default=None, metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on /v1/* (repeatable; each key gets a fair share)")
+    p.add_argument("--api-key-file", default=None, metavar="PATH", help="API keys, one a line (# comments)")
+    p.add_argument("--max-concurrent-requests", type=cliargs.positive_int, default=64,
+                   help="HTTP generations in flight; more get 429 with Retry-After")
+    p.add_argument("--max-prompt-tokens-in-flight", type=cliargs.positive_int, default=1 << 19,
+                   help="prompt tokens of HTTP generations in flight (at most the broker's per-client quota)")
+    p.add_argument("--http-read-timeout", type=cliargs.seconds, default=10.0, metavar="SECONDS",
+                   help="a request's head must arrive within this, its body within 3x (slow clients are closed)")
+    p.add_argument("--max-model-len", type=cliargs.positive_int, default=None,
+                   help="the target's context; a longer request is refused before any work (default: the target "
+                        "config next to --target-tokenizer)")
 
 
 def add_sampling(p) -> None:

@@ -203,3 +203,12 @@ def host_port(text: str) -> tuple[str, int]:
     if not sep:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
     return host.strip("[]") or "127.0.0.1", port(number)
+
+
+class Append(argparse.Action):
+    """A repeatable flag collecting a list (argparse's "append" cannot start from `finish`'s UNSET default);
+    from its environment variable it gets one value."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        current = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, (list(current) if isinstance(current, list) else []) + [values])

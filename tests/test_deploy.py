@@ -282,3 +282,20 @@ def test_units_run_with_curve_keys(name):
     else:
         assert args.broker_key == "/etc/specrelay/keys/broker.key"
     assert "KEY_SECRET" not in (SYSTEMD / "specrelay.env").read_text().upper().replace("NAME.KEY_SECRET", "")
+
+
+@pytest.mark.parametrize("name", sorted(UNITS))
+def test_units_raise_the_open_file_limit_above_the_processes_own_caps(name):
+    """LimitNOFILE well above what the process caps itself at (HTTP connections, health connections): idle
+    sockets then run into the process's cap, which closes the oldest, never into EMFILE."""
+    from specrelay.common.health import MAX_CONNECTIONS as HEALTH_CONNECTIONS
+    from specrelay.edge_worker.httpguard import HttpLimits
+
+    limit = int(read_unit(SYSTEMD / name)["Service"]["LimitNOFILE"][-1])
+    assert limit >= 4 * (HttpLimits().max_connections + HEALTH_CONNECTIONS), f"{name}: LimitNOFILE={limit}"
+
+
+def test_edge_unit_knows_the_targets_context():
+    unit = read_unit(SYSTEMD / "specrelay-edge-worker.service")
+    args = parse_cli(["edge-worker"], unit_environment(unit, "0"))
+    assert args.max_model_len or args.target_tokenizer

@@ -404,3 +404,60 @@ def test_every_process_runs_with_curve_keys_from_its_own_secret(overlay):
         else:
             assert source(args.broker_key)["secret"]["secretName"] == secrets_by_role[command]
     assert len(set(secrets_by_role.values())) == 3  # no role can read another role's secret key
+
+
+# ------------------------------------------------------------------------------------------ NetworkPolicy
+
+def _policies(docs: list[dict]) -> list[dict]:
+    return [d for d in docs if d["kind"] == "NetworkPolicy"]
+
+
+def _admits(policy: dict, labels: dict, port_name: str) -> list[dict]:
+    """The `from` peers of `policy`'s rules that open `port_name` on a pod with `labels`."""
+    selector = policy["spec"]["podSelector"].get("matchLabels", {})
+    if not selector.items() <= labels.items():
+        return []
+    return [peer for rule in policy["spec"].get("ingress", []) if any(p["port"] == port_name for p in rule["ports"])
+            for peer in rule["from"]]
+
+
+@every_overlay()
+def test_network_policies_open_each_port_only_to_its_peers(overlay):
+    """Default deny; the broker's frontend only from edges, its backend only from cloud workers; the edge's
+    client ports only from labelled clients; every health port only from Prometheus; every named port exists."""
+    docs = rendered()[overlay]
+    policies = _policies(docs)
+    deny = [p for p in policies if not p["spec"].get("ingress")]
+    assert deny and deny[0]["spec"]["policyTypes"] == ["Ingress"]
+    pods = {command: (w["spec"]["template"]["metadata"]["labels"], c)
+            for command, (w, c, _) in by_command(docs).items()}
+    role = lambda peer: peer.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component")  # noqa: E731
+    expected = {("broker", "frontend"): {"edge-worker"}, ("broker", "backend"): {"cloud-worker"}}
+    for command, (labels, container) in pods.items():
+        for port in (p["name"] for p in container["ports"]):
+            peers = [peer for policy in policies for peer in _admits(policy, labels, port)]
+            assert peers, f"{command}: port {port} is open to nobody"
+            if (command, port) in expected:
+                assert {role(peer) for peer in peers} == expected[(command, port)], (command, port, peers)
+                assert all("namespaceSelector" not in peer for peer in peers)
+            elif port == "health":
+                assert all(peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
+                           for peer in peers)
+            else:
+                assert command == "edge-worker" and port in ("http", "clients"), (command, port)
+                assert all(peer["podSelector"]["matchLabels"] == {"specrelay.io/client": "true"} for peer in peers)
+
+
+@every_overlay()
+def test_an_edge_on_a_pod_address_requires_api_keys(overlay):
+    _, container, args = by_command(rendered()[overlay])["edge-worker"]
+    if args.http and args.http[0] not in ("127.0.0.1", "::1"):
+        assert args.api_key or args.api_key_file, "the edge's HTTP API listens on the pod IP without API keys"
+
+
+@every_overlay()
+def test_the_edge_knows_the_targets_context(overlay):
+    """The edge reads the target's config (its context) from the directory the Job fills: a request past the
+    context is refused before any work."""
+    _, _, args = by_command(rendered()[overlay])["edge-worker"]
+    assert args.max_model_len or args.target_tokenizer == "/models/target"

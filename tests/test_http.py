@@ -18,6 +18,7 @@ import urllib.request
 
 import pytest
 
+from specrelay.bench.httpfuzz import wait_http
 from specrelay.cluster import LocalCluster, free_port
 
 openai = pytest.importorskip("openai")
@@ -27,18 +28,6 @@ MODEL = "tiny-target"
 N_NEW = 16
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-
-
-def wait_http(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"edge worker exited with {proc.returncode}"
-        try:
-            with urllib.request.urlopen(url, timeout=1):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise TimeoutError(url)
 
 
 def metric(port: int, name: str) -> float:
@@ -248,18 +237,25 @@ def test_disconnect_frees_the_cloud_session(stack, long_prompt, stream):
 
 @pytest.mark.timeout(180)
 def test_specrelay_serve_one_box(tiny_pair, reference, tiny_runners):
-    """`specrelay serve`: broker, cloud worker and edge in one process behind the same API; SIGTERM stops it."""
+    """`specrelay serve`: broker, cloud worker and edge in one process behind the same API and guards (API key,
+    context); SIGTERM stops it."""
     target, draft = tiny_pair
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "specrelay.cli", "serve", "--model", str(target), "--draft-model",
                              str(draft), "--http", f"127.0.0.1:{port}", "--served-model-name", MODEL],
-                            env=dict(os.environ, SPECRELAY_THREADS="1"), stderr=subprocess.PIPE, text=True)
+                            env=dict(os.environ, SPECRELAY_THREADS="1", SPECRELAY_API_KEY="serve-key"),
+                            stderr=subprocess.PIPE, text=True)
     try:
         wait_http(f"http://127.0.0.1:{port}/health", proc)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="serve-key", max_retries=0,
+                               timeout=60)
         prompt = "def add(a, b):\n"
         out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=N_NEW, temperature=0)
         assert out.choices[0].text == reference(tiny_runners[0].tokenizer(prompt).input_ids)
+        with pytest.raises(openai.AuthenticationError):  # the same guards as the edge worker's HTTP API
+            client.with_options(api_key="wrong").completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        with pytest.raises(openai.BadRequestError, match="512"):  # its own model's context: refused before work
+            client.completions.create(model=MODEL, prompt=[5], max_tokens=5000)
         client.close()  # no idle keep-alive connection for the shutdown to wait on
     finally:
         proc.terminate()

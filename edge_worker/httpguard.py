@@ -1,0 +1,236 @@
+"""The guards of the edge's HTTP API (edge_worker/http.py): every HTTP client of an edge is assumed hostile.
+
+    API keys         `Authorization: Bearer K` on /v1/* (as vLLM and OpenAI); none configured = open
+    connections      at most max_connections open (and half the open-file limit); past it the oldest idle one
+                     (no request in progress) is closed, so slow or idle clients cannot use up the process's
+                     descriptors or keep a newcomer out
+    request head     must be complete within header_timeout_s of the connection (or of the previous response);
+                     a client sending its headers a byte at a time is closed at that deadline (slowloris)
+    body             read as it arrives, at most max_body_bytes (413 at once past it, never read whole first),
+                     complete within body_timeout_s (408); all bodies being read together hold at most
+                     max_body_bytes_in_flight (429 past it), so many large bodies at once cannot exhaust memory
+    concurrency      at most max_concurrent generations in flight (429 with Retry-After)
+    fair share       with N API keys, one key holds at most 1/N of the edge's budget of requests and prompt tokens
+                     in flight (the edge's share of its broker quota), so one key cannot exhaust it for everyone
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import resource
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from ..common.errors import ConfigError
+from .api import APIError
+
+RETRY_AFTER_S = 1
+OPEN = ""  # the key of every request when no API keys are configured
+
+
+@dataclass
+class HttpLimits:
+    """What one edge's HTTP API allows. max_body_bytes: the largest legal request (a prompt of
+    protocol.MAX_PROMPT_CHARS characters, JSON-escaped) fits. max_prompt_tokens: prompt tokens in flight, at most
+    the broker's --max-prompt-tokens-per-client for this edge's key (divided by the edges that share the key)."""
+
+    api_keys: tuple[str, ...] = ()
+    max_body_bytes: int = 8 << 20
+    max_body_bytes_in_flight: int = 64 << 20  # all bodies being read at once
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_connections: int = 512          # well below the default 1,024 open files (ZeroMQ and models need some)
+    max_concurrent: int = 64            # generations in flight (the broker's per-client session quota is 256)
+    max_prompt_tokens: int = 1 << 19    # prompt tokens in flight (the broker's per-client default is 1 << 20)
+
+    def __post_init__(self) -> None:
+        if any(not key or key != key.strip() for key in self.api_keys):
+            raise ValueError("an API key must be non-empty, without surrounding whitespace")
+        if min(self.max_body_bytes, self.max_body_bytes_in_flight, self.max_connections, self.max_concurrent,
+               self.max_prompt_tokens) < 1:
+            raise ValueError("HTTP limits must be >= 1")
+        if not (self.header_timeout_s > 0 and self.body_timeout_s > 0):
+            raise ValueError("HTTP timeouts must be > 0")
+
+
+def load_api_keys(keys: list[str] | str | None, key_file: str | None) -> tuple[str, ...]:
+    """--api-key (repeatable; SPECRELAY_API_KEY gives one) and --api-key-file (one key a line, # comments)."""
+    found = [keys] if isinstance(keys, str) else list(keys or [])
+    if key_file:
+        lines = Path(key_file).read_text().splitlines()
+        found += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    return tuple(dict.fromkeys(k.strip() for k in found))
+
+
+def limits_from_args(args) -> HttpLimits:
+    """The CLI's --api-key / --api-key-file / SPECRELAY_API_KEY and limit flags; a bad one is a ConfigError."""
+    try:
+        return HttpLimits(api_keys=load_api_keys(args.api_key, args.api_key_file),
+                          max_concurrent=args.max_concurrent_requests,
+                          max_prompt_tokens=args.max_prompt_tokens_in_flight,
+                          header_timeout_s=args.http_read_timeout, body_timeout_s=3 * args.http_read_timeout)
+    except OSError as exc:
+        raise ConfigError(f"--api-key-file: cannot read {args.api_key_file}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ConfigError(f"--api-key: {exc}") from None
+
+
+# ------------------------------------------------------------------------------------------ per request
+
+def authorize(limits: HttpLimits, authorization: str | None) -> str:
+    """The caller's API key (OPEN without configured keys), or a 401. Compared in constant time."""
+    if not limits.api_keys:
+        return OPEN
+    scheme, _, given = (authorization or "").partition(" ")
+    if scheme.lower() == "bearer":
+        for key in limits.api_keys:
+            if hmac.compare_digest(given.strip().encode(), key.encode()):
+                return key
+    raise APIError(401, "a valid API key is required: send `Authorization: Bearer <key>`", code="invalid_api_key")
+
+
+@dataclass
+class BodyBudget:
+    """Bytes of request bodies being read, over all connections (at most `limit`)."""
+
+    limit: int
+    used: int = 0
+
+
+async def read_body(request, limits: HttpLimits, budget: BodyBudget) -> bytes:
+    """The body as it arrives: 413 past max_body_bytes (a larger Content-Length is refused before reading),
+    429 while the bodies being read hold the whole budget, 408 if it is not complete within body_timeout_s."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limits.max_body_bytes:
+        raise _too_large(limits)
+    chunks, size = [], 0
+
+    async def pull() -> None:
+        nonlocal size
+        async for chunk in request.stream():
+            if size + len(chunk) > limits.max_body_bytes:
+                raise _too_large(limits)
+            if budget.used + len(chunk) > budget.limit:
+                raise _busy("too many request bodies are being read at once")
+            size += len(chunk)
+            budget.used += len(chunk)
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(pull(), limits.body_timeout_s)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {limits.body_timeout_s:g} s",
+                       code="request_timeout") from None
+    finally:
+        budget.used -= size
+    return b"".join(chunks)
+
+
+def _too_large(limits: HttpLimits) -> APIError:
+    return APIError(413, f"the request body is larger than {limits.max_body_bytes} bytes", code="body_too_large")
+
+
+@dataclass
+class Ticket:
+    """One admitted generation's hold on the budget; `release` is idempotent."""
+
+    share: FairShare
+    key: str
+    tokens: int
+    held: bool = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.share.release(self)
+
+
+@dataclass
+class FairShare:
+    """Generations and prompt tokens in flight, in total and per API key. A key's share is 1/N of each budget
+    (N = configured keys, at least one request's worth): the shares add up to the budget, so no key can keep
+    another out. Refusals are 429s with Retry-After."""
+
+    limits: HttpLimits
+    requests: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def admit(self, key: str, prompt_tokens: int) -> Ticket:
+        lim, n_keys = self.limits, max(1, len(self.limits.api_keys))
+        if sum(self.requests.values()) >= lim.max_concurrent:
+            raise _busy(f"the server is at its limit of {lim.max_concurrent} requests in flight")
+        if self.requests[key] >= max(1, lim.max_concurrent // n_keys):
+            raise _busy("this API key is at its share of requests in flight")
+        if self.requests[key] and self.tokens[key] + prompt_tokens > lim.max_prompt_tokens // n_keys:
+            raise _busy("this API key is at its share of prompt tokens in flight")
+        self.requests[key] += 1
+        self.tokens[key] += prompt_tokens
+        return Ticket(self, key, prompt_tokens)
+
+    def release(self, ticket: Ticket) -> None:
+        self.requests[ticket.key] -= 1
+        self.tokens[ticket.key] -= ticket.tokens
+
+
+def _busy(message: str) -> APIError:
+    return APIError(429, message + "; retry later", kind="rate_limit_error", code="rate_limit_exceeded",
+                    headers={"retry-after": str(RETRY_AFTER_S)})
+
+
+# ------------------------------------------------------------------------------------------ per connection
+
+def connection_cap(limits: HttpLimits) -> int:
+    """max_connections, and at most half the process's open-file limit (the rest: ZeroMQ, models, health)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return limits.max_connections if soft == resource.RLIM_INFINITY else min(limits.max_connections,
+                                                                             max(16, soft // 2))
+
+
+def guarded_protocol(limits: HttpLimits, stats) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with the connection cap and the request-head deadline (one class per server:
+    `open_conns` is that server's, oldest first)."""
+    open_conns: dict[GuardedH11Protocol, None] = {}
+    cap = connection_cap(limits)
+
+    class GuardedH11Protocol(H11Protocol):
+        head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if len(open_conns) >= cap:
+                idle = next((c for c in open_conns if c.cycle is None or c.cycle.response_complete), None)
+                stats.http_connections_dropped += 1
+                if idle is None:  # every connection is serving a request: the newcomer waits its turn elsewhere
+                    transport.abort()
+                    return
+                open_conns.pop(idle)
+                idle.transport.abort()
+            open_conns[self] = None
+            self._arm_head_deadline()
+
+        def _arm_head_deadline(self) -> None:
+            if self.head_timer is not None:
+                self.head_timer.cancel()
+            self.head_timer = self.loop.call_later(limits.header_timeout_s, self._head_deadline)
+
+        def _head_deadline(self) -> None:
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():  # head still incomplete
+                stats.http_timeouts += 1
+                self.transport.abort()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm_head_deadline()  # the next request on a kept-alive connection gets the same deadline
+
+        def connection_lost(self, exc) -> None:
+            open_conns.pop(self, None)
+            if self.head_timer is not None:
+                self.head_timer.cancel()
+            super().connection_lost(exc)
+
+    return GuardedH11Protocol

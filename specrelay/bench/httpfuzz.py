@@ -1,0 +1,201 @@
+"""`specrelay bench httpfuzz`: the edge's HTTP API and the health ports under hostile clients (issue 18, items 3, 4,
+5, 8), real processes on 127.0.0.1: broker + cloud worker + `edge-worker --http --api-key`.
+
+Measures: the status without a key; a 64 MiB body (declared and chunked): the answer and the edge's RSS growth;
+200 connections holding half-sent headers, then a legit request: its latency, and when the half-sent ones are
+closed; 1,000 idle connections, then a legit request; a 1-token prompt with max_tokens 5000: status and seconds;
+/healthz of each role with 64 idle connections held to it. Prints the numbers, writes OUT/httpfuzz.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from .runs import DEFAULT_OUT, DEMO_DRAFT, DEMO_TARGET, meta, write_result
+
+KEY = "bench-key"
+MODEL = "specrelay"
+
+
+def wait_http(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Until `url` answers (any status); fails if `proc` exits first or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+def rss_kib(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def post(base: str, path: str, body: dict, key: str | None = KEY, timeout: float = 60) -> tuple[int, dict, dict]:
+    """(status, JSON body, headers) of one POST."""
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    request = urllib.request.Request(base + path, json.dumps(body).encode(), headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            return r.status, json.loads(r.read()), dict(r.headers)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read()), dict(exc.headers)
+
+
+def send_large_body(port: int, total: int, chunked: bool, key: str = KEY) -> bytes:
+    """Send up to `total` bytes of body (1 MiB at a time) until the edge answers or closes; its answer (b"" when
+    it closed without one)."""
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+            "Content-Type: application/json\r\n")
+    head += "Transfer-Encoding: chunked\r\n\r\n" if chunked else f"Content-Length: {total}\r\n\r\n"
+    chunk = b"x" * (1 << 20)
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head.encode())
+        try:
+            for _ in range(total // len(chunk)):
+                sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk)
+        except OSError:  # the edge closed the connection: it read no more than it had to
+            pass
+        try:
+            return sock.recv(65536)
+        except OSError:
+            return b""
+
+
+def half_sent_heads(port: int, n: int) -> list[socket.socket]:
+    """n connections that send the start of a request head and never finish it (slowloris)."""
+    socks = []
+    for _ in range(n):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        socks.append(sock)
+    return socks
+
+
+def first_line(sock: socket.socket) -> str:
+    """The status line the server answers on `sock` ("" when it closed without one)."""
+    try:
+        return sock.recv(65536).split(b"\r\n", 1)[0].decode()
+    except OSError:
+        return ""
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the server closes `sock` (EOF or a reset) before the socket's own timeout."""
+    try:
+        return sock.recv(1024) == b""
+    except ConnectionResetError:
+        return True
+    except OSError:  # the timeout
+        return False
+
+
+def seconds_until_closed(socks: list[socket.socket]) -> float:
+    t0 = time.monotonic()
+    for sock in socks:
+        closed_by_peer(sock)
+    return time.monotonic() - t0
+
+
+def timed_request(base: str, **body) -> tuple[int, float]:
+    t0 = time.monotonic()
+    status, _, _ = post(base, "/v1/completions", {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 8,
+                                                  "temperature": 0} | body, timeout=60)
+    return status, time.monotonic() - t0
+
+
+def healthz_under_idle(port: int, n_idle: int = 64) -> float:
+    """The slowest of 3 /healthz answers with n_idle connections held open (inf when none came)."""
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(n_idle)]
+    worst = 0.0
+    try:
+        for _ in range(3):
+            t0 = time.monotonic()
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10).read()
+            except OSError:
+                return float("inf")
+            worst = max(worst, time.monotonic() - t0)
+    finally:
+        for sock in idle:
+            sock.close()
+    return worst
+
+
+def attack(base: str, port: int, edge_pid: int, health: dict[str, int]) -> dict:
+    out: dict = {"no_key_status": post(base, "/v1/completions", {"model": MODEL, "prompt": "x"}, key=None)[0]}
+    out["at_rest"] = timed_request(base)
+    for chunked in (False, True):
+        before = rss_kib(edge_pid)
+        answer = send_large_body(port, 64 << 20, chunked)
+        out[f"body_64mib_{'chunked' if chunked else 'declared'}"] = {
+            "answer": answer.split(b"\r\n", 1)[0].decode() or "connection closed",
+            "rss_growth_mib": round((rss_kib(edge_pid) - before) / 1024, 1)}
+    slow = half_sent_heads(port, 200)
+    out["slowloris_200"] = {"legit": timed_request(base), "closed_after_s": round(seconds_until_closed(slow), 1)}
+    for sock in slow:
+        sock.close()
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=60) for _ in range(1000)]
+    out["idle_1000_legit"] = timed_request(base)
+    for sock in idle:
+        sock.close()
+    t0 = time.monotonic()
+    status, body, _ = post(base, "/v1/completions", {"model": MODEL, "prompt": [5], "max_tokens": 5000})
+    out["past_context"] = {"status": status, "seconds": round(time.monotonic() - t0, 3),
+                           "message": body.get("error", {}).get("message")}
+    out["healthz_64_idle_s"] = {role: round(healthz_under_idle(p), 3) for role, p in health.items()}
+    return out
+
+
+def run(args) -> dict:
+    from ..cluster import LocalCluster, free_port
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # this program holds 1,000 sockets
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 4096)), hard))
+    http_port, edge_health = free_port(), free_port()
+    with LocalCluster(args.target, threads=args.threads) as cluster:
+        edge = subprocess.Popen([sys.executable, "-m", "specrelay.cli", "edge-worker", "--broker", cluster.frontend,
+                                 "--draft-model", args.draft, "--target-tokenizer", args.target,
+                                 "--listen", f"tcp://127.0.0.1:{free_port()}", "--http", f"127.0.0.1:{http_port}",
+                                 "--api-key", KEY, "--health-port", str(edge_health)],
+                                env=dict(os.environ, SPECRELAY_THREADS=str(args.threads)))
+        try:
+            base = f"http://127.0.0.1:{http_port}"
+            wait_http(base + "/health", edge, timeout=300)
+            health = {"broker": cluster.broker_health_port, "cloud_worker": cluster.health_ports[0],
+                      "edge": edge_health}
+            return attack(base, http_port, edge.pid, health) | {"edge_alive": edge.poll() is None}
+        finally:
+            edge.terminate()
+            edge.wait(timeout=30)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="specrelay bench httpfuzz", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=DEMO_TARGET, help="target model (its config gives the edge the context)")
+    ap.add_argument("--draft", default=DEMO_DRAFT)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=DEFAULT_OUT)
+    args = ap.parse_args(argv)
+    result = {"meta": meta(["httpfuzz", *(argv or [])]), "results": run(args)}
+    print(json.dumps(result["results"], indent=1))
+    write_result(Path(args.out), "httpfuzz", result)
+    return 0

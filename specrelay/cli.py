@@ -64,10 +64,11 @@ def cmd_broker(args) -> int:
 
 def cmd_cloud_worker(args) -> int:
     from .common.modelsource import check_device, check_model
-    from .runtime import run_async, set_threads
+    from .runtime import ignore_sighup, run_async, set_threads
 
     check_model(args.model, "--model")
     check_device(args.device)
+    ignore_sighup()
     curve = client_curve(args)
     set_threads()
     from .cloud_worker.server import serve
@@ -86,10 +87,11 @@ def cmd_cloud_worker(args) -> int:
 
 
 def cmd_edge_worker(args) -> int:
-    from .runtime import run_async, set_threads
+    from .runtime import ignore_sighup, run_async, set_threads
 
     check_edge_models(args)
     check_ports(args)
+    ignore_sighup()
     curve = client_curve(args)
     set_threads()
     from .edge_worker.loading import serve

@@ -24,6 +24,7 @@ EXTERNAL: dict[str, tuple[str, str]] = {
     "archs": ("specrelay.archmatrix", "main"),         # the architecture matrix and the README's table (issue 19)
     "httpfuzz": ("specrelay.bench.httpfuzz", "main"),  # the edge's HTTP API and health ports under attack
     "broker": ("specrelay.bench.broker_load", "main"),  # round trips per broker core, fake workers and edges
+    "worker-abuse": ("specrelay.bench_worker_abuse", "main"),  # RESAMPLE floods, OPEN/CLOSE churn, long prefill
 }
 
 

@@ -6,8 +6,10 @@ tests drive heartbeats and expiry without sleeping.
 
 Frames (the first frame is always the ROUTER's routing id of the peer):
   frontend in/out : [edge_id, header, body]               edges send OPEN VERIFY RESAMPLE CLOSE HEARTBEAT
-  backend out     : [worker_id, edge_id, header, body]    edge_id b"" for HEARTBEAT / DISCONNECT
-  backend in      : [worker_id, client_id, header, body]  client_id b"" for READY / HEARTBEAT / DISCONNECT
+  backend out     : [worker_id, handle, header, body]     handle b"" for HEARTBEAT / DISCONNECT
+  backend in      : [worker_id, handle, header, body]     handle b"" for READY / HEARTBEAT / DISCONNECT
+An edge's routing id never leaves the broker: workers see an opaque `handle` (a keyed hash of it, the key drawn
+at start), so no worker learns the ids the frontend generates (README, Security: routing ids).
 
 Rules:
 - A session is (edge_id, the edge's session id) and belongs to that connection and the key it authenticated
@@ -34,10 +36,11 @@ from specrelay.common.protocol import CLOUD_REPLIES, EDGE_REQUESTS, MsgType
 from specrelay.common.ratelimit import LogLimiter, TokenBucket
 
 from .heads import open_tokens, read_head, session_or_zero
-from .table import Limits, Peer, Session, SessionKey, Stats, Usage, Worker
+from .table import EdgeHandles, Limits, Peer, Session, SessionKey, Stats, Usage, Worker
 
 HEARTBEAT_INTERVAL = 1.0   # seconds between heartbeats to each worker
 HEARTBEAT_LIVENESS = 3     # a worker silent for LIVENESS intervals is dead
+MAX_SHARE, SHARE_SLACK = 1.5, 4  # no worker's claims draw it more than 1.5x the mean sessions (+4)
 
 FRONTEND = "frontend"
 BACKEND = "backend"
@@ -66,6 +69,7 @@ class Router:
         self.usage: dict[object, Usage] = {}           # Peer.client -> what it holds
         self.stats = Stats()
         self._serials = itertools.count()
+        self.handles = EdgeHandles()  # what workers see for each edge in `peers`
         self._next_heartbeat: float | None = None
 
     # ---- edge side -------------------------------------------------------------------------------
@@ -118,6 +122,7 @@ class Router:
         if peer is None:
             burst = max(1.0, self.limits.bad_replies_per_s)
             peer = self.peers[edge] = Peer(edge, user, now, TokenBucket(self.limits.bad_replies_per_s, burst))
+            self.handles.add(edge)
             self.stats.live_edges = len(self.peers)
         peer.expires = now + self.limits.edge_ttl
         return peer, actions
@@ -153,21 +158,17 @@ class Router:
 
     def _quota(self, usage: Usage, *, new_session: bool, extra_tokens: int) -> str | None:
         """Why this client may not open (or grow) a session now, or None."""
-        lim = self.limits
-        if new_session and usage.sessions >= lim.max_sessions_per_client:
-            reason = f"this client already holds {usage.sessions} sessions (limit {lim.max_sessions_per_client})"
-        elif usage.tokens + extra_tokens > lim.max_prompt_tokens_per_client:
-            reason = (f"this client's open sessions would hold {usage.tokens + extra_tokens} prompt tokens "
-                      f"(limit {lim.max_prompt_tokens_per_client})")
-        else:
-            return None
-        self.stats.quota_refusals += 1
-        return reason + "; close sessions or retry later"
+        reason = usage.refusal(self.limits, new_session=new_session, extra_tokens=extra_tokens)
+        self.stats.quota_refusals += reason is not None
+        return reason
 
     def _least_loaded(self) -> Worker | None:
         """The most free KV memory (estimated, `Worker.free_fraction`), then the fewest broker-assigned
-        sessions; ties go to the earliest registered worker."""
-        return min((w for w in self.workers.values() if not w.full),
+        sessions; ties go to the earliest registered worker. Load reports are only a worker's claims, so a
+        worker past MAX_SHARE times the mean session count (+ SHARE_SLACK) takes a new one only if all are."""
+        room = [w for w in self.workers.values() if not w.full]
+        bound = MAX_SHARE * len(self.sessions) / max(1, len(self.workers)) + SHARE_SLACK
+        return min([w for w in room if len(w.sessions) < bound] or room,
                    key=lambda w: (-round(w.free_fraction, 3), len(w.sessions), w.serial), default=None)
 
     def _forward(self, session_id: int, session: Session, msg_type: MsgType, seq: int,
@@ -187,8 +188,10 @@ class Router:
 
     # ---- worker side -----------------------------------------------------------------------------
 
-    def from_worker(self, frames: list[bytes], now: float, n_frames: int | None = None) -> list[Action]:
-        """One message from the backend ROUTER: [worker_id, client_id, header, body]."""
+    def from_worker(self, frames: list[bytes], now: float, n_frames: int | None = None,
+                    user: str | None = None) -> list[Action]:
+        """One message from the backend ROUTER: [worker_id, client_id, header, body]. user: the CURVE key the
+        worker authenticated with (None without keys); only the key a worker registered with speaks for it."""
         self.stats.backend_in += 1
         worker_id, n = frames[0], len(frames) if n_frames is None else n_frames
         try:
@@ -199,9 +202,9 @@ class Router:
         except InvalidRequest as exc:
             return self._bad_worker(worker_id, str(exc))
         if msg_type == MsgType.READY:
-            return self._ready(worker_id, frames, now)
+            return self._ready(worker_id, frames, now, user)
         worker = self.workers.get(worker_id)
-        if worker is None:
+        if worker is None or worker.user != user:  # another key under a worker's routing id is not that worker
             return self._unknown_worker(worker_id, msg_type)
         worker.expires = now + self.ttl  # any message proves liveness
         if msg_type == MsgType.HEARTBEAT:
@@ -212,8 +215,9 @@ class Router:
             return self._reply(worker, msg_type, frames)
         return self._bad_worker(worker_id, f"a worker may not send {msg_type.name}")
 
-    def _ready(self, worker_id: bytes, frames: list[bytes], now: float) -> list[Action]:
-        """Register a worker. A second READY from a known identity means it restarted and lost its state."""
+    def _ready(self, worker_id: bytes, frames: list[bytes], now: float, user: str | None) -> list[Action]:
+        """Register a worker. A second READY from a known identity means it restarted and lost its state (or,
+        under another key, that another worker took the routing id: it inherits nothing either way)."""
         try:
             ready = protocol.decode(frames[2:])
         except InvalidRequest as exc:
@@ -223,7 +227,7 @@ class Router:
             actions = self._lose_worker(worker_id, "the worker re-registered", tell_worker=False)
         self.workers[worker_id] = Worker(identity=worker_id, max_sessions=ready.max_sessions,
                                          expires=now + self.ttl, serial=next(self._serials), model=ready.model,
-                                         kv_capacity=ready.kv_capacity, kv_free=ready.kv_capacity)
+                                         kv_capacity=ready.kv_capacity, kv_free=ready.kv_capacity, user=user)
         self._gauges()
         log.info("worker ready", worker=worker_id.hex(), model=ready.model, max_sessions=ready.max_sessions)
         return actions
@@ -248,8 +252,8 @@ class Router:
     def _reply(self, worker: Worker, msg_type: MsgType, frames: list[bytes]) -> list[Action]:
         """VERDICT / RESAMPLED / ERROR for a session this worker holds: settle the request it answers, book or
         free the session, pass the frames to the edge. Anything else is dropped."""
-        client = frames[1]
-        if not client:
+        client = self.handles.edge(frames[1])
+        if not frames[1]:
             return self._bad_worker(worker.identity, f"{msg_type.name} without the edge's id in frame 1")
         try:
             session_id, seq = read_head(msg_type, frames[3])
@@ -317,7 +321,7 @@ class Router:
         return self._worker_full(frames)
 
     def _worker_full(self, frames: list[bytes]) -> list[Action]:
-        edge, msg_type = frames[1], protocol.parse_header(frames[2])
+        edge, msg_type = self.handles.edge(frames[1]), protocol.parse_header(frames[2])
         if not edge or msg_type == MsgType.CLOSE:
             return []  # a heartbeat or a CLOSE: nobody waits for an answer
         session_id, seq = read_head(msg_type, frames[3])
@@ -330,6 +334,7 @@ class Router:
     def _edge_gone(self, edge: bytes) -> list[Action]:
         """The edge disconnected or went silent: close its sessions on their workers so they free the memory."""
         peer = self.peers.pop(edge, None)
+        self.handles.remove(edge)
         self.stats.live_edges = len(self.peers)
         actions = []
         for key in sorted(peer.sessions) if peer is not None else []:
@@ -384,7 +389,7 @@ class Router:
 
     def _to_worker(self, worker_id: bytes, edge: bytes, message: list[bytes]) -> Action:
         self.stats.backend_out += 1
-        return BACKEND, [worker_id, edge, *message]
+        return BACKEND, [worker_id, self.handles.of(edge) if edge else b"", *message]
 
     def _disconnect(self, worker_id: bytes, reason: str) -> Action:
         return self._to_worker(worker_id, b"", protocol.encode(protocol.Disconnect(reason=reason)))

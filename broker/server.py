@@ -22,6 +22,7 @@ import zmq.asyncio
 from specrelay.common import auth, health, transport
 from specrelay.common.pump import Pump, wake_sent
 from specrelay.common.errors import FatalError
+from specrelay.common.membudget import MemoryBudget
 
 from .routing import BACKEND, FRONTEND, HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, Action, Router
 from .table import Limits
@@ -42,7 +43,8 @@ class Broker(transport.Service):
 
     With `curve_secret`, both sockets are CURVE servers: edges must present a key listed in `edge_keys`, workers
     one listed in `worker_keys` (directories of NAME.key files, re-read by `reload_keys()` / SIGHUP). Without
-    keys, binding anything but loopback needs `insecure=True`.
+    keys, binding anything but loopback needs `insecure=True`. With `max_rss_mb` the process exits
+    (common/membudget.py) once its resident memory passes that many MiB, for its supervisor to restart it.
     """
 
     name = "broker"
@@ -51,17 +53,21 @@ class Broker(transport.Service):
                  liveness: int = HEARTBEAT_LIVENESS, linger_ms: int = DEFAULT_LINGER_MS,
                  health_port: int | None = None, health_host: str = "127.0.0.1", limits: Limits | None = None,
                  curve_secret: str | None = None, edge_keys: str | None = None, worker_keys: str | None = None,
-                 insecure: bool = False, context: zmq.asyncio.Context | None = None,
+                 insecure: bool = False, max_rss_mb: float | None = None, context: zmq.asyncio.Context | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
         if not 0 <= linger_ms <= 5000:
             raise ValueError(f"linger_ms must be in [0, 5000] so shutdown cannot hang, got {linger_ms}")
         if curve_secret is not None and (edge_keys is None or worker_keys is None):
             raise FatalError("--curve-secret needs both --edge-keys DIR and --worker-keys DIR")
+        if curve_secret is None and (edge_keys is not None or worker_keys is not None):
+            raise FatalError("--edge-keys / --worker-keys need --curve-secret (the broker's key pair): without "
+                             "it the broker would run without CURVE")
         self.router = Router(heartbeat_interval=heartbeat_interval, liveness=liveness, limits=limits)
         self._keys = (curve_secret, edge_keys, worker_keys) if curve_secret is not None else None
         self._insecure = insecure
         self._allowlists: auth.Allowlists | None = None
+        self._memory = MemoryBudget(max_rss_mb) if max_rss_mb else None
         self.loop_lag_s = 0.0
         self.frontend, self.backend = frontend, backend
         self.health_port, self.health_host = health_port, health_host
@@ -80,6 +86,8 @@ class Broker(transport.Service):
 
     async def _open(self) -> None:
         """Start the ZAP authenticator (keys) before binding both sockets, then the health port."""
+        if self._memory is not None:
+            self._memory.start()
         auth.check_insecure_bind([self.frontend, self.backend], keys=self._keys is not None, insecure=self._insecure)
         curves = {FRONTEND: None, BACKEND: None}
         if self._keys is not None:
@@ -111,6 +119,8 @@ class Broker(transport.Service):
         return [self._pump(FRONTEND), self._pump(BACKEND), self._ticker()]
 
     async def _close(self) -> None:
+        if self._memory is not None:
+            self._memory.stop()
         if self._health is not None:
             self._health.close()
         if self._allowlists is not None:
@@ -126,16 +136,13 @@ class Broker(transport.Service):
     # ---- the three loops ---------------------------------------------------------------------------
 
     async def _pump(self, name: str) -> None:
-        """Read one socket forever; each message becomes Router actions, sent at once. On the frontend with
-        keys, each message carries the edge's authenticated key (its User-Id)."""
-        if name == FRONTEND:
-            def on_message(frames: list[bytes], n_frames: int, user: str | None = None) -> None:
-                self._send(self._route(self.router.from_edge, frames, self._clock(), n_frames, user))
-        else:
-            def on_message(frames: list[bytes], n_frames: int) -> None:
-                self._send(self._route(self.router.from_worker, frames, self._clock(), n_frames))
-        with_user = name == FRONTEND and self._keys is not None
-        await self._pumps[name].receive_forever(on_message, with_user=with_user)
+        """Read one socket forever; each message becomes Router actions, sent at once. With keys, each message
+        carries the peer's authenticated key (its User-Id)."""
+        handler = self.router.from_edge if name == FRONTEND else self.router.from_worker
+
+        def on_message(frames: list[bytes], n_frames: int, user: str | None = None) -> None:
+            self._send(self._route(handler, frames, self._clock(), n_frames, user))
+        await self._pumps[name].receive_forever(on_message, with_user=self._keys is not None)
 
     async def _ticker(self) -> None:
         """Heartbeats and expiry: sleep until the Router's next deadline (at most a tenth of an interval, so

@@ -6,11 +6,15 @@ Plain data with the few rules that belong to one record; the routing decisions l
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import os
 from dataclasses import dataclass, field
 
 from specrelay.common.protocol import MsgType, SessionKey
 from specrelay.common.ratelimit import TokenBucket
 
+
+NOMINAL_SESSIONS = 1024  # a worker's session count for load estimates when it declares none (or more)
 
 # which requests a reply can answer (ERROR answers any of them)
 _ANSWERS = {MsgType.VERDICT: {MsgType.VERIFY, MsgType.OPEN}, MsgType.RESAMPLED: {MsgType.RESAMPLE}}
@@ -27,23 +31,30 @@ class Worker:
     kv_capacity: int = 0     # KV token slots (READY); 0: the worker does not report KV memory
     kv_free: int = 0         # free KV token slots at its last heartbeat
     kv_load: int = 0         # its open sessions at that heartbeat
+    user: str | None = None  # the CURVE key it registered with: only that key may speak under its routing id
 
     @property
     def full(self) -> bool:
         return 0 < self.max_sessions <= len(self.sessions)
 
     def heard(self, beat) -> None:
-        """A HEARTBEAT from the worker: its free KV memory and open sessions."""
-        self.kv_free, self.kv_load = beat.kv_free, beat.load
+        """A HEARTBEAT from the worker: its free KV memory and open sessions, clamped to what it declared in
+        READY and to the sessions the broker gave it (a worker cannot claim more room than it has)."""
+        self.kv_free = min(max(beat.kv_free, 0), self.kv_capacity)
+        self.kv_load = min(max(beat.load, 0), len(self.sessions))
+
+    @property
+    def nominal_sessions(self) -> int:
+        return min(self.max_sessions, NOMINAL_SESSIONS) if self.max_sessions > 0 else NOMINAL_SESSIONS
 
     @property
     def free_fraction(self) -> float:
         """Estimated share of its KV memory still free: the last report, less what the sessions assigned since
         then are likely to take (its average per session). Without KV reports: its free session slots."""
         if self.kv_capacity <= 0:
-            return 1.0 - len(self.sessions) / self.max_sessions if self.max_sessions > 0 else 1.0
+            return 1.0 - len(self.sessions) / self.nominal_sessions
         used = self.kv_capacity - self.kv_free
-        per_session = used / self.kv_load if self.kv_load else self.kv_capacity / max(1, self.max_sessions)
+        per_session = used / self.kv_load if self.kv_load else self.kv_capacity / self.nominal_sessions
         pending = max(0, len(self.sessions) - self.kv_load)
         return (self.kv_free - pending * per_session) / self.kv_capacity
 
@@ -113,6 +124,17 @@ class Usage:
     in_flight: int = 0
     tokens: int = 0
 
+    def refusal(self, lim: Limits, *, new_session: bool, extra_tokens: int) -> str | None:
+        """Why this client may not open (or grow) a session now, or None."""
+        if new_session and self.sessions >= lim.max_sessions_per_client:
+            reason = f"this client already holds {self.sessions} sessions (limit {lim.max_sessions_per_client})"
+        elif self.tokens + extra_tokens > lim.max_prompt_tokens_per_client:
+            reason = (f"this client's open sessions would hold {self.tokens + extra_tokens} prompt tokens "
+                      f"(limit {lim.max_prompt_tokens_per_client})")
+        else:
+            return None
+        return reason + "; close sessions or retry later"
+
 
 @dataclass
 class Peer:
@@ -159,3 +181,26 @@ class Stats:
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
+
+
+class EdgeHandles:
+    """What workers see instead of an edge's routing id: a keyed 16-byte hash (the key drawn at start), so no
+    worker learns the ids the frontend generates (`0x00` + a counter no peer may know). Maps a handle back to
+    the routing id for the edges added and not yet removed."""
+
+    def __init__(self) -> None:
+        self._key = os.urandom(32)
+        self._edges: dict[bytes, bytes] = {}
+
+    def of(self, edge: bytes) -> bytes:
+        return hashlib.blake2b(edge, key=self._key, digest_size=16).digest()
+
+    def add(self, edge: bytes) -> None:
+        self._edges[self.of(edge)] = edge
+
+    def remove(self, edge: bytes) -> None:
+        self._edges.pop(self.of(edge), None)
+
+    def edge(self, handle: bytes) -> bytes:
+        """The routing id behind `handle`; b"" for a handle of no live edge."""
+        return self._edges.get(handle, b"")

@@ -7,8 +7,11 @@ Rules:
   are handed to the caller as they come up; VERIFYs join the batch. A second message of a session that is
   already in the batch waits for the next batch (it depends on the first one's outcome), and so does a VERIFY
   of a session that is not `ready` (its prompt is still being prefilled) — with every later message of that
-  session; other sessions' messages behind them go ahead.
-- At most `max_batch` VERIFYs per batch.
+  session; other sessions' messages behind them go ahead. A CLOSE is the exception: it drops its session's
+  held messages and goes at once, so a worker never keeps prefilling for an edge that gave up.
+- At most `max_batch` VERIFYs per batch, and at most `max_control` other messages handled per `take` (then
+  `stopped_early` is set and the caller yields to the event loop, so heartbeats and /healthz keep time under a
+  flood of control messages).
 - Waiting for more requests is worth it only while some other recently active session may still send one;
   with a single active session a batch goes at once. Never longer than `max_wait` after the oldest request.
 """
@@ -43,8 +46,10 @@ class Item:
 
 
 class Batcher:
-    def __init__(self, max_batch: int, max_wait_s: float, idle_after_s: float) -> None:
+    def __init__(self, max_batch: int, max_wait_s: float, idle_after_s: float, max_control: int = 64) -> None:
         self.max_batch, self.max_wait_s, self.idle_after_s = max_batch, max_wait_s, idle_after_s
+        self.max_control = max_control
+        self.stopped_early = False  # the last `take` left messages queued after max_control control messages
         self.queue: deque[Item] = deque()
         self.last_seen: dict[SessionKey, float] = {}  # session -> arrival of its latest message
 
@@ -65,8 +70,12 @@ class Batcher:
         held: set[SessionKey] = set()
         kept: deque[Item] = deque()
         waits_for_batch = False
-        while self.queue and len(batch) < self.max_batch:
+        handled = 0
+        while self.queue and len(batch) < self.max_batch and handled < self.max_control:
             item = self.queue.popleft()
+            if isinstance(item.msg, P.Close) and item.key in held and item.key not in in_batch:
+                kept = deque(i for i in kept if i.key != item.key)  # the edge gave up: its held work goes
+                held.discard(item.key)
             if item.key in in_batch or item.key in held or (item.is_verify and not ready(item.key)):
                 waits_for_batch = waits_for_batch or item.key in in_batch
                 held.add(item.key)
@@ -76,6 +85,8 @@ class Batcher:
                 in_batch.add(item.key)
             else:
                 control(item)
+                handled += 1
+        self.stopped_early = handled >= self.max_control and bool(self.queue)
         self.queue.extendleft(reversed(kept))
         return waits_for_batch
 

@@ -24,6 +24,7 @@ import zmq.asyncio
 from ..common import protocol as P
 from ..common import transport
 from ..common.errors import AuthenticationFailed, InvalidRequest
+from ..common.ratelimit import LogLimiter
 from .config import WorkerConfig, WorkerStats
 
 log = structlog.get_logger("specrelay.cloud")
@@ -48,6 +49,7 @@ class BrokerConnection:
         self._dropped = False     # the TCP connection dropped since the last handshake
         self._fatal: Exception | None = None
         self._log = log.bind(broker=endpoint)
+        self._send_log = LogLimiter(self._log, clock=clock)  # a full socket under a flood: bounded lines
 
     @property
     def alive(self) -> bool:
@@ -151,7 +153,7 @@ class BrokerConnection:
             return False
         error = transport.send_nowait(self.sock, [client, *P.encode(msg)])
         if error is not None:
-            self._log.warning("send failed; message dropped", type=type(msg).__name__, error=repr(error))
+            self._send_log.warning("send failed; message dropped", type=type(msg).__name__, error=repr(error))
             return False
         return True
 

@@ -26,6 +26,7 @@ from ..common import protocol as P
 from ..common import transport
 from ..common.errors import ErrorCode, InvalidRequest, RequestError
 from ..common.metrics import Utilisation
+from ..common.ratelimit import LogLimiter
 from ..common.runner import ModelRunner
 from .batcher import Batcher, Item
 from .config import WorkerConfig, WorkerStats
@@ -68,6 +69,7 @@ class CloudWorker(transport.Service):
         self._inflight: tuple[asyncio.Future, list[Item]] | None = None
         self._health: asyncio.Server | None = None
         self._log = log.bind(broker=broker, model=runner.name)
+        self._errors_log = LogLimiter(self._log, clock=clock)  # failures per event name, at a bounded rate
 
     @property
     def stats(self) -> dict:
@@ -167,6 +169,9 @@ class CloudWorker(transport.Service):
             batch = self._apply_reset(batch)
             if self.batcher.take(batch, self._control, self.verifier.ready):
                 return batch  # the next message waits for this batch's outcome
+            if self.batcher.stopped_early:
+                await asyncio.sleep(0)  # a flood of control messages: let heartbeats and /healthz run
+                continue
             if self.verifier.prefill_pending:
                 return batch  # a prompt is being prefilled: a step now, with the VERIFYs that are ready
             budget = self.batcher.wait_budget(batch, self._clock(), self.verifier.sessions)
@@ -208,8 +213,8 @@ class CloudWorker(transport.Service):
         except RequestError as exc:
             self._reply(item, P.Error(msg.session, getattr(msg, "seq", 0), exc.code, str(exc)))
         except Exception as exc:  # a bug in the core fails this request, never the worker
-            self._log.exception("request failed", peer=item.peer.hex(), session=msg.session,
-                                type=type(msg).__name__)
+            self._errors_log.log("exception", "request failed", peer=item.peer.hex(), session=msg.session,
+                                 type=type(msg).__name__, exc_info=exc)
             self._reply(item, P.Error(msg.session, getattr(msg, "seq", 0), ErrorCode.INTERNAL,
                                       f"{type(msg).__name__} failed on the worker: {type(exc).__name__}"))
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import structlog
@@ -25,17 +25,21 @@ import torch
 
 from ..common import protocol as P
 from ..common import resample, verify
-from ..common.errors import InvalidRequest, RequestError, UnknownSession
+from ..common.errors import InvalidRequest, Overloaded, RequestError, UnknownSession
 from ..common.protocol import Mode, SessionKey, Strategy
+from ..common.ratelimit import TokenBucket
 from ..common.rng import Purpose, gumbel, uniform
 from ..common.runner import ModelRunner
 from ..common.sampling import SamplingParams, probs_from_logits
-from .attention import Row, forward_packed, install
+from .attention import Row, forward_packed, install, self_check
 from .kvcache import KVFull, KVStore
+from .owncache import OwnCacheStore, announce_fallback, forward_own_cache
 
 log = structlog.get_logger("specrelay.cloud")
 
 OPEN_HEADROOM = 64  # token slots reserved beyond the prompt, so the first steps need no move
+# RESAMPLEs per session: an honest edge sends at most SRDV_MAX_ROUNDS + 1 per rejected VERIFY (Pending.admit)
+RESAMPLE_RATE, RESAMPLE_BURST = 200.0, 4 * (resample.SRDV_MAX_ROUNDS + 1)
 
 
 @dataclass
@@ -63,6 +67,8 @@ class CloudSession:
     last_draft: tuple[int, ...] = ()
     last_reply: P.Verdict | None = None
     pending: resample.Pending | None = None  # a sampled rejection awaiting RESAMPLE
+    bitmap: bytes = b""          # the OPEN's shared_vocab: the key of `shared` in Verifier._masks
+    resamples: TokenBucket = field(default_factory=lambda: TokenBucket(RESAMPLE_RATE, RESAMPLE_BURST))
 
     @property
     def sid(self) -> int:
@@ -91,11 +97,17 @@ class Verifier:
         shape = runner.kv_shape
         budget = min(c.max_cache_bytes, c.max_sessions * (self.max_context + OPEN_HEADROOM) * shape.bytes_per_token)
         # deterministic attention reads key blocks of `block` tokens: fewer, larger blocks cost less
-        self.store = KVStore.from_budget(shape, budget, runner.device, block=128 if c.deterministic else 32)
-        install(runner.model)
+        packed = install(runner.model)  # False: no AttentionInterface; the model's own cache serves (owncache.py)
+        if not packed:
+            announce_fallback(runner.model, c.deterministic)
+        store, self._forward = (KVStore, forward_packed) if packed else (OwnCacheStore, forward_own_cache)
+        block = 128 if c.deterministic else 32
+        # before READY: an attention feature the path does not reproduce fails here, in one line
+        self_check(runner.model, store(shape, 256, runner.device, block), c.deterministic, self._forward)
+        self.store = store.from_budget(shape, budget, runner.device, block=block)
         self.sessions: OrderedDict[SessionKey, CloudSession] = OrderedDict()  # LRU order: oldest first
         self.stats = {"forward_passes": 0, "evictions": 0, "prefill_tokens": 0, "forward_tokens": 0}
-        self._masks: dict[bytes, torch.Tensor] = {}
+        self._masks: dict[bytes, tuple[torch.Tensor, int]] = {}  # shared_vocab -> (mask, sessions using it)
 
     # ------------------------------------------------------------------ session lifecycle
     def open(self, key: SessionKey, msg: P.Open) -> None:
@@ -111,27 +123,57 @@ class Verifier:
             raise InvalidRequest(f"the context has {len(msg.tokens)} tokens; the target model {self.runner.name} "
                                  f"takes at most {self.max_context} (max_position_embeddings)", field="tokens")
         self._check_ids(msg.tokens, "tokens")
-        shared = self._shared_mask(msg.shared_vocab)
+        shared = self._shared_mask(msg.shared_vocab)  # checked now, cached only once the session is admitted
         need = self.store.round_up(len(msg.tokens) + OPEN_HEADROOM)
         if need > self.store.capacity:
             raise InvalidRequest(f"the context has {len(msg.tokens)} tokens; this worker's KV store holds "
                                  f"{self.store.capacity}", field="tokens")
-        self.close(key)  # validated before the old state is replaced
-        self._make_room(need)
-        self.store.reserve(key, need)
-        self.sessions[key] = CloudSession(key, list(msg.tokens), msg.mode, params, msg.seed, msg.resample, shared,
-                                          used=self.clock())
+        if not self._keep_prefix(key, msg.tokens, need):  # validated before the old state is replaced
+            self._make_room(need)
+            self.store.reserve(key, need)
+        self.sessions[key] = CloudSession(key, list(msg.tokens), msg.mode, params, msg.seed, msg.resample,
+                                          self._hold_mask(msg.shared_vocab, shared), used=self.clock(),
+                                          bitmap=msg.shared_vocab)
         while len(self.sessions) > self.config.max_sessions:
             self._evict(next(iter(self.sessions)))
 
+    def _keep_prefix(self, key: SessionKey, tokens: list[int], need: int) -> bool:
+        """A re-OPEN (the edge timed out or retried) keeps the K/V its session already holds for the common
+        prefix of the old and new contexts, so a finished or half-done prefill is never redone; K/V depends on
+        the tokens alone. At least one token stays uncached (the first VERIFY row computes the logits after
+        the context). False (and the session closed) when nothing can be kept."""
+        old = self.sessions.get(key)
+        kept = 0
+        if old is not None:
+            limit = min(self.cached(key), len(tokens) - 1)
+            while kept < limit and old.tokens[kept] == tokens[kept]:
+                kept += 1
+        if not kept:
+            self.close(key)
+            return False
+        self.sessions.pop(key)
+        if old.bitmap:
+            self._release_mask(old.bitmap)
+        self.store.truncate(key, kept)
+        try:
+            self._make_room(max(0, need - self.store.span(key).capacity), busy=frozenset([key]))
+            self.store.ensure(key, need)
+        except BaseException:
+            self.store.free(key)
+            raise
+        return True
+
     def close(self, key: SessionKey) -> None:
-        self.sessions.pop(key, None)
+        session = self.sessions.pop(key, None)
         self.store.free(key)
+        if session is not None and session.bitmap:
+            self._release_mask(session.bitmap)
 
     def reset(self) -> None:
         """Forget every session (the broker connection they came on is gone)."""
         self.sessions.clear()
         self.store.clear()
+        self._masks.clear()
 
     @property
     def kv_free_tokens(self) -> int:
@@ -150,16 +192,33 @@ class Verifier:
         return any(not self.ready(key) for key in self.sessions)
 
     def _shared_mask(self, bitmap: bytes) -> torch.Tensor | None:
+        """The OPEN's shared_vocab bitmap -> [V_target] bool mask (the cached one when a session holds it)."""
         if not bitmap:
             return None
-        if bitmap not in self._masks:
-            v = self.runner.vocab_size
-            if len(bitmap) != (v + 7) // 8:
-                raise InvalidRequest(f"shared_vocab bitmap must be {(v + 7) // 8} bytes for a {v}-token target",
-                                     field="shared_vocab")
-            bits = np.unpackbits(np.frombuffer(bitmap, dtype=np.uint8), bitorder="little")[:v]
-            self._masks[bitmap] = torch.from_numpy(bits.astype(bool))
-        return self._masks[bitmap]
+        if bitmap in self._masks:
+            return self._masks[bitmap][0]
+        v = self.runner.vocab_size
+        if len(bitmap) != (v + 7) // 8:
+            raise InvalidRequest(f"shared_vocab bitmap must be {(v + 7) // 8} bytes for a {v}-token target",
+                                 field="shared_vocab")
+        bits = np.unpackbits(np.frombuffer(bitmap, dtype=np.uint8), bitorder="little")[:v]
+        return torch.from_numpy(bits.astype(bool))
+
+    def _hold_mask(self, bitmap: bytes, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """An admitted session shares the cached mask; the cache holds a mask only while a session uses it,
+        so it never has more entries than there are sessions."""
+        if mask is None:
+            return None
+        mask, users = self._masks.get(bitmap, (mask, 0))
+        self._masks[bitmap] = (mask, users + 1)
+        return mask
+
+    def _release_mask(self, bitmap: bytes) -> None:
+        mask, users = self._masks.get(bitmap, (None, 1))
+        if users <= 1:
+            self._masks.pop(bitmap, None)
+        else:
+            self._masks[bitmap] = (mask, users - 1)
 
     def _check_ids(self, ids: list[int], name: str) -> None:
         v = self.runner.vocab_size
@@ -230,8 +289,8 @@ class Verifier:
         rows = [Row(w.session.key, w.session.tokens[self.cached(w.session.key):] + w.draft, keep=len(w.draft) + 1)
                 for w in work]
         try:
-            outputs = forward_packed(self.runner.model, self.store, rows + prefill,
-                                     deterministic=self.config.deterministic)
+            outputs = self._forward(self.runner.model, self.store, rows + prefill,
+                                    deterministic=self.config.deterministic)
         except Exception:
             for row in prefill:  # their state is unknown too; the caller drops the batch's sessions
                 self.close(row.key)
@@ -314,6 +373,11 @@ class Verifier:
         s = self.sessions.get(key)
         if s is None:
             raise UnknownSession(f"session {req.session} is not held by this worker", field="session")
+        if not s.resamples.take(self.clock()):
+            raise Overloaded(f"session {req.session} sends RESAMPLE faster than {RESAMPLE_RATE:g}/s; slow down")
         if s.pending is None or s.pending.seq != req.seq:
             raise InvalidRequest(f"session {req.session} has no rejection pending at seq {req.seq}", field="seq")
-        return resample.serve_resample(req, s.pending, s.shared, s.seed)
+        reply = resample.serve_resample(req, s.pending, s.shared, s.seed)
+        if s.pending.finished:
+            s.pending = None  # resolved: a replay finds nothing to serve
+        return reply

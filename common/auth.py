@@ -1,12 +1,15 @@
 """CURVE keys and the broker's ZAP authenticator (ZeroMQ's CurveZMQ, RFC 26; ZAP, RFC 27).
 
-  keys      `generate(dir, name)` writes NAME.key (public) and NAME.key_secret (both keys, mode 0600) in
-            zmq.auth's certificate format; `client(secret_file, broker_key_file)` / `server(secret_file, domain)`
-            load them into `transport.Curve`.
-  broker    `Allowlists` runs pyzmq's asyncio ZAP authenticator with two domains: "edge" (the frontend) and
-            "worker" (the backend), each with its own directory of public keys, re-read on SIGHUP. A key
-            listed only as an edge can never register as a worker, and vice versa. Sockets set
-            ZAP_ENFORCE_DOMAIN, so a CURVE socket with no authenticator answering refuses every peer.
+  keys      `generate(dir, name)` writes NAME.key (public) and NAME.key_secret (both keys, created 0600: no
+            moment when others can read it) in zmq.auth's certificate format; `client(secret_file,
+            broker_key_file)` / `server(secret_file, domain)` load them into `transport.Curve`, refusing a secret
+            file that group or others can read.
+  broker    `Allowlists` runs the ZAP handler (common/zap.py: a handshake budget per key and address, refused
+            keys logged) with two domains: "edge" (the frontend) and "worker" (the backend), each with its own
+            directory of public keys, re-read on SIGHUP. A key may be listed in one of them only, so an edge
+            key can never register as a worker, and vice versa. A reload that fails (an unreadable key file, a
+            key in both) keeps the lists in force and logs why. Sockets set ZAP_ENFORCE_DOMAIN, so a CURVE
+            socket with no authenticator answering refuses every peer.
   plain TCP `check_insecure_bind`: binding a non-loopback address without keys needs an explicit --insecure.
 """
 
@@ -20,15 +23,16 @@ from urllib.parse import urlsplit
 import structlog
 import zmq
 import zmq.auth
-from zmq.auth.asyncio import AsyncioAuthenticator
 
 from .errors import FatalError
 from .transport import Curve
+from .zap import ThrottledAuthenticator
 
 log = structlog.get_logger("specrelay.auth")
 
 EDGE_DOMAIN = "edge"
 WORKER_DOMAIN = "worker"
+CLIENT_DOMAIN = "client"  # applications on an edge worker's --listen port (edge-worker --client-keys)
 
 
 def generate(directory: str | os.PathLike, name: str) -> tuple[Path, Path]:
@@ -40,8 +44,12 @@ def generate(directory: str | os.PathLike, name: str) -> tuple[Path, Path]:
     if public.exists() or secret.exists():
         raise FatalError(f"{public} or {secret} already exists; remove it first or pick another --name")
     directory.mkdir(parents=True, exist_ok=True)
-    zmq.auth.create_certificates(directory, name)
-    os.chmod(secret, 0o600)  # zmq.auth writes it world-readable
+    umask = os.umask(0o077)  # zmq.auth opens both files with the umask's mode: the secret is never readable
+    try:
+        zmq.auth.create_certificates(directory, name)
+    finally:
+        os.umask(umask)
+    os.chmod(public, 0o644)
     return public, secret
 
 
@@ -53,6 +61,9 @@ def _load(path: str | os.PathLike, *, secret: bool) -> tuple[bytes, bytes | None
         raise FatalError(f"cannot read the CURVE key file {path}: {exc}") from None
     if secret and secret_key is None:
         raise FatalError(f"{path} holds no secret key: pass the NAME.key_secret file")
+    if secret and path.stat().st_mode & 0o077:
+        raise FatalError(f"{path} can be read by group or others (mode {path.stat().st_mode & 0o777:o}): a "
+                         f"secret key must be private; chmod 600 {path}")
     return public, secret_key
 
 
@@ -68,32 +79,67 @@ def server(secret_file: str | os.PathLike, domain: str) -> Curve:
     return Curve(public=public, secret=secret, domain=domain)
 
 
+HANDSHAKES_PER_S = 1.0  # per (domain, address, key), after a burst of HANDSHAKE_BURST (common/zap.py)
+HANDSHAKE_BURST = 64
+
+
 class Allowlists:
     """The broker's ZAP handler: edge keys may use the frontend, worker keys the backend, nothing else."""
 
-    def __init__(self, ctx: zmq.Context, edge_keys: str | os.PathLike, worker_keys: str | os.PathLike) -> None:
-        self.dirs = {EDGE_DOMAIN: Path(edge_keys), WORKER_DOMAIN: Path(worker_keys)}
-        for domain, path in self.dirs.items():
-            if not path.is_dir():
-                raise FatalError(f"the {domain} key directory {path} does not exist")
-        self._auth = AsyncioAuthenticator(ctx)
+    def __init__(self, ctx: zmq.Context, edge_keys: str | os.PathLike | None, worker_keys: str | os.PathLike | None,
+                 *, client_keys: str | os.PathLike | None = None, handshakes_per_s: float = HANDSHAKES_PER_S,
+                 handshake_burst: int = HANDSHAKE_BURST) -> None:
+        dirs = {EDGE_DOMAIN: edge_keys, WORKER_DOMAIN: worker_keys, CLIENT_DOMAIN: client_keys}
+        self.dirs = {domain: Path(path) for domain, path in dirs.items() if path is not None}
+        self._read()  # refuse a bad directory at start-up, with one line
+        self._auth = ThrottledAuthenticator(ctx, handshakes_per_s=handshakes_per_s, handshake_burst=handshake_burst)
+
+    @property
+    def zap(self) -> ThrottledAuthenticator:
+        return self._auth
 
     def start(self) -> None:
         try:
             self._auth.start()
         except zmq.ZMQError as exc:  # fail closed: without a ZAP handler libzmq would take any key
             raise FatalError(f"cannot start the ZAP authenticator: {exc}") from exc
-        self.reload()
+        self._install(self._read())
 
-    def reload(self) -> dict[str, int]:
-        """Re-read both directories (SIGHUP). Returns the number of keys per domain."""
-        counts = {}
+    def _read(self) -> dict[str, dict[bytes, bool]]:
+        """Both directories' public keys; FatalError naming the problem if either cannot be used."""
+        if len({path.resolve() for path in self.dirs.values()}) < len(self.dirs):
+            raise FatalError(f"--edge-keys and --worker-keys are the same directory ({self.dirs[EDGE_DOMAIN]}): "
+                             "every worker key would be an edge key too; give each role its own directory")
+        lists = {}
         for domain, path in self.dirs.items():
-            keys = zmq.auth.load_certificates(path) if path.is_dir() else {}
-            self._auth.certs[domain] = keys  # an empty or vanished directory admits nobody
-            counts[domain] = len(keys)
+            if not path.is_dir():
+                raise FatalError(f"the {domain} key directory {path} does not exist")
+            try:
+                lists[domain] = zmq.auth.load_certificates(path)
+            except (OSError, ValueError) as exc:
+                raise FatalError(f"cannot read the {domain} keys in {path}: {exc}") from None
+        both = lists.get(EDGE_DOMAIN, {}).keys() & lists.get(WORKER_DOMAIN, {}).keys()
+        if both:
+            names = ", ".join(k.decode() for k in sorted(both))
+            raise FatalError(f"{len(both)} key(s) listed as both edge and worker ({names}): a key may have one "
+                             f"role; remove it from {self.dirs[EDGE_DOMAIN]} or {self.dirs[WORKER_DOMAIN]}")
+        return lists
+
+    def _install(self, lists: dict[str, dict[bytes, bool]]) -> dict[str, int]:
+        for domain, keys in lists.items():
+            self._auth.certs[domain] = keys
+        counts = {domain: len(keys) for domain, keys in lists.items()}
         log.info("key allowlists loaded", **counts)
         return counts
+
+    def reload(self) -> dict[str, int] | None:
+        """Re-read both directories (SIGHUP), all or nothing: on any problem the lists in force stay and the
+        reason is logged. Returns the number of keys per domain, or None when the reload was refused."""
+        try:
+            return self._install(self._read())
+        except FatalError as exc:
+            log.error("key reload refused; the previous allowlists stay in force", reason=str(exc))
+            return None
 
     def stop(self) -> None:
         self._auth.stop()

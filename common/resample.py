@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from . import protocol as P
@@ -39,15 +40,39 @@ def candidate_slots(round_: int) -> tuple[int, int]:
 
 # ---------------------------------------------------------------------------------------------- cloud side
 
-@dataclass(frozen=True)
+@dataclass
 class Pending:
     """A sampled rejection the edge has not resolved yet: the verdict's seq, the absolute position of the
-    rejected token, the target distribution there, and the rejected draft token x."""
+    rejected token, the target distribution there, and the rejected draft token x.
+
+    What the edge may ask for it, each at most once and in this order (so one rejection costs the worker at
+    most SRDV_MAX_ROUNDS + 1 RESAMPLEs): CANDIDATES rounds 1, 2, ... < SRDV_MAX_ROUNDS, then HR, then
+    SERVER_ONLY (which ends it)."""
 
     seq: int
     position: int
     p: torch.Tensor  # [V_target] float32
     rejected: int
+    last_round: int = 0       # the last CANDIDATES round served (the VERDICT carried round 0)
+    hr_sent: bool = False
+    finished: bool = False    # SERVER_ONLY drew the token: nothing more to serve
+
+    def admit(self, kind: ResampleKind, round_: int) -> None:
+        """Refuse (InvalidRequest, naming the field) a RESAMPLE that is out of order or already served."""
+        if self.finished:
+            raise InvalidRequest(f"the rejection at seq {self.seq} is already resolved", field="seq")
+        if kind == ResampleKind.CANDIDATES:
+            if round_ != self.last_round + 1 or self.hr_sent or round_ >= SRDV_MAX_ROUNDS:
+                raise InvalidRequest(f"round {round_} out of order: the next candidate round for seq {self.seq} is "
+                                     f"{self.last_round + 1} (rounds < {SRDV_MAX_ROUNDS}, none after hr)",
+                                     field="round")
+            self.last_round = round_
+        elif kind == ResampleKind.HR:
+            if self.hr_sent:
+                raise InvalidRequest(f"the hr payload for seq {self.seq} was already sent", field="kind")
+            self.hr_sent = True
+        else:
+            self.finished = True
 
 
 def _shared_ids(mask: torch.Tensor | None, v: int) -> torch.Tensor:  # -> [V_c] sorted target ids
@@ -73,8 +98,22 @@ def _candidates(seed: int, position: int, p: torch.Tensor, round_: int, rejected
     envelope[rejected] = 0.0
     if not envelope.sum() > 0:  # float round-off only: a rejection needs mass outside x
         envelope = p.double()
-    z = [sample_index(envelope, float(x)) for x in u]
+    z = _sample_many(envelope, u)
     return z, P.f32(p[list(dict.fromkeys(z))])
+
+
+def _sample_many(probs: torch.Tensor, u) -> list[int]:  # probs: [V] float64, u: [K] uniforms
+    """`sample_index(probs, x)` for every x in u, with one cumulative sum instead of K (a late SR-DV round draws
+    128 candidates: at a 128k vocabulary that was 128 passes over p on the worker's event loop)."""
+    p = probs.detach().cpu().numpy()
+    cdf = np.cumsum(p, dtype=np.float64)
+    idx = np.minimum(np.searchsorted(cdf, np.asarray(u, dtype=np.float64) * cdf[-1], side="right"), len(p) - 1)
+    out = idx.tolist()
+    for k, i in enumerate(out):
+        while p[i] <= 0:  # landed exactly on a boundary after a zero run (as sample_index)
+            i -= 1
+        out[k] = i
+    return out
 
 
 def rejection_verdict(session: int, n_accepted: int, pending: Pending, strategy: Strategy,
@@ -92,18 +131,22 @@ def rejection_verdict(session: int, n_accepted: int, pending: Pending, strategy:
 
 
 def serve_resample(req: P.Resample, pending: Pending, shared: torch.Tensor | None, seed: int) -> P.Resampled:
-    """RESAMPLE for `pending`: hr's server-only draw, another SR-DV round, or SR-DV's fallback to the hr payload."""
+    """RESAMPLE for `pending`: hr's server-only draw, another SR-DV round, or SR-DV's fallback to the hr payload.
+    Each is served once per rejection and in order (Pending.admit); anything else is an InvalidRequest."""
     out = P.Resampled(req.session, req.seq)
     if req.kind == ResampleKind.SERVER_ONLY:
         if shared is None:
             raise InvalidRequest("server_only resampling needs a cross-vocabulary session", field="kind")
         only = pending.p.double() * (~shared)  # p restricted to V_o
+        if not only.sum() > 0:  # theta_o = 0: an honest edge never asks
+            raise InvalidRequest("server_only resampling: p has no mass outside the shared vocabulary", field="kind")
+        pending.admit(req.kind, req.round)
         out.token = sample_index(only, uniform(seed, pending.position, Purpose.SERVER_ONLY))
     elif req.kind == ResampleKind.CANDIDATES:
-        if not 1 <= req.round < SRDV_MAX_ROUNDS:
-            raise InvalidRequest(f"round must be in [1, {SRDV_MAX_ROUNDS})", field="round")
+        pending.admit(req.kind, req.round)
         out.candidates, out.cand_p = _candidates(seed, pending.position, pending.p, req.round, pending.rejected)
     else:
+        pending.admit(req.kind, req.round)
         out.p, out.theta_o = _hr_payload(pending.p, shared)
     return out
 

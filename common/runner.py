@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from .errors import FatalError
 from .modelsource import check_device, check_model
+from .selfcheck import refuse_recurrent
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (keys, values), each [kv_heads, seq, head_dim]
@@ -68,6 +69,7 @@ class ModelRunner:
             model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype]).to(device)
         except (OSError, ValueError) as exc:
             raise FatalError(f"cannot load model {name_or_path!r}: {exc}") from exc
+        refuse_recurrent(model)  # a state-space layer's state cannot roll back: refused here, in one line
         return cls(model, tokenizer, name=str(name_or_path))
 
     @cached_property

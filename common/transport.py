@@ -8,11 +8,18 @@ Socket rules (ZeroMQ Guide; REFERENCE.md §4):
   ZMTP heartbeats   drop dead TCP peers (application heartbeats still catch a hung process)
   CURVE         every TCP socket when keys are configured (common/auth.py): a bound socket is a CURVE server
                 checked by the ZAP handler; a connecting socket carries its key pair and the server's key
+  routing ids   libzmq 4.3.5 gives a ROUTER peer that sends no id `0x00` + a 32-bit counter that starts at glibc
+                rand() when the socket is made, and aborts if that id is already held by a peer that chose it.
+                `seed_routing_ids` seeds rand() from the OS before every ROUTER, so the counter's start is secret
+                (README, Security: "Routing ids, message memory and keys").
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
+import os
 import signal
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
@@ -45,6 +52,8 @@ def make_socket(ctx: zmq.asyncio.Context, kind: int, *, linger_ms: int, identity
                 curve: Curve | None = None, mandatory: bool = False, heartbeat_s: float | None = None,
                 handover: bool = False) -> zmq.asyncio.Socket:
     """A socket with specrelay's limits. Options that must precede bind/connect are all set here."""
+    if kind == zmq.ROUTER:
+        seed_routing_ids()  # the ROUTER reads its counter's start from rand() as it is made, just below
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, linger_ms)
     sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME)
@@ -59,6 +68,27 @@ def make_socket(ctx: zmq.asyncio.Context, kind: int, *, linger_ms: int, identity
     if curve is not None:
         _set_curve(sock, curve)
     return sock
+
+
+def _libc() -> ctypes.CDLL | None:
+    """The C library whose rand() libzmq calls (pyzmq's bundled libzmq links the process's libc)."""
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or None)
+    except OSError:
+        return None
+    return lib if hasattr(lib, "srand") else None
+
+
+_LIBC = _libc()
+
+
+def seed_routing_ids() -> None:
+    """Seed the C library's rand() with 32 bits from os.urandom: the next ROUTER made starts its generated
+    routing ids (`0x00` + uint32 counter) at a value no peer can know. Unseeded, every process starts at the
+    same value, and a peer that holds the next ids aborts the process (libzmq asserts on the collision)."""
+    if _LIBC is None:
+        raise FatalError("cannot seed libzmq's routing-id counter: no C library with srand() found")
+    _LIBC.srand(ctypes.c_uint(int.from_bytes(os.urandom(4), "little")))
 
 
 def _set_curve(sock: zmq.Socket, curve: Curve) -> None:

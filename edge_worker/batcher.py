@@ -111,6 +111,9 @@ class DraftBatcher:
             return
         try:
             blocks = await self._in_thread([j for j, _ in batch])
+        except asyncio.CancelledError:
+            self._queue[:0] = batch  # closing: `close` fails them
+            raise
         except Exception as exc:  # the draft model failed: fail these requests, keep serving
             for _, fut in batch:
                 if not fut.done():
@@ -166,8 +169,13 @@ class DraftBatcher:
                 pass
         return blocks
 
-    async def close(self) -> None:
+    async def close(self, reason: Exception | None = None) -> None:
+        """Stop drafting; drafts still waiting fail with `reason`, so their generations end instead of hanging."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        for _, fut in self._queue:
+            if not fut.done():
+                fut.set_exception(reason or RuntimeError("the draft batcher is closed"))
+        self._queue.clear()

@@ -9,7 +9,10 @@ session's past, and the cache and the per-session append concatenated it twice m
 
 Layout: a batch holds [layers, 2 (keys, values), rows, kv_heads, capacity, head_dim]. Row i's past sits right-
 aligned before column `past`; the columns after it are the batch's steps, where a row fed fewer tokens than
-the step's width leaves a hole that the attention mask hides.
+the step's width leaves a hole that the attention mask hides. `position` records each column's absolute
+position (-1: padding or a hole). transformers builds a sliding window over columns, which holes would stretch;
+for a model with sliding windows the batch passes its own 4-D masks, built from positions with transformers'
+rule (a query at p sees keys k with p - w < k <= p), one per layer type.
 """
 
 from __future__ import annotations
@@ -81,7 +84,8 @@ class LockstepKV:
         self.sessions: dict[int, SessionKV] = {}
         self.pending: dict[int, list[int]] = {}   # key -> buffer columns holding its new positions, in order
         self.buf: torch.Tensor | None = None       # [layers, 2, rows, kv_heads, capacity, head_dim]
-        self.mask: torch.Tensor | None = None      # [rows, capacity] long
+        self.position: torch.Tensor | None = None  # [rows, capacity] long: each column's position, -1 = none
+        self.windows = attention_windows(runner.model.config)
         self.cache: Cache | None = None
         self.cur = 0                                # columns in use
 
@@ -102,11 +106,11 @@ class LockstepKV:
         for i, (key, n, toks) in enumerate(zip(keys, lengths, tokens)):
             ids[i, :len(toks)] = torch.tensor(toks, dtype=torch.long)
             positions[i] = n + torch.arange(width)  # a padded tail keeps counting: harmless, masked
-            self.mask[i, self.cur:self.cur + len(toks)] = 1
+            self.position[i, self.cur:self.cur + len(toks)] = positions[i, :len(toks)]
             self.pending[key].extend(range(self.cur, self.cur + len(toks)))
         device = self.runner.device
         out = self.runner.model(input_ids=ids.to(device), position_ids=positions.to(device),
-                                attention_mask=self.mask[:, :self.cur + width].to(device), use_cache=True,
+                                attention_mask=self._mask(positions, self.cur + width), use_cache=True,
                                 **{self.runner._cache_kw: self.cache})
         self.cur += width
         return out.logits.float()
@@ -123,9 +127,9 @@ class LockstepKV:
         self.rows, self.cur = list(keys), past
         self.sessions = dict(zip(keys, sessions))
         self.pending = {key: [] for key in keys}
-        self.mask = torch.zeros(len(keys), past + extra, dtype=torch.long)
+        self.position = torch.full((len(keys), past + extra), -1, dtype=torch.long)
         for i, s in enumerate(sessions):
-            self.mask[i, past - s.length:past] = 1
+            self.position[i, past - s.length:past] = torch.arange(s.length)
         kv = self.runner.kv_shape
         shape = (kv.layers, 2, len(keys), kv.kv_heads, past + extra, kv.head_dim)
         self.buf = self.workspace.take(shape, kv.dtype, self.runner.device)
@@ -147,7 +151,7 @@ class LockstepKV:
                 self._return(index[key], key)
         keep = torch.tensor([index[key] for key in keys], device=self.buf.device)
         self.buf = self.buf.index_select(2, keep)
-        self.mask = self.mask.index_select(0, keep.cpu())
+        self.position = self.position.index_select(0, keep.cpu())
         self.rows = list(keys)
         self._attach()
 
@@ -160,10 +164,32 @@ class LockstepKV:
         shape[4] = 2 * (self.cur + width)
         grown = self.buf.new_empty(shape)
         grown[..., :self.cur, :] = self.buf[..., :self.cur, :]
-        mask = self.mask.new_zeros(self.mask.shape[0], shape[4])
-        mask[:, :self.cur] = self.mask[:, :self.cur]
-        self.buf, self.mask = grown, mask
+        position = self.position.new_full((self.position.shape[0], shape[4]), -1)
+        position[:, :self.cur] = self.position[:, :self.cur]
+        self.buf, self.position = grown, position
         self._attach()
+
+    def _mask(self, queries: torch.Tensor, columns: int):
+        """The attention mask of a forward whose queries sit at `queries` [rows, width]: the 2-D padding mask
+        [rows, columns], or for a sliding-window model the 4-D masks [rows, 1, width, columns] (a dict by layer
+        type for a model with `layer_types`)."""
+        keys = self.position[:, :columns]
+        device = self.runner.device
+        if self.windows is None:
+            return (keys >= 0).long().to(device)
+        q, k = queries[:, None, :, None], keys[:, None, None, :]
+        causal = (k >= 0) & (k <= q)
+
+        def mask(window: int | None) -> torch.Tensor:
+            visible = causal & (k > q - window) if window else causal
+            if self.runner.model.config._attn_implementation in ("sdpa", "flex_attention"):
+                return visible.to(device)  # flex takes a bool mask too when given one
+            dtype = self.runner.model.dtype  # eager: an additive float mask
+            return torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min).to(device)
+
+        if isinstance(self.windows, dict):
+            return {kind: mask(window) for kind, window in self.windows.items()}
+        return mask(self.windows)
 
     def _attach(self) -> None:
         for li, layer in enumerate(self.cache.layers):
@@ -174,6 +200,19 @@ class LockstepKV:
         if cols:
             index = torch.tensor(cols, device=self.buf.device)
             self.sessions[key].append(self.buf[:, :, i].index_select(3, index))
+
+
+def attention_windows(config) -> dict[str, int | None] | int | None:
+    """The sliding windows transformers' mask builders apply: {layer type: window or None} for a model with
+    `layer_types`, else the one window of every layer; None when no layer slides."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if not window or (types is not None and "sliding_attention" not in types):
+        return None
+    if types is None:
+        return window
+    return {kind: window if kind == "sliding_attention" else None for kind in set(types)}
 
 
 class Workspace:
@@ -189,3 +228,23 @@ class Workspace:
         if flat is None or flat.numel() < numel or flat.dtype != dtype or flat.device != device:
             flat = self._flat = torch.empty(int(numel * 1.25) + 1, dtype=dtype, device=device)
         return flat[:numel].view(shape)
+
+
+def self_check(runner: ModelRunner) -> None:
+    """Raise FatalError (one line) unless lockstep forwards (ragged, with holes, a second batch gathering the
+    pasts after a rollback) give the draft model's own logits (common/selfcheck.py)."""
+    from ..common import selfcheck
+
+    a, b = selfcheck.probe(runner.vocab_size)
+
+    def probe_path() -> list[torch.Tensor]:
+        sa, sb = SessionKV(), SessionKV()
+        first = LockstepKV(runner, Workspace())
+        a1, b1 = first.feed([0, 1], [sa, sb], [0, 0], [a[:15], b[:4]], room=4)
+        a2, b2 = first.feed([0, 1], [sa, sb], [15, 4], [a[15:19], b[4:12]], room=0)
+        first.close()
+        sa.truncate(17)                        # a rollback: the last two of a's positions were rejected
+        b3, a3 = LockstepKV(runner, Workspace()).feed([1, 0], [sb, sa], [12, 17], [b[12:], a[17:]], room=0)
+        return [torch.cat([a1[:15], a2[:2], a3[:4]]), torch.cat([b1[:4], b2[:8], b3[:1]])]
+
+    selfcheck.compare(runner.model, "the edge's lockstep draft forward", probe_path)

@@ -14,9 +14,10 @@ from typing import Awaitable, Callable
 
 import structlog
 import zmq
+import zmq.asyncio
 
+from ..common import auth, transport
 from ..common import protocol as P
-from ..common import transport
 from ..common.errors import ErrorCode, FatalError, InvalidRequest, RequestError
 from ..common.sampling import SamplingParams
 from .session import SessionConfig
@@ -76,11 +77,32 @@ class ClientFrontend:
         self.endpoint: str | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._requests: dict[tuple[bytes, int], asyncio.Task] = {}
+        self._allowlist: auth.Allowlists | None = None
+        self._ctx = edge.ctx
 
     def open(self) -> None:
-        self._sock = transport.make_socket(self.edge.ctx, zmq.ROUTER, linger_ms=self.edge.config.linger_ms,
+        """Bind the client port: CURVE with the edge's key pair when `client_keys` lists the applications' keys
+        (its own context: one ZAP handler per context); without keys only loopback / ipc:// unless
+        `insecure_listen`."""
+        config, curve = self.edge.config, None
+        if config.client_keys is not None:
+            curve = self._client_curve()
+        elif not (config.insecure_listen or auth.is_loopback(self.listen)):
+            raise FatalError(f"refusing --listen {self.listen} without keys: anyone who reaches it could generate "
+                             "on this edge's broker key. Pass --client-keys DIR (with --curve-secret), listen on "
+                             "127.0.0.1 or ipc://, or pass --insecure on a trusted network.")
+        self._sock = transport.make_socket(self._ctx, zmq.ROUTER, linger_ms=config.linger_ms, curve=curve,
                                            mandatory=True)  # a vanished client -> EHOSTUNREACH, not silence
         self.endpoint = transport.bind(self._sock, self.listen, "edge worker")
+
+    def _client_curve(self) -> transport.Curve:
+        edge_keys = self.edge._curve
+        if edge_keys is None:
+            raise FatalError("--client-keys needs the edge's own key pair (--curve-secret): clients check it")
+        self._ctx = zmq.asyncio.Context()
+        self._allowlist = auth.Allowlists(self._ctx, None, None, client_keys=self.edge.config.client_keys)
+        self._allowlist.start()
+        return transport.Curve(public=edge_keys.public, secret=edge_keys.secret, domain=auth.CLIENT_DOMAIN)
 
     async def serve(self) -> None:
         await transport.receive_forever(self._sock, self._on_message)
@@ -138,6 +160,10 @@ class ClientFrontend:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        if self._allowlist is not None:
+            self._allowlist.stop()
+            self._allowlist = None
+            self._ctx.term()
 
 
 def _request_id(body: list[bytes]) -> int:

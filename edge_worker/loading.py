@@ -11,6 +11,7 @@ from ..common import transport
 from ..common.errors import FatalError
 from ..common.modelsource import check_model
 from ..common.runner import ModelRunner, config_context
+from . import draftkv
 from .drafter import Drafter
 from .server import EdgeConfig, EdgeWorker
 from .xdrafter import CrossVocabDrafter
@@ -29,6 +30,7 @@ def load_drafter(draft_model: str, target_tokenizer: str | None = None, device: 
     vocabulary size defaults to the target config's (when `target_tokenizer` is a model directory/id).
     """
     runner = ModelRunner.load(draft_model, device=device, dtype=dtype)
+    draftkv.self_check(runner)  # before READY: a draft K/V path that is not the model's own fails here
     if target_tokenizer is None:
         return Drafter(runner, target_vocab_size), runner.tokenizer
     target_tok, config_vocab = load_target_tokenizer(target_tokenizer)

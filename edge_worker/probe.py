@@ -4,7 +4,8 @@ address or an empty pool ends within `--connect-timeout` seconds in one sentence
 ZeroMQ connects lazily and silently retries forever, so "unreachable" is read off the socket monitor: the
 ZMTP handshake (CURVE included) either succeeds in time or the last event says why not. The worker check is
 one real round trip: OPEN a one-token session, VERIFY an empty draft, CLOSE (the broker answers UNAVAILABLE
-while no worker is registered). Needs no model and no torch.
+while no worker is registered, WORKER_LOST when the one it chose just went away: both, and every other
+retryable code, are retried until the deadline). Needs no model and no torch.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from ..common import protocol as P
 from ..common import transport
-from ..common.errors import AuthenticationFailed, ErrorCode, FatalError, InvalidRequest
+from ..common.errors import AuthenticationFailed, FatalError, InvalidRequest, from_wire
 
 HANDSHAKE_FAILED = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication failed: the broker at {} refused this process's CURVE key "
@@ -27,6 +28,8 @@ HANDSHAKE_FAILED = {
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the ZeroMQ handshake with {} failed (CURVE keys on one side only, or "
                                           "not a ZeroMQ peer)",
 }
+MECHANISM_MISMATCH = ("the broker at {} and this process disagree on CURVE: one side has keys and the other "
+                      "none; pass --curve-secret and --broker-key (or neither, on both sides)")
 RETRY_S = 0.25  # between worker checks while the broker answers UNAVAILABLE
 
 
@@ -71,11 +74,15 @@ async def _handshake(monitor: zmq.asyncio.Socket, endpoint: str, timeout: float,
         except asyncio.TimeoutError:
             raise FatalError(f"cannot reach the broker at {endpoint} within {timeout:g} s: {why}; check --broker "
                              "and that `specrelay broker` runs there (or raise --connect-timeout)") from None
-        event = parse_monitor_message(frames)["event"]
+        message = parse_monitor_message(frames)
+        event = message["event"]
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             return
         if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             raise AuthenticationFailed(HANDSHAKE_FAILED[event].format(endpoint))
+        if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and \
+                message["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            raise FatalError(MECHANISM_MISMATCH.format(endpoint))
         if event in HANDSHAKE_FAILED:
             raise FatalError(HANDSHAKE_FAILED[event].format(endpoint))
         if event in (zmq.EVENT_CONNECT_RETRIED, zmq.EVENT_CONNECT_DELAYED, zmq.EVENT_CLOSED):
@@ -85,7 +92,7 @@ async def _handshake(monitor: zmq.asyncio.Socket, endpoint: str, timeout: float,
 
 
 async def _worker_answers(sock: zmq.asyncio.Socket, endpoint: str, deadline: float, loop) -> None:
-    """OPEN + empty VERIFY until a VERDICT comes back; UNAVAILABLE is retried until the deadline."""
+    """OPEN + empty VERIFY until a VERDICT comes back; a retryable ERROR is retried until the deadline."""
     seq, last = 0, "no reply"
     try:
         while loop.time() < deadline:
@@ -97,9 +104,9 @@ async def _worker_answers(sock: zmq.asyncio.Socket, endpoint: str, deadline: flo
                 return
             if reply is None:
                 break
-            if reply.code != ErrorCode.UNAVAILABLE:
+            if not from_wire(reply.code, reply.message).retryable:
                 raise FatalError(f"the broker at {endpoint} refused a request: {reply.message}")
-            last = reply.message
+            last = f"{reply.code.name}: {reply.message}"
             await asyncio.sleep(min(RETRY_S, max(0.0, deadline - loop.time())))
     finally:
         transport.send_nowait(sock, P.encode(P.Close(1)))

@@ -4,7 +4,8 @@ through `frontend.ClientFrontend` when `EdgeConfig.listen` is set).
 One zmq.asyncio DEALER (CURVE when keys are configured). Its routing id is chosen by the broker's ROUTER, so no
 other edge can claim it; a session belongs to this connection and its key. A receiver loop hands each VERDICT /
 RESAMPLED / ERROR to the session waiting on it; a heartbeat loop tells the broker this edge is alive (it closes
-the sessions of a silent edge); a monitor loop notices a refused key (fatal: AuthenticationFailed) and a dropped
+the sessions of a silent edge); a monitor loop notices a refused key (fatal: AuthenticationFailed, the edge
+stops, so /readyz goes with it and the CLI exits with one line) and a dropped
 connection (the requests in flight are retried at once instead of after their timeout). Sessions are numbered
 from a per-edge counter (1, 2, ...): the broker and the workers key them by (this edge's peer id, session), so
 ids stay small (1 byte in MessagePack below 128, at most 3 below SID_WRAP) in every message.
@@ -58,7 +59,12 @@ class EdgeConfig:
     UNAVAILABLE, INTERNAL) are retried before the generation fails."""
 
     listen: str | None = None
+    insecure_listen: bool = False      # allow `listen` on a non-loopback address without client_keys
+    client_keys: str | None = None     # a directory of public keys that may use `listen` (CURVE; edge's keys)
     request_timeout_s: float = 30.0
+    # plus this many seconds per prompt token this edge's sessions wait to have prefilled (they queue for the
+    # worker's prefill budget, --prefill-tokens per forward pass): a long prompt under load is not given up on
+    prefill_s_per_token: float = 0.01
     retry_budget_s: float = 30.0
     retry_backoff_s: float = 0.1      # doubled per consecutive failure, capped at max_backoff_s
     max_backoff_s: float = 1.0
@@ -76,8 +82,8 @@ class EdgeConfig:
     max_context: int | None = None    # the target's context (prompt + max_new_tokens); None = unknown
 
     def __post_init__(self) -> None:
-        if not self.request_timeout_s > 0:
-            raise ValueError("request_timeout_s must be > 0")
+        if not self.request_timeout_s > 0 or self.prefill_s_per_token < 0:
+            raise ValueError("request_timeout_s must be > 0, prefill_s_per_token >= 0")
         if self.retry_budget_s < 0 or self.retry_backoff_s < 0:
             raise ValueError("retry_budget_s and retry_backoff_s must be >= 0")
         if not 0 <= self.linger_ms <= 5000:
@@ -94,7 +100,7 @@ class _Route:
     """Where the receiver puts replies for one session: the one request it waits on, by seq and type."""
 
     def __init__(self, session: EdgeSession) -> None:
-        self.stats = session.stats
+        self.session, self.stats = session, session.stats
         self.seq = -1
         self.expect: type[P.Base] = P.Verdict
         self.waiter: asyncio.Future | None = None
@@ -144,6 +150,7 @@ class EdgeWorker(transport.Service):
         self.identity = identity  # None: the broker's ROUTER picks one (the safe default)
         self.connected = asyncio.Event()  # set while the broker connection is up (handshake done)
         self.auth_error: AuthenticationFailed | None = None
+        self._refused = asyncio.Event()   # set with auth_error: the heartbeat loop ends the service
         self.ctx = context or zmq.asyncio.Context.instance()
         self.frontend = None  # frontend.ClientFrontend when config.listen is set
         self._curve = curve
@@ -192,8 +199,8 @@ class EdgeWorker(transport.Service):
         for route in self._routes.values():
             route.fail(FatalError("the edge worker is closed"))
         await asyncio.sleep(0)  # let those callers run their `finally` (CLOSE) while the socket is open
-        if self._batcher is not None:
-            await self._batcher.close()
+        if self._batcher is not None:  # a generation still drafting ends with the reason too
+            await self._batcher.close(self.auth_error or FatalError("the edge worker is closed"))
         if self.frontend is not None:
             self.frontend.close()
         if self._sock is not None:
@@ -313,7 +320,10 @@ class EdgeWorker(transport.Service):
         return self._batcher.predraft(job) if job is not None else None
 
     async def _wait(self, session: EdgeSession, waiter: asyncio.Future, seq: int) -> P.Base:
-        timeout = self.config.request_timeout_s
+        """The reply, within request_timeout_s plus prefill_s_per_token for every prompt token of this edge's
+        sessions the cloud has yet to prefill (this one's included: they share the worker's prefill budget)."""
+        backlog = sum(route.session.prefill_due for route in self._routes.values()) if session.prefill_due else 0
+        timeout = self.config.request_timeout_s + self.config.prefill_s_per_token * backlog
         try:
             return await asyncio.wait_for(waiter, timeout)
         except asyncio.TimeoutError:
@@ -348,11 +358,16 @@ class EdgeWorker(transport.Service):
             self._log.warning("send to the broker failed", session=session.sid, error=str(error))
 
     async def _heartbeat(self) -> None:
-        """Tell the broker this edge is alive (it closes the sessions of an edge silent past its edge TTL)."""
+        """Tell the broker this edge is alive (it closes the sessions of an edge silent past its edge TTL).
+        Ends by raising the broker's refusal of this edge's key: the edge stops (the CLI prints one line)."""
         beat = P.encode(P.Heartbeat())
         while True:
             transport.send_nowait(self._sock, beat)
-            await asyncio.sleep(self.config.heartbeat_s)
+            try:
+                await asyncio.wait_for(self._refused.wait(), self.config.heartbeat_s)
+            except asyncio.TimeoutError:
+                continue
+            raise self.auth_error
 
     def _on_event(self, event: int) -> None:
         """Socket monitor: a refused key is fatal; a dropped connection fails the requests in flight with a
@@ -362,9 +377,10 @@ class EdgeWorker(transport.Service):
         elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             self.auth_error = AuthenticationFailed(
                 f"authentication failed: the broker at {self.broker} refused this edge's CURVE key")
-            self._log.warning("authentication failed", broker=self.broker)
+            self._log.warning("authentication failed; the edge stops", broker=self.broker)
             for route in self._routes.values():
                 route.fail(self.auth_error)
+            self._refused.set()
         elif event == zmq.EVENT_DISCONNECTED and self.connected.is_set():
             self.connected.clear()
             self._log.warning("broker connection lost; requests in flight are retried", broker=self.broker)

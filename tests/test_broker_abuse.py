@@ -26,7 +26,7 @@ def edge_send(router, msg, edge=EDGE, now=0.0, user=None):
 
 
 def worker_send(router, worker, msg, client=EDGE, now=0.0):
-    return router.from_worker([worker, client, *protocol.encode(msg)], now)
+    return router.from_worker([worker, router.handles.of(client) if client else b"", *protocol.encode(msg)], now)
 
 
 def errors_to(actions, edge=EDGE) -> list[protocol.Error]:
@@ -108,7 +108,7 @@ def test_a_silent_edge_has_its_sessions_closed(router):
         worker_send(router, worker, protocol.Heartbeat(), client=b"", now=8.0)
     assert all(f[1] == b"" for _, f in router.tick(8.9))  # worker heartbeats only: the edge is still alive
     actions = router.tick(9.0)
-    closes = [(f[0], protocol.decode(f[2:])) for s, f in actions if s == BACKEND and f[1] == EDGE]
+    closes = [(f[0], protocol.decode(f[2:])) for s, f in actions if s == BACKEND and f[1] == router.handles.of(EDGE)]
     assert sorted((w, m.session) for w, m in closes) == [(W1, 1), (W2, 2)]
     assert all(isinstance(m, protocol.Close) for _, m in closes)
     assert router.stats.sessions_open == 0 and router.stats.live_edges == 0 and router.stats.edges_expired == 1
@@ -137,3 +137,40 @@ def test_gauges_return_to_zero(router):
     router.tick(100.0)  # every worker and the edge expired
     s = router.stats
     assert (s.sessions_open, s.live_workers, s.live_edges) == (0, 0, 0) and router.usage == {}
+
+
+def test_worker_load_reports_are_clamped_to_what_it_declared():
+    """A worker claiming more free KV memory than its READY capacity, a negative load, or no capacity at all
+    cannot draw every new session: its figures are clamped to what it declared and was given, and no worker
+    takes more than 1.5x the mean session count (+4) while another has room."""
+    r = Router()
+    r.from_worker([W1, b"", *protocol.encode(protocol.Ready(max_sessions=100, kv_capacity=10_000))], 0.0)
+    r.from_worker([W2, b"", *protocol.encode(protocol.Ready(max_sessions=10**9, kv_capacity=0))], 0.0)
+    r.from_worker([b"w3", b"", *protocol.encode(protocol.Ready(max_sessions=100, kv_capacity=1_000))], 0.0)
+    worker_send(r, b"w3", protocol.Heartbeat(load=-5, kv_free=10**9), client=b"")
+    assert (r.workers[b"w3"].kv_free, r.workers[b"w3"].kv_load) == (1_000, 0)
+    for sid in range(1, 61):
+        edge_send(r, open_(sid))
+        honest = r.workers[W1]
+        worker_send(r, W1, protocol.Heartbeat(load=len(honest.sessions), kv_free=10_000 - 250 * len(honest.sessions)),
+                    client=b"")
+        worker_send(r, b"w3", protocol.Heartbeat(load=0, kv_free=10**9), client=b"")  # "still empty"
+    counts = {w: len(r.workers[w].sessions) for w in (W1, W2, b"w3")}
+    assert max(counts.values()) <= 1.5 * 60 / 3 + 4 and counts[W1] > 0, counts  # before: w3 took all 60
+
+
+def test_a_worker_routing_id_speaks_only_for_the_key_that_registered_it():
+    """After a link blip another worker key reconnects under a registered worker's routing id: its heartbeats
+    and replies are not that worker's (dropped, told to register); its READY replaces the worker, whose sessions
+    are answered WORKER_LOST and inherited by nobody."""
+    r = Router()
+    r.from_worker([W1, b"", *protocol.encode(protocol.Ready())], 0.0, user="WORKER-KEY")
+    edge_send(r, open_(1))
+    assert r.from_worker([W1, b"", *protocol.encode(protocol.Heartbeat())], 0.0, user="OTHER-KEY") == [
+        (BACKEND, [W1, b"", *protocol.encode(protocol.Disconnect(reason="unknown worker: send READY to register"))])]
+    forged = protocol.encode(protocol.Verdict(1, 0, 0, 5))
+    assert all(s == BACKEND for s, _ in r.from_worker([W1, r.handles.of(EDGE), *forged], 0.0, user="OTHER-KEY"))
+    assert r.stats.unknown_worker_messages == 2 and r.sessions[(EDGE, 1)].worker == W1
+    actions = r.from_worker([W1, b"", *protocol.encode(protocol.Ready())], 0.0, user="OTHER-KEY")
+    assert [e.code for e in errors_to(actions)] == [ErrorCode.WORKER_LOST] and r.sessions == {}
+    assert r.workers[W1].user == "OTHER-KEY"

@@ -24,7 +24,7 @@ def edge_send(router: Router, msg, edge: bytes = EDGE, now: float = 0.0):
 
 
 def worker_send(router: Router, worker: bytes, msg, client: bytes = EDGE, now: float = 0.0):
-    return router.from_worker([worker, client, *protocol.encode(msg)], now)
+    return router.from_worker([worker, router.handles.of(client) if client else b"", *protocol.encode(msg)], now)
 
 
 def open_(session: int):
@@ -73,9 +73,23 @@ def test_open_goes_to_least_loaded_worker_with_deterministic_ties(router):
 def test_forwarded_frames_are_unchanged_and_prefixed_with_ids(router):
     frames = protocol.encode(open_(7))
     socket, out = only(router.from_edge([EDGE, *frames], 0.0))
-    assert (socket, out) == (BACKEND, [W1, EDGE, *frames])
+    assert (socket, out) == (BACKEND, [W1, router.handles.of(EDGE), *frames])
     verdict = protocol.encode(protocol.Verdict(session=7, seq=0, n_accepted=0))
-    assert router.from_worker([W1, EDGE, *verdict], 0.0) == [(FRONTEND, [EDGE, *verdict])]
+    assert router.from_worker([W1, router.handles.of(EDGE), *verdict], 0.0) == [(FRONTEND, [EDGE, *verdict])]
+
+
+def test_workers_never_see_an_edge_routing_id(router):
+    """The frontend's generated ids (`0x00` + counter) would tell a worker where the counter stands: workers get
+    a keyed 16-byte handle instead, unrelated for consecutive ids, and a reply under an unknown handle is
+    dropped."""
+    first, second = b"\x00\x12\x34\x56\x78", b"\x00\x12\x34\x56\x79"
+    sent = [only(edge_send(router, open_(1), edge=e))[1][1] for e in (first, second)]
+    assert all(len(h) == 16 and first not in h and second not in h for h in sent)
+    assert sent[0] != sent[1] and sent == [router.handles.of(first), router.handles.of(second)]
+    assert Router().handles.of(first) != sent[0]  # the key is per broker
+    verdict = protocol.encode(protocol.Verdict(session=1, seq=0, n_accepted=0))
+    assert router.from_worker([W1, first, *verdict], 0.0) == []
+    assert router.stats.foreign_replies == 1
 
 
 def test_full_workers_are_skipped():
@@ -124,7 +138,7 @@ def test_session_ids_are_scoped_by_edge(router):
     assert set(router.sessions) == {(EDGE, 1), (EDGE2, 1)} and router.stats.sessions_open == 2
     for edge, worker in ((EDGE, W1), (EDGE2, W2)):
         socket, frames = only(edge_send(router, verify(1, 7), edge=edge))
-        assert (socket, frames[:2]) == (BACKEND, [worker, edge])
+        assert (socket, frames[:2]) == (BACKEND, [worker, router.handles.of(edge)])
     # each worker's reply goes to the edge named in it and settles that edge's request only
     verdict = protocol.Verdict(session=1, seq=7, n_accepted=2)
     assert only(worker_send(router, W2, verdict, client=EDGE2)) == (FRONTEND, [EDGE2, *protocol.encode(verdict)])
@@ -287,7 +301,7 @@ def test_gone_edge_closes_its_sessions(router):
     edge_send(router, open_(2), edge=EDGE2)
     _, frames = only(worker_send(router, W1, protocol.Verdict(session=1, seq=0, n_accepted=0)))
     socket, close = only(router.undeliverable(FRONTEND, frames, 0.0, peer_gone=True))
-    assert socket == BACKEND and close[:2] == [W1, EDGE]
+    assert socket == BACKEND and close[:2] == [W1, router.handles.of(EDGE)]
     assert protocol.decode(close[2:]) == protocol.Close(session=1)
     assert set(router.sessions) == {(EDGE2, 2)}
 
@@ -297,7 +311,7 @@ def test_gone_edge_closes_only_its_own_sessions(router):
     edge_send(router, open_(1), edge=EDGE2)  # W2, same session id
     _, frames = only(worker_send(router, W2, protocol.Verdict(session=1, seq=0, n_accepted=0), client=EDGE2))
     socket, close = only(router.undeliverable(FRONTEND, frames, 0.0, peer_gone=True))
-    assert socket == BACKEND and close[:2] == [W2, EDGE2]
+    assert socket == BACKEND and close[:2] == [W2, router.handles.of(EDGE2)]
     assert set(router.sessions) == {(EDGE, 1)}
 
 

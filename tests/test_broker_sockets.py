@@ -224,7 +224,7 @@ async def test_vanished_edge_is_counted_and_its_session_closed(broker, dealer, w
     edge.close(linger=0)
     await _wait_peer_gone(broker, edge_id)
     verdict = protocol.encode(protocol.Verdict(session=5, seq=1, n_accepted=0))
-    await worker.sock.send_multipart([edge_id, *verdict])
+    await worker.sock.send_multipart([broker.router.handles.of(edge_id), *verdict])
     await wait_until(lambda: (MsgType.CLOSE, 5) in worker.seen)
     assert broker.stats["unroutable"] == 1 and broker.stats["sessions_open"] == 0
 

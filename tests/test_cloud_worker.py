@@ -617,16 +617,18 @@ def test_batcher_keeps_each_sessions_order_and_the_batch_cap():
 
 def test_batcher_holds_a_session_that_is_not_ready_without_blocking_others():
     b = Batcher(max_batch=8, max_wait_s=0.002, idle_after_s=5.0)
-    for it in [item(1, P.Verify(1, 1, 900)), item(2, P.Verify(2, 1, 3)), item(1, P.Close(1)),
-               item(3, P.Open(3, [1])), item(3, P.Verify(3, 1, 1))]:
+    for it in [item(1, P.Verify(1, 1, 900)), item(2, P.Verify(2, 1, 3)), item(4, P.Verify(4, 1, 900)),
+               item(4, P.Open(4, [1])), item(3, P.Open(3, [1])), item(3, P.Verify(3, 1, 1)), item(1, P.Close(1))]:
         b.push(it)
     control: list[P.Base] = []
     batch: list[Item] = []
-    not_ready = {(b"c", 1)}
+    not_ready = {(b"c", 1), (b"c", 4)}
     assert b.take(batch, lambda it: control.append(it.msg), ready=lambda key: key not in not_ready) is False
-    assert [it.key[1] for it in batch] == [2, 3] and [type(m) for m in control] == [P.Open]
-    assert [(it.key[1], type(it.msg)) for it in b.queue] == [(1, P.Verify), (1, P.Close)]  # held, in order
+    # session 4's OPEN waits behind its VERIFY; session 1's CLOSE drops its held VERIFY and goes at once (the edge
+    # gave up: the worker must not keep prefilling for it)
+    assert [it.key[1] for it in batch] == [2, 3] and [type(m) for m in control] == [P.Open, P.Close]
+    assert [(it.key[1], type(it.msg)) for it in b.queue] == [(4, P.Verify), (4, P.Open)]  # held, in order
     not_ready.clear()
     batch = []
-    assert b.take(batch, lambda it: control.append(it.msg)) is True  # session 1's CLOSE waits for its VERIFY
-    assert [it.key[1] for it in batch] == [1] and len(b.queue) == 1
+    assert b.take(batch, lambda it: control.append(it.msg)) is True  # session 4's OPEN waits for its VERIFY
+    assert [it.key[1] for it in batch] == [4] and len(b.queue) == 1

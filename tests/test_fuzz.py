@@ -68,7 +68,7 @@ def test_router_survives_any_input(batch):
             router.from_edge([who, header, body, *extra], now)
             router.from_edge([who, *P.encode(P.Open(peer + 1, [1, 2]))], now)  # legit traffic interleaved
         else:
-            router.from_worker([b"w1", who, header, body, *extra], now)
+            router.from_worker([b"w1", router.handles.of(who), header, body, *extra], now)
         router.tick(now)
         check_invariants(router)
 

@@ -8,6 +8,7 @@ import shutil
 import time
 
 import pytest
+from rolekeys import role_keys
 import torch
 import zmq
 import zmq.asyncio
@@ -26,16 +27,7 @@ ANY = "tcp://127.0.0.1:0"
 
 @pytest.fixture
 def keys(tmp_path):
-    """Key pairs in secrets/, and the public keys the broker admits: edge.key in edges/, worker.key in workers/."""
-    secrets, edges, workers = tmp_path / "secrets", tmp_path / "edges", tmp_path / "workers"
-    for name in ("broker", "edge", "worker", "rogue"):
-        auth.generate(secrets, name)
-    edges.mkdir()
-    workers.mkdir()
-    shutil.copy(secrets / "edge.key", edges)
-    shutil.copy(secrets / "worker.key", workers)
-    return secrets, edges, workers
-
+    return role_keys(tmp_path)
 
 def client_keys(secrets, name: str) -> transport.Curve:
     return auth.client(secrets / f"{name}.key_secret", secrets / "broker.key")
@@ -66,7 +58,10 @@ async def test_keys_admit_each_role_and_refuse_everything_else(zctx, keys, tiny_
     ids = target.tokenizer("def add(a, b):\n").input_ids
     ref = target.model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
     async with broker_with_keys(zctx, keys) as broker:
-        worker = CloudWorker(broker.backend, target, WorkerConfig(linger_ms=0, heartbeat_interval=0.2),
+        # the broker beats every 1 s: a worker liveness of 3 x 0.2 s held only while other traffic woke the broker
+        # (a refused edge reconnecting); a refused edge now stops, so the worker waits 10 x 0.2 s
+        worker = CloudWorker(broker.backend, target, WorkerConfig(linger_ms=0, heartbeat_interval=0.2,
+                                                                  heartbeat_liveness=10),
                              context=zctx, curve=client_keys(secrets, "worker"))
         async with worker:
             await wait_until(lambda: broker.stats["live_workers"] == 1)
@@ -76,11 +71,13 @@ async def test_keys_admit_each_role_and_refuse_everything_else(zctx, keys, tiny_
             await wait_until(lambda: worker.stats["sessions_open"] == 0)  # the good edge's CLOSE arrived
             requests_seen = worker.stats["requests"]
             for name in ("rogue", "worker"):  # an unlisted key, and a worker key posing as an edge
-                async with edge(zctx, broker, tiny_runners, client_keys(secrets, name)) as bad:
-                    t0 = time.monotonic()
-                    with pytest.raises(AuthenticationFailed, match="authentication failed"):
-                        await bad.generate(ids, SessionConfig(max_new_tokens=12))
-                    assert time.monotonic() - t0 < 5
+                t0 = time.monotonic()
+                with pytest.raises(AuthenticationFailed, match="authentication failed"):  # the edge stops with it
+                    async with edge(zctx, broker, tiny_runners, client_keys(secrets, name)) as bad:
+                        with pytest.raises(AuthenticationFailed, match="authentication failed"):
+                            await bad.generate(ids, SessionConfig(max_new_tokens=12))
+                        await asyncio.wait_for(bad.wait_closed(), 5)
+                assert time.monotonic() - t0 < 5
             assert worker.stats["requests"] == requests_seen  # not one prompt reached the worker
             # an edge key posing as a worker: refused at the handshake, the worker stops with the error
             impostor = CloudWorker(broker.backend, target, WorkerConfig(linger_ms=0), context=zctx,

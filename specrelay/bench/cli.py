@@ -21,8 +21,10 @@ EXTERNAL: dict[str, tuple[str, str]] = {
     "fuzz": ("specrelay.bench_fuzz", "main"),          # legit sessions under malformed / abusive traffic
     "xvdraft": ("specrelay.bench_xvocab", "main"),     # cross-vocabulary drafts: plain vs distilled, TLI vs retok
     "draft": ("specrelay.bench_draft", "main"),        # the edge's lockstep draft step: in-place K/V vs restack
+    "archs": ("specrelay.archmatrix", "main"),         # the architecture matrix and the README's table (issue 19)
     "httpfuzz": ("specrelay.bench.httpfuzz", "main"),  # the edge's HTTP API and health ports under attack
     "broker": ("specrelay.bench.broker_load", "main"),  # round trips per broker core, fake workers and edges
+    "worker-abuse": ("specrelay.bench_worker_abuse", "main"),  # RESAMPLE floods, OPEN/CLOSE churn, long prefill
 }
 
 

@@ -25,7 +25,7 @@ import torch
 
 from ..common import protocol as P
 from ..common import resample, verify
-from ..common.errors import InvalidRequest, Overloaded, RequestError, UnknownSession
+from ..common.errors import ContextFull, InvalidRequest, Overloaded, RequestError, UnknownSession
 from ..common.protocol import Mode, SessionKey, Strategy
 from ..common.ratelimit import TokenBucket
 from ..common.rng import Purpose, gumbel, uniform
@@ -322,8 +322,8 @@ class Verifier:
         q = P.from_f32(req.q, len(req.draft), "q") if session.mode == Mode.SAMPLE else None
         room = self.max_context - req.pos  # draft tokens that fit: positions pos-1+d <= max_context-1
         if room < 0:
-            raise InvalidRequest(f"session {req.session} has {req.pos} tokens, past the target model's context "
-                                 f"of {self.max_context} (max_position_embeddings)", field="pos")
+            raise ContextFull(f"session {req.session} has {req.pos} tokens, past the target model's context "
+                              f"of {self.max_context} (max_position_embeddings)", field="pos")
         draft = list(req.draft[:room])
         span = self.store.span(key)
         need = req.pos + len(draft)

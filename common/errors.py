@@ -9,6 +9,7 @@
     │   ├── ConnectionLost      the link to the broker dropped mid-request (local)    -> UNAVAILABLE
     │   ├── GenerationTimeout   the client gave up waiting                            -> TIMEOUT
     │   ├── InternalError       the cloud failed on this request; its state is gone  -> INTERNAL
+    │   ├── ContextFull         the session reached the target's context: it ends     -> CONTEXT_FULL
     │   └── Unauthorized        the peer's key may not do this                        -> UNAUTHORIZED
     └── FatalError              the component cannot go on (model failed to load, socket gone)
         ├── AuthenticationFailed  the broker refused this process's CURVE key
@@ -33,6 +34,7 @@ class ErrorCode(enum.IntEnum):
     TIMEOUT = 5
     INTERNAL = 6         # a bug or a failed forward pass: re-OPEN
     UNAUTHORIZED = 7     # this key may not send that message
+    CONTEXT_FULL = 8     # the session reached the target's context: the generation ends there ("length")
 
 
 class SpecRelayError(Exception):
@@ -103,8 +105,15 @@ class ConfigError(FatalError):
     asked for where there is none. The message names the setting and the fix."""
 
 
+class ContextFull(RequestError):
+    """The session holds as many tokens as the target's context: not a failure of the request, its end. The edge
+    finishes the generation with what it committed (finish_reason "length")."""
+
+    code = ErrorCode.CONTEXT_FULL
+
+
 _BY_CODE = {cls.code: cls for cls in (InvalidRequest, UnknownSession, WorkerLost, Overloaded, GenerationTimeout,
-                                      Unauthorized, InternalError)}
+                                      Unauthorized, InternalError, ContextFull)}
 
 
 def from_wire(code: ErrorCode, message: str) -> RequestError:

@@ -71,6 +71,7 @@ class SessionStats:
     uplink_bytes: int = 0
     downlink_bytes: int = 0
     reopens: int = 0
+    context_full: int = 0          # 1: the generation ended at the target's context (finish_reason length)
     predraft_tokens: int = 0       # draft tokens taken from a pre-drafted chain instead of drafted anew
     predraft_rounds: int = 0       # blocks that started with pre-drafted tokens
     draft_s: float = 0.0           # waited for drafts (the critical path), seconds
@@ -203,6 +204,9 @@ class EdgeSession:
     def apply(self, reply: P.Base) -> list[int]:
         """Apply a VERDICT / RESAMPLED / ERROR; returns the newly committed generated tokens."""
         if isinstance(reply, P.Error):
+            if reply.code == ErrorCode.CONTEXT_FULL:  # the target's context is full: the generation ends here
+                self.done, self.stats.context_full = True, 1
+                return []
             if reply.code == ErrorCode.UNKNOWN_SESSION:
                 self.stats.reopens += 1
             raise from_wire(reply.code, reply.message)

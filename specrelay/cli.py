@@ -11,14 +11,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import __version__, cliargs, defaults, logs
+from . import __version__, cliargs, logs
 from .cliargs import Parser, UsageError
-from .paths import demo_model
+from .cliflags import (bench_flags, broker_flags, cloud_worker_flags, demo_flags, edge_worker_flags, generate_flags,
+                       keys_flags, serve_flags)
 
-MODES = ("greedy", "sample", "coupled")
-STRATEGIES = ("full", "hr", "srdv")
-OBJECTIVES = ("speed", "balanced", "cloud")  # what --draft-len auto optimises (docs/draftlen.md)
-DTYPES = ("float32", "bfloat16", "float16")
 SERVER_LOG_LEVEL, CLIENT_LOG_LEVEL = "info", "warning"
 EPILOG = """Every flag also reads an environment variable: SPECRELAY_<COMMAND>_<FLAG>, else SPECRELAY_<FLAG>
 (e.g. SPECRELAY_CLOUD_WORKER_MAX_BATCH=16 or SPECRELAY_MAX_BATCH=16); a flag on the command line wins.
@@ -183,197 +180,6 @@ def cmd_bench(args) -> int:
 
 # ------------------------------------------------------------------------------------------ parser
 
-def add_broker(p, default: str, what: str) -> None:
-    p.add_argument("--broker", default=default, help=f"the broker's {what} endpoint")
-    p.add_argument("--connect-timeout", type=cliargs.seconds, default=defaults.CONNECT_TIMEOUT_S,
-                   help="seconds to wait for the broker (and a live cloud worker) before saying so")
-
-
-def add_client_keys(p) -> None:
-    p.add_argument("--curve-secret", default=None, metavar="FILE",
-                   help="this process's CURVE key pair (NAME.key_secret from `specrelay keys generate`)")
-    p.add_argument("--broker-key", default=None, metavar="FILE", help="the broker's public key (BROKER.key)")
-
-
-def add_retry_budget(p) -> None:
-    p.add_argument("--retry-budget", type=cliargs.nonneg_float, default=30.0, metavar="SECONDS",
-                   help="how long a generation keeps retrying through consecutive failures (broker restart, "
-                        "no live worker) before it fails")
-
-
-def add_health(p) -> None:
-    p.add_argument("--health-port", type=cliargs.port, default=None,
-                   help="HTTP port for /healthz, /readyz and /metrics (0 = any free port)")
-    p.add_argument("--health-host", default="127.0.0.1", help="address the health port binds (0.0.0.0 in a pod)")
-
-
-def add_edge(p) -> None:
-    p.add_argument("--draft-model", default=demo_model("demo-draft"), help="draft model directory or hub id")
-    p.add_argument("--target-tokenizer", default=None,
-                   help="the target's tokenizer (directory or hub id) when it differs from the draft's")
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default="float32", choices=DTYPES, help="draft model weights")
-
-
-def add_target(p) -> None:
-    p.add_argument("--model", default=demo_model("demo-target"), help="target model directory or hub id")
-    p.add_argument("--max-batch", type=cliargs.positive_int, default=32, help="VERIFYs verified in one forward")
-    p.add_argument("--max-wait-ms", type=cliargs.nonneg_float, default=5.0, help="longest wait to fill a batch")
-
-
-def add_http(p, default: str | None) -> None:
-    p.add_argument("--http", type=cliargs.host_port, default=default,
-                   metavar="HOST:PORT", help="serve the OpenAI-compatible HTTP API here")
-    p.add_argument("--served-model-name", default=defaults.SERVED_MODEL_NAME,
-                   help="the `model` name the HTTP API answers to")
-    p.add_argument("--api-key", action=cliargs.Append, default=None, metavar="KEY",
-                   help="require `Authorization: Bearer KEY` on /v1/* (repeatable; each key gets a fair share)")
-    p.add_argument("--api-key-file", default=None, metavar="PATH", help="API keys, one a line (# comments)")
-    p.add_argument("--max-concurrent-requests", type=cliargs.positive_int, default=64,
-                   help="HTTP generations in flight; more get 429 with Retry-After")
-    p.add_argument("--max-prompt-tokens-in-flight", type=cliargs.positive_int, default=1 << 19,
-                   help="prompt tokens of HTTP generations in flight (at most the broker's per-client quota)")
-    p.add_argument("--http-read-timeout", type=cliargs.seconds, default=10.0, metavar="SECONDS",
-                   help="a request's head must arrive within this, its body within 3x (slow clients are closed)")
-    p.add_argument("--max-model-len", type=cliargs.positive_int, default=None,
-                   help="the target's context; a longer request is refused before any work (default: the target "
-                        "config next to --target-tokenizer)")
-
-
-def add_objective(p) -> None:
-    p.add_argument("--objective", choices=OBJECTIVES, default="balanced",
-                   help="what --draft-len auto optimises: speed (the session's tokens/s), balanced (the fewest cloud "
-                   "calls within 10%% of the best speed) or cloud (the least cloud time per token, whatever the "
-                   "session's speed); docs/draftlen.md")
-
-
-def add_sampling(p) -> None:
-    from .common.protocol import DEFAULT_STRATEGY
-
-    p.add_argument("--max-new-tokens", type=cliargs.positive_int, default=64, help="tokens to generate per prompt")
-    p.add_argument("--temperature", type=cliargs.nonneg_float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=cliargs.count, default=0, help="0 = off")
-    p.add_argument("--top-p", type=cliargs.probability, default=1.0, help="1.0 = off")
-    p.add_argument("--seed", type=cliargs.count, default=0, help="seed of the counter-based sampler")
-    p.add_argument("--draft-len", type=cliargs.draft_len, default="auto",
-                   help="tokens drafted per cloud call, or auto (adaptive); 0 = target alone through the same path")
-    add_objective(p)
-    p.add_argument("--mode", choices=MODES, default=None,
-                   help="greedy at temperature 0, else coupled (shared Gumbel noise: the fewest bytes); sample = "
-                   "rejection sampling, its rejections resolved by --resample")
-    p.add_argument("--resample", choices=(*STRATEGIES, "coupled"), default=DEFAULT_STRATEGY.name.lower(),
-                   help="what a rejection sends down in --mode sample: srdv (fewest bytes) | hr | full")
-
-
-def broker_flags(p) -> None:
-    p.add_argument("--frontend", default=defaults.BROKER_FRONTEND, help="endpoint edges connect to")
-    p.add_argument("--backend", default=defaults.BROKER_BACKEND, help="endpoint cloud workers connect to")
-    add_health(p)
-    p.add_argument("--curve-secret", default=None, metavar="FILE", help="the broker's CURVE key pair "
-                   "(NAME.key_secret); with it both sockets require keys")
-    p.add_argument("--edge-keys", default=None, metavar="DIR", help="public keys (NAME.key) edges may use "
-                   "(re-read on SIGHUP)")
-    p.add_argument("--worker-keys", default=None, metavar="DIR", help="public keys cloud workers may use "
-                   "(re-read on SIGHUP)")
-    p.add_argument("--insecure", action="store_true", help="allow binding a non-loopback address without keys")
-    p.add_argument("--max-rss-mb", type=float, default=1024, metavar="MiB", help="exit (code 75) for a restart once "
-                   "resident memory passes this (one huge multipart message can grow it; 0: no limit)")
-    p.add_argument("--max-sessions-per-client", type=cliargs.positive_int, default=256,
-                   help="open sessions per edge key")
-    p.add_argument("--max-prompt-tokens-per-client", type=cliargs.positive_int, default=1 << 20,
-                   help="prompt tokens held by one edge key's open sessions")
-    p.add_argument("--edge-ttl", type=cliargs.seconds, default=10.0,
-                   help="seconds an edge may stay silent before its sessions are closed for it")
-
-
-def cloud_worker_flags(p) -> None:
-    add_broker(p, defaults.BROKER_BACKEND, "backend")
-    add_target(p)
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default="float32", choices=DTYPES, help="target model weights")
-    p.add_argument("--kv-cache-mb", "--max-cache-mb", dest="max_cache_mb", type=cliargs.nonneg_float, default=2048,
-                   help="size of the preallocated KV store (capped at 1024 full-context sessions)")
-    p.add_argument("--kv-cache-fraction", type=cliargs.nonneg_float, default=0.0,
-                   help="cuda only: give the KV store this share (< 1) of the device memory free after loading "
-                        "the model, instead of --kv-cache-mb")
-    p.add_argument("--deterministic", action="store_true",
-                   help="batch-invariant numerics: a session's logits do not depend on the other sessions in its "
-                        "batch or on prefill chunking, so seeded sampling repeats at any concurrency and after "
-                        "failover (slower; see README)")
-    p.add_argument("--prefill-tokens", type=cliargs.positive_int, default=64,
-                   help="prompt tokens prefilled per forward pass, beside the running sessions' verification")
-    add_health(p)
-    add_client_keys(p)
-
-
-def edge_worker_flags(p) -> None:
-    add_broker(p, defaults.BROKER_FRONTEND, "frontend")
-    add_edge(p)
-    p.add_argument("--listen", default=defaults.EDGE_ENDPOINT, help="ZeroMQ endpoint specrelay.Client connects to "
-                   "(without --client-keys: loopback or ipc:// only, unless --insecure)")
-    p.add_argument("--client-keys", default=None, metavar="DIR", help="public keys (NAME.key) of the applications "
-                   "that may use --listen: CURVE with this edge's --curve-secret (clients pass its public key)")
-    p.add_argument("--insecure", action="store_true", help="allow --listen on a non-loopback address: anyone who "
-                   "reaches it can run generations on this edge's broker key")
-    add_http(p, None)
-    add_health(p)
-    add_client_keys(p)
-    add_retry_budget(p)
-    add_objective(p)
-
-
-def serve_flags(p) -> None:
-    add_target(p)
-    add_edge(p)
-    add_http(p, defaults.HTTP)
-    add_health(p)
-    add_objective(p)
-
-
-def generate_flags(p) -> None:
-    add_broker(p, defaults.BROKER_FRONTEND, "frontend")
-    add_edge(p)
-    group = p.add_mutually_exclusive_group(required=True)
-    group.add_argument("--prompt", help="one prompt")
-    group.add_argument("--prompts", help='JSON lines file, {"prompt": ...} per line')
-    add_sampling(p)
-    p.add_argument("--concurrency", type=cliargs.positive_int, default=8, help="sessions in flight at once")
-    p.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")
-    add_client_keys(p)
-    add_retry_budget(p)
-
-
-def keys_flags(p) -> None:
-    keys = p.add_subparsers(dest="keys_command", required=True, metavar="COMMAND")
-    k = keys.add_parser("generate", help="write DIR/NAME.key (public) and DIR/NAME.key_secret (secret, 0600)",
-                        formatter_class=cliargs.HelpFormatter)
-    k.add_argument("dir", help="where the two files go")
-    k.add_argument("--name", required=True, help="the key's name (NAME.key, NAME.key_secret)")
-    k.set_defaults(fn=cmd_keys)
-
-
-def demo_flags(p) -> None:
-    p.add_argument("--models-dir", default=None, help="directory holding demo-target/ and demo-draft/ "
-                   "(default: the copy inside the package, else ./models)")
-    p.add_argument("--draft", default="demo-draft", choices=("demo-draft", "demo-draft-xv"),
-                   help="the draft in the models directory (demo-draft-xv: a different vocabulary)")
-    p.add_argument("--max-new-tokens", type=cliargs.positive_int, default=48, help="tokens per prompt")
-    p.add_argument("--temperature", type=cliargs.nonneg_float, default=0.0, help="0 = greedy")
-    p.add_argument("--prompts", default=None, help='JSON lines file, {"prompt": ...} per line (default: 4 built in)')
-    p.add_argument("--limit", type=cliargs.positive_int, default=None, help="use the first N prompts")
-    p.add_argument("--mode", choices=MODES, default=None, help="as for generate (default: the edge's)")
-    p.add_argument("--resample", choices=STRATEGIES, default=None,
-                   help="what a rejection sends down in sample mode (default: the edge's)")
-    p.add_argument("--json", default=None, metavar="FILE", help="also write the numbers to FILE as JSON")
-    add_objective(p)
-    p.add_argument("--link-ms", type=cliargs.nonneg_float, default=50.0,
-                   help="also run over an emulated link of this round trip (user-space relay); 0 = loopback only")
-
-
-def bench_flags(p) -> None:
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-
-
 COMMANDS = [  # name, help, what it runs, its default log level, its flags
     ("broker", "route edges to cloud workers", cmd_broker, SERVER_LOG_LEVEL, broker_flags),
     ("cloud-worker", "hold the target model and verify drafts in batches", cmd_cloud_worker, SERVER_LOG_LEVEL,
@@ -384,7 +190,7 @@ COMMANDS = [  # name, help, what it runs, its default log level, its flags
      SERVER_LOG_LEVEL, serve_flags),
     ("generate", "generate through the broker with an in-process edge", cmd_generate, CLIENT_LOG_LEVEL,
      generate_flags),
-    ("keys", "CURVE key pairs for the broker, cloud workers and edges", None, CLIENT_LOG_LEVEL, keys_flags),
+    ("keys", "CURVE key pairs for the broker, cloud workers and edges", cmd_keys, CLIENT_LOG_LEVEL, keys_flags),
     ("demo", "broker + cloud worker + edge on 127.0.0.1 with the demo pair", cmd_demo, CLIENT_LOG_LEVEL,
      demo_flags),
     ("bench", "benchmarks (python -m specrelay.bench --help)", cmd_bench, CLIENT_LOG_LEVEL, bench_flags),

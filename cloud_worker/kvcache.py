@@ -62,6 +62,10 @@ class KVStore:
         self.reserved = 0  # slots held by spans: a counter, so other threads (heartbeats) read it safely
         self._top = 0      # every slot from here on is free
         self.stats = {"moves": 0, "compactions": 0, "moved_tokens": 0}
+        # Deterministic attention reads whole key blocks past a span's length (masked: weight exactly 0), so a
+        # new span's slots must hold finite values: zeros. Fast attention reads only [0, length): it can skip
+        # the memset, a cost per OPEN that grows with the prompt, on the worker's event loop (issue 18).
+        self.zero_reserved = True
 
     @classmethod
     def from_budget(cls, shape: KVShape, budget_bytes: int, device: torch.device | str = "cpu",
@@ -105,7 +109,8 @@ class KVStore:
         self.spans[key] = span = Span(start, need)
         self.reserved += need
         self._place(span)
-        span.kv.zero_()
+        if self.zero_reserved:
+            span.kv.zero_()
         return span
 
     def ensure(self, key: object, tokens: int) -> Span:
@@ -183,7 +188,8 @@ class KVStore:
         span.start, span.capacity = start, capacity
         self._place(span)
         span.kv[:, :, :, :n] = saved
-        span.kv[:, :, :, n:].zero_()
+        if self.zero_reserved:
+            span.kv[:, :, :, n:].zero_()
         self.stats["moves"] += 1
         self.stats["moved_tokens"] += n
 

@@ -105,6 +105,7 @@ class Verifier:
         # before READY: an attention feature the path does not reproduce fails here, in one line
         self_check(runner.model, store(shape, 256, runner.device, block), c.deterministic, self._forward)
         self.store = store.from_budget(shape, budget, runner.device, block=block)
+        self.store.zero_reserved = c.deterministic  # only deterministic attention reads past a span's length
         self.sessions: OrderedDict[SessionKey, CloudSession] = OrderedDict()  # LRU order: oldest first
         self.stats = {"forward_passes": 0, "evictions": 0, "prefill_tokens": 0, "forward_tokens": 0}
         self._masks: dict[bytes, tuple[torch.Tensor, int]] = {}  # shared_vocab -> (mask, sessions using it)

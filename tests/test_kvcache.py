@@ -247,7 +247,7 @@ def test_draft_is_verified_up_to_the_context_limit(tiny_runners):
         verdict = v.verify([((b"e", 1), P.Verify(1, pos, pos, [], [7]))])[0]
         pos += verdict.n_accepted + 1
     error = v.verify([((b"e", 1), P.Verify(1, pos, pos, [], [7]))])[0]
-    assert error.code == ErrorCode.BAD_REQUEST and f"context of {limit}" in error.message
+    assert error.code == ErrorCode.CONTEXT_FULL and f"context of {limit}" in error.message
 
 
 def test_admission_by_memory_and_eviction_of_idle_sessions(tiny_runners):
@@ -322,3 +322,27 @@ def test_deterministic_output_survives_a_failover_at_any_verify(tiny_runners):
         out, kv_after = run(fail_at)
         assert out == reference, fail_at
         assert torch.equal(kv_after, kv), fail_at
+
+
+def test_fast_attention_never_reads_a_span_past_its_length(tiny_runners):
+    """The verifier skips zeroing new spans in the fast numerics (a memset per OPEN on the event loop): sound only
+    if fast attention reads nothing past a span's length. Slots full of NaN (what a reused span may hold, at
+    worst) must leave every logit equal to Hugging Face's."""
+    target = tiny_runners[0]
+    install(target.model)
+    store = KVStore(KVShape.of(target.model.config, torch.float32), capacity_tokens=256, block=32)
+    store.zero_reserved = False
+    store.data.fill_(float("nan"))
+    gen = torch.Generator().manual_seed(3)
+    seqs = {k: torch.randint(1, target.vocab_size, (n,), generator=gen).tolist() for k, n in enumerate((9, 30))}
+    for k in seqs:
+        store.reserve(k, 8)
+    done = {k: 0 for k in seqs}
+    for step in range(4):
+        rows = [Row(k, ids[done[k]:done[k] + 7], keep=len(ids[done[k]:done[k] + 7])) for k, ids in seqs.items()
+                if done[k] < len(ids)]
+        for row, logits in zip(rows, forward_packed(target.model, store, rows)):
+            ref = hf_logits(target, seqs[row.key][:done[row.key] + len(row.ids)])[-len(row.ids):]
+            assert torch.allclose(logits, ref, atol=1e-4)
+            done[row.key] += max(1, len(row.ids) - 2)  # roll back two: their slots are rewritten next step
+            store.truncate(row.key, done[row.key])

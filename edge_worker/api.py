@@ -125,6 +125,12 @@ def check(req: _Request, served_model: str) -> None:
                            "per request", param=param)
     if isinstance(req.stop, list) and len(req.stop) > MAX_STOPS:
         raise APIError(400, f"at most {MAX_STOPS} stop strings", param="stop")
+    if req.temperature is not None and not 0 <= req.temperature <= 2:  # OpenAI's range
+        raise APIError(400, f"temperature must be between 0 and 2, got {req.temperature}", param="temperature")
+    for param in ("max_tokens", "max_completion_tokens"):
+        value = getattr(req, param, None)
+        if value is not None and value < 1:
+            raise APIError(400, f"{param} must be at least 1, got {value}", param=param)
 
 
 def stops(req: _Request) -> list[str]:
@@ -154,7 +160,7 @@ def _enum(kind, value, field: str):
 
 def as_api_error(exc: InvalidRequest) -> APIError:
     field = FIELD_NAMES.get(exc.field, exc.field)
-    message = str(exc)
+    message = re.sub(r"^Generate\.|\s*- at `\$\[\d+\]`", "", str(exc))  # the API's names, not the wire's
     for inner, outer in FIELD_NAMES.items():
         message = message.replace(inner, outer)
     return APIError(400, message, param=field)

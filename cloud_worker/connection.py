@@ -93,7 +93,10 @@ class BrokerConnection:
                 delay = self.config.heartbeat_interval
             else:
                 delay = min(max(2 * delay, self.config.heartbeat_interval / 2), self.config.reconnect_max_s)
-            self._log.warning("broker lost; reconnecting", reason=self._lost_reason, delay_s=delay)
+            if self.answered:
+                self._log.warning("broker lost; reconnecting", reason=self._lost_reason, delay_s=delay)
+            else:  # this socket never heard the broker: not a loss, it is not there (yet)
+                self._log.info("waiting for the broker", endpoint=self.endpoint, retry_in_s=round(delay, 2))
             self._drop()
             await asyncio.sleep(delay)
             self.open()

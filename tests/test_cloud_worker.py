@@ -632,3 +632,28 @@ def test_batcher_holds_a_session_that_is_not_ready_without_blocking_others():
     batch = []
     assert b.take(batch, lambda it: control.append(it.msg)) is True  # session 4's OPEN waits for its VERIFY
     assert [it.key[1] for it in batch] == [4] and len(b.queue) == 1
+
+
+async def test_a_worker_with_no_broker_says_it_is_waiting_for_it(zctx, tiny_runners):
+    """A worker started before its broker (or pointed at the wrong address) says it waits for the broker at that
+    address; it never claims to have lost a broker it never heard (issue 21)."""
+    from structlog.testing import capture_logs
+
+    endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"  # nothing listens there
+    worker = CloudWorker(endpoint, tiny_runners[0], WorkerConfig(heartbeat_interval=0.1, linger_ms=0), context=zctx)
+    with capture_logs() as logs:
+        await worker.__aenter__()
+        try:
+            await wait_until(lambda: sum(e["event"] == "waiting for the broker" for e in logs) >= 2, timeout=20)
+        finally:
+            await worker.stop()
+    assert all(e["endpoint"] == endpoint for e in logs if e["event"] == "waiting for the broker")
+    assert not any(e["event"] == "broker lost; reconnecting" for e in logs)
+
+
+def free_tcp_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -15,6 +15,7 @@ request id (the `x-request-id` header) and answered with a generic message namin
 from __future__ import annotations
 
 import asyncio
+import time
 import json
 import socket
 import uuid
@@ -175,7 +176,7 @@ class OpenAIApp:
 
     async def _complete(self, request: Request, shape: api.Shape, ids, config, stops, ticket, request_id):
         """A plain request; a watcher cancels the generation if the client disconnects first."""
-        work = asyncio.create_task(self._generate(ids, config, stops, ticket))
+        work = asyncio.create_task(self._generate(ids, config, stops, ticket, request_id=request_id))
         work.add_done_callback(lambda _: ticket.release())  # also when cancelled before it ever ran
         gone = asyncio.create_task(_disconnected(request.receive))
         try:
@@ -191,8 +192,10 @@ class OpenAIApp:
             return self._error(api_error(work.exception(), request_id), request_id)
         return JSONResponse(shape.full(work.result()), headers={"x-request-id": request_id})
 
-    async def _generate(self, ids, config, stops, ticket: httpguard.Ticket, on_text=None) -> api.Outcome:
+    async def _generate(self, ids, config, stops, ticket: httpguard.Ticket, on_text=None, *,
+                        request_id: str = "") -> api.Outcome:
         self.stats.http_in_flight += 1
+        t0 = time.perf_counter()
         try:
             out = await run_generation(self.edge, ids, config, stops, on_text)
         finally:
@@ -200,6 +203,9 @@ class OpenAIApp:
             ticket.release()
         self.stats.prompt_tokens += out.prompt_tokens
         self.stats.completion_tokens += out.completion_tokens
+        log.info("request", request_id=request_id, stream=on_text is not None, prompt_tokens=out.prompt_tokens,
+                 completion_tokens=out.completion_tokens, finish_reason=out.finish_reason,
+                 cloud_calls=out.stats.get("cloud_calls"), wall_s=round(time.perf_counter() - t0, 3))
         return out
 
     async def _events(self, shape: api.Shape, ids, config, stops, include_usage: bool, ticket: httpguard.Ticket,
@@ -207,7 +213,7 @@ class OpenAIApp:
         """Server-sent events: a chunk per committed piece of text, the last chunk (finish_reason, speculative
         stats), the usage chunk if asked, [DONE]. Leaving early cancels the generation (its finally CLOSEs)."""
         pieces: asyncio.Queue = asyncio.Queue()
-        work = asyncio.create_task(self._generate(ids, config, stops, ticket, pieces.put))
+        work = asyncio.create_task(self._generate(ids, config, stops, ticket, pieces.put, request_id=request_id))
         work.add_done_callback(lambda _: pieces.put_nowait(None))
         try:
             if shape.chat:

@@ -11,6 +11,7 @@ retryable code, are retried until the deadline). Needs no model and no torch.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import zmq
@@ -31,24 +32,31 @@ HANDSHAKE_FAILED = {
 MECHANISM_MISMATCH = ("the broker at {} and this process disagree on CURVE: one side has keys and the other "
                       "none; pass --curve-secret and --broker-key (or neither, on both sides)")
 RETRY_S = 0.25  # between worker checks while the broker answers UNAVAILABLE
+NOTICE_AFTER_S = 2.0  # a wait this long is announced once (`on_wait`): a broker or worker that is still starting
 
 
 async def probe_broker(endpoint: str, timeout: float, *, worker: bool = True, curve: transport.Curve | None = None,
-                       context: zmq.asyncio.Context | None = None) -> None:
+                       context: zmq.asyncio.Context | None = None,
+                       on_wait: Callable[[str], None] | None = None) -> None:
     """Return once the broker at `endpoint` completed a handshake (and, with `worker`, answered a VERIFY through a
-    live cloud worker); otherwise raise FatalError within `timeout` seconds, naming the endpoint and the fix."""
+    live cloud worker); otherwise raise FatalError within `timeout` seconds, naming the endpoint and the fix.
+    `on_wait(what)` is called once if the wait passes NOTICE_AFTER_S (a broker or worker still starting)."""
     ctx = context or zmq.asyncio.Context.instance()
     sock = transport.make_socket(ctx, zmq.DEALER, linger_ms=0, curve=curve)  # the broker assigns its identity
     monitor = sock.get_monitor_socket()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
+    waiting = ["the broker at " + endpoint]  # what we wait for now, for the notice
+    notice = loop.call_later(NOTICE_AFTER_S, lambda: on_wait and on_wait(f"waiting for {waiting[0]}"))
     try:
         await _resolve(endpoint, deadline, loop)
         transport.connect(sock, endpoint, "probe")
         await _handshake(monitor, endpoint, timeout, deadline, loop)
+        waiting[0] = f"a cloud worker behind the broker at {endpoint}"
         if worker:
             await _worker_answers(sock, endpoint, deadline, loop)
     finally:
+        notice.cancel()
         sock.disable_monitor()
         monitor.close(linger=0)
         sock.close(linger=0)

@@ -49,6 +49,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# generate waits up to --connect-timeout (60 s) for a broker or worker that is still starting and says so after
+# 2 s; these cases check the one-line failure at the end of a short wait
+FAIL_FAST = ("--connect-timeout", "1.5")
+
+
 def gen(*args: str) -> list[str]:
     return ["generate", "--prompt", "def f():", *args]
 
@@ -84,7 +89,7 @@ def broker_without_workers(tmp: Path) -> Iterator[tuple]:
                              f"tcp://127.0.0.1:{free_port()}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env=clean_env())
     try:
-        yield gen("--broker", frontend), {}, None
+        yield gen("--broker", frontend, *FAIL_FAST), {}, None
     finally:
         proc.terminate()
         proc.wait(timeout=10)
@@ -125,7 +130,7 @@ CASES = [
     Case("--device cuda without CUDA", lambda t: plain(gen("--device", "cuda")), 2, "cuda"),
     Case("unknown device", lambda t: plain(gen("--device", "tpu")), 2, "--device"),
     Case("HTTP port in use", port_in_use, 2, "cannot listen"),
-    Case("broker unreachable", lambda t: plain(gen("--broker", f"tcp://127.0.0.1:{free_port()}")), 1,
+    Case("broker unreachable", lambda t: plain(gen("--broker", f"tcp://127.0.0.1:{free_port()}", *FAIL_FAST)), 1,
          "cannot reach the broker at tcp://127.0.0.1:"),
     Case("broker host unknown", lambda t: plain(gen("--broker", "tcp://broker.invalid:5555")), 1, "does not resolve"),
     Case("no live cloud worker", broker_without_workers, 1, "no live cloud worker"),

@@ -140,7 +140,11 @@ def main(args) -> int:
     curve = client_curve(args)
 
     async def run() -> int:
-        await probe_broker(args.broker, args.connect_timeout, curve=curve)
+        def on_wait(what: str) -> None:  # a broker or worker still starting: say so, once
+            print(f"specrelay generate: {what} (up to {args.connect_timeout:g} s, --connect-timeout)",
+                  file=sys.stderr, flush=True)
+
+        await probe_broker(args.broker, args.connect_timeout, curve=curve, on_wait=on_wait)
         set_threads()
         return await generate_all(args, prompts, lambda i, result: print_result(args, result))
 

@@ -42,14 +42,19 @@ class Progress:
 
     def __enter__(self) -> "Progress":
         self.t0 = time.perf_counter()
-        print(f"{self.what} ...", end="" if self.tty else "\n", file=sys.stderr, flush=True)
         if self.tty:
-            threading.Thread(target=self._tick, daemon=True).start()
+            print(f"{self.what} ...", end="", file=sys.stderr, flush=True)
+        threading.Thread(target=self._tick if self.tty else self._announce, daemon=True).start()
         return self
 
     def _tick(self) -> None:
         while not self._done.wait(0.5):
             print(f"\r{self.what} ... {time.perf_counter() - self.t0:.0f} s", end="", file=sys.stderr, flush=True)
+
+    def _announce(self) -> None:
+        """Not a terminal (a log): one line at the end, and one at the start only for a step that takes a while."""
+        if not self._done.wait(2.0):
+            print(f"{self.what} ...", file=sys.stderr, flush=True)
 
     def __exit__(self, exc_type, *_) -> None:
         self._done.set()

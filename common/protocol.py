@@ -5,8 +5,9 @@ encoded from a typed msgspec Struct (array_like: fields travel by position, no n
 are omitted). No pickle anywhere. Probability arrays travel as little-endian float32 `bytes`.
 
 Socket topology (edge DEALER -> broker frontend ROUTER; broker backend ROUTER <- worker DEALER):
-  edge   -> broker : [header, body]                      OPEN, VERIFY, CLOSE, RESAMPLE
-  broker -> worker : [client_id, header, body]           the broker prepends the edge's identity
+  edge   -> broker : [header, body]                      OPEN, VERIFY, CLOSE, RESAMPLE, HEARTBEAT (liveness)
+  broker -> worker : [client_id, header, body]           the broker prepends the edge's handle (a keyed
+                                                         16-byte hash of its routing id, never the id)
   worker -> broker : [client_id, header, body]           VERDICT/ERROR/RESAMPLED (client_id b"" for
                                                          READY, HEARTBEAT, DISCONNECT)
   broker -> edge   : [header, body]                      VERDICT, ERROR, RESAMPLED
@@ -41,8 +42,9 @@ TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_CONTEXT * 4)]
 
 SessionKey = tuple[bytes, int]
-"""(peer, session): the peer is the edge's authenticated identity (its CURVE key, or its connection's routing id
-without keys), the session the edge's own number. Broker, Verifier and batcher key every session by it."""
+"""(peer, session): the session is the edge's own number; the peer is the edge's connection: its routing id on
+the broker's frontend (the broker binds a routing id to the CURVE key it first spoke with), and on a worker the
+handle the broker sends in its place (`client_id`). Broker, Verifier and batcher key every session by it."""
 
 
 class MsgType(enum.IntEnum):
@@ -266,7 +268,7 @@ class Disconnect(Base):
 
 class Generate(Base):
     """Client -> edge worker. request: client-chosen id echoed in every reply. mode None: greedy at
-    temperature 0, else sample. resample None: the edge's default. draft_len -1: auto."""
+    temperature 0, else DEFAULT_SAMPLED_MODE (coupled). resample None: the edge's default. draft_len -1: auto."""
 
     request: U63
     prompt: Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)]

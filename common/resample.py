@@ -1,5 +1,5 @@
 """Resolving a rejection in `sample` mode: the edge holds q', the cloud holds p, and the recovered token must
-be drawn from norm(max(0, p - q')) over the TARGET vocabulary (REFERENCE.md §2). q' is the draft distribution
+be drawn from norm(max(0, p - q')) over the TARGET vocabulary (X-CoSD; docs/exactness.md). q' is the draft distribution
 restricted to the shared vocabulary V_c (zero on target-only tokens V_o), so on V_o the residual is p itself.
 
 Strategies (what travels down after a rejection):

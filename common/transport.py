@@ -1,7 +1,7 @@
 """Every ZeroMQ socket specrelay opens is made, configured and read here, and the three process shells (broker,
 cloud worker, edge worker) share one lifecycle, `Service`.
 
-Socket rules (ZeroMQ Guide; REFERENCE.md §4):
+Socket rules (the ZeroMQ Guide; README "Security"):
   LINGER        bounded, so shutdown cannot hang on unsent frames
   MAXMSGSIZE    per frame; a message's frame count is capped by `recv_capped` (libzmq has no such limit)
   ROUTER_MANDATORY  a send to an unknown peer raises EHOSTUNREACH instead of vanishing

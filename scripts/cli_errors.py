@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from specrelay.cluster import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 DRAFT = ROOT / "models" / "demo-draft"
 BAR_S = 10.0
@@ -41,12 +43,6 @@ class Outcome:
     seconds: float
     lines: list[str]
     ok: bool
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # generate waits up to --connect-timeout (60 s) for a broker or worker that is still starting and says so after

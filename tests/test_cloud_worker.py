@@ -639,7 +639,9 @@ async def test_a_worker_with_no_broker_says_it_is_waiting_for_it(zctx, tiny_runn
     address; it never claims to have lost a broker it never heard (issue 21)."""
     from structlog.testing import capture_logs
 
-    endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"  # nothing listens there
+    from specrelay.cluster import free_port
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
     worker = CloudWorker(endpoint, tiny_runners[0], WorkerConfig(heartbeat_interval=0.1, linger_ms=0), context=zctx)
     with capture_logs() as logs:
         await worker.__aenter__()
@@ -649,11 +651,3 @@ async def test_a_worker_with_no_broker_says_it_is_waiting_for_it(zctx, tiny_runn
             await worker.stop()
     assert all(e["endpoint"] == endpoint for e in logs if e["event"] == "waiting for the broker")
     assert not any(e["event"] == "broker lost; reconnecting" for e in logs)
-
-
-def free_tcp_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

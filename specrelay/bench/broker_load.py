@@ -23,20 +23,13 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from ..cluster import free_port
 from ..common import protocol as P
 from .runs import DEFAULT_OUT, meta, text_table, write_result
 
 DEFAULT_CONFIGS = ("1x1x1", "1x64x1", "4x64x1", "16x64x1", "16x64x2")
 DRAFT = [8000, 8001, 8002, 8003]
 CAPACITY = 10_000_000  # KV slots a fake worker declares: the broker never runs out of room
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

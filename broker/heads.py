@@ -67,9 +67,3 @@ def open_tokens(body: bytes) -> int:
         raise InvalidRequest(f"OPEN.tokens holds {n} ids; 1..{protocol.MAX_CONTEXT} allowed", field="tokens")
     return n
 
-
-def session_or_zero(body: bytes) -> int:
-    try:
-        return protocol.session_of(body)
-    except InvalidRequest:
-        return 0

@@ -35,7 +35,7 @@ from specrelay.common.errors import ErrorCode, InvalidRequest
 from specrelay.common.protocol import CLOUD_REPLIES, EDGE_REQUESTS, MsgType
 from specrelay.common.ratelimit import LogLimiter, TokenBucket
 
-from .heads import open_tokens, read_head, session_or_zero
+from .heads import open_tokens, read_head
 from .table import EdgeHandles, Limits, Peer, Session, SessionKey, Stats, Usage, Worker
 
 HEARTBEAT_INTERVAL = 1.0   # seconds between heartbeats to each worker
@@ -93,7 +93,7 @@ class Router:
             session_id, seq = read_head(msg_type, frames[2])
             tokens = open_tokens(frames[2]) if msg_type == MsgType.OPEN else 0
         except InvalidRequest as exc:
-            return actions + self._bad_request(peer, session_or_zero(frames[2]) if n == 3 else 0, str(exc), now)
+            return actions + self._bad_request(peer, protocol.session_or_zero(frames, 2) if n == 3 else 0, str(exc), now)
         if msg_type == MsgType.OPEN:
             return actions + self._open(peer, session_id, tokens, frames)
         key = (peer.edge, session_id)

@@ -147,7 +147,7 @@ class CloudWorker(transport.Service):
                 raise InvalidRequest("a cloud worker takes OPEN, VERIFY, CLOSE or RESAMPLE", field="header.type")
             msg = P.decode(frames[1:])
         except InvalidRequest as exc:
-            sid = _session_or_zero(frames)
+            sid = P.session_or_zero(frames, 2)
             return Item((peer, sid), P.Error(sid, 0, exc.code, str(exc)), now, generation)
         return Item((peer, msg.session), msg, now, generation)
 
@@ -319,13 +319,6 @@ class CloudWorker(transport.Service):
         silent = self._clock() - self.connection.heard
         return (self.connection.alive and not self._closed,
                 {"broker": self.broker, "broker_silent_s": round(silent, 3)})
-
-
-def _session_or_zero(frames: list[bytes]) -> int:
-    try:
-        return P.session_of(frames[2]) if len(frames) > 2 else 0
-    except InvalidRequest:
-        return 0
 
 
 async def serve(broker: str, model: str, device: str = "cpu", dtype: str = "float32", *,

@@ -383,6 +383,15 @@ def session_of(body: bytes) -> int:
         raise InvalidRequest(f"cannot read the session id: {exc}", field="session") from None
 
 
+def session_or_zero(frames: list[bytes], index: int) -> int:
+    """The session (or request) id in `frames[index]`, a body that failed to decode, for the ERROR that answers
+    it: 0 when that frame is missing or its first field unreadable."""
+    try:
+        return session_of(frames[index]) if len(frames) > index else 0
+    except InvalidRequest:
+        return 0
+
+
 def f32(values) -> bytes:
     """float32 little-endian bytes of a 1-D tensor / sequence."""
     import numpy as np

@@ -168,7 +168,4 @@ class ClientFrontend:
 
 def _request_id(body: list[bytes]) -> int:
     """The request id of an undecodable client message, when its first field is readable (else 0)."""
-    try:
-        return P.session_of(body[1]) if len(body) == 2 else 0
-    except InvalidRequest:
-        return 0
+    return P.session_or_zero(body, 1) if len(body) == 2 else 0

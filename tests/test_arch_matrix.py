@@ -1,4 +1,4 @@
-"""The architecture matrix (specrelay/archmatrix.py): tiny random models of every architecture in
+"""The architecture matrix (specrelay/bench/archmatrix.py): tiny random models of every architecture in
 specrelay/archs.py, each as a target behind a real broker and cloud worker (one child process for the cloud
 side) and as a draft on a real edge (this process), greedy output equal to transformers' `generate` of the
 target on held-out prompts; cross-vocabulary pairs included. Falcon and Bloom are served by the fallback."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from specrelay import archmatrix as M
+from specrelay.bench import archmatrix as M
 from specrelay.archs import ARCHS
 
 FALLBACK = {"falcon", "bloom"}  # no AttentionInterface: the model's own cache

@@ -1,4 +1,4 @@
-"""Fuzzing: hypothesis against the pure Router, and raw hostile bytes (specrelay.fuzz) at the broker's frontend and
+"""Fuzzing: hypothesis against the pure Router, and raw hostile bytes (specrelay.bench.attacks) at the broker's frontend and
 backend and at a cloud worker, with legit greedy sessions running alongside that must equal the target alone."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from specrelay.common import transport
 from specrelay.edge_worker.drafter import Drafter
 from specrelay.edge_worker.server import EdgeConfig, EdgeWorker
 from specrelay.edge_worker.session import SessionConfig
-from specrelay.fuzz import Fuzzer
+from specrelay.bench.attacks import Fuzzer
 
 PROMPTS = ["def add(a, b):\n", "class Point:\n", "for i in", "import os\n"]
 N_NEW = 24

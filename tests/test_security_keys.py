@@ -20,7 +20,7 @@ from specrelay.broker.server import Broker
 from specrelay.common import auth, protocol, transport
 from specrelay.common.errors import FatalError
 from specrelay.common.zap import MAX_WAIT_S, HandshakeBudget
-from specrelay.fuzz import connect_and_handshake
+from specrelay.bench.attacks import connect_and_handshake
 
 pytestmark = pytest.mark.timeout(60)
 ANY = "tcp://127.0.0.1:0"

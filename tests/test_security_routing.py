@@ -1,5 +1,5 @@
 """Routing-id squatting (issue 18 item 1) against real processes: a peer holds, as ids it chose itself, the ids an
-unseeded ROUTER would generate next (`specrelay.fuzz.predicted_routing_ids`), then connects 5 times without an
+unseeded ROUTER would generate next (`specrelay.bench.attacks.predicted_routing_ids`), then connects 5 times without an
 id. Unfixed, libzmq 4.3.5 asserts and the process dies (exit -6). On every ROUTER (broker frontend with an edge
 key, backend with a worker key, a keyless loopback broker, `edge-worker --listen`): every process survives and a
 greedy generation afterwards equals the target alone."""
@@ -17,7 +17,7 @@ import torch
 from specrelay import Client
 from specrelay.cluster import LocalCluster, free_port
 from specrelay.common import auth
-from specrelay.fuzz import end_squat, predicted_routing_ids, squat
+from specrelay.bench.attacks import end_squat, predicted_routing_ids, squat
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -5,7 +5,7 @@
     specrelay bench calls | concurrency | hf | xvocab | wire | srdv_k | all     (the first benchmarks)
     specrelay bench report                                                     (docs/benchmarks.md)
     specrelay bench schema                                                     (the JSON schema)
-    specrelay bench kv | fuzz | xvdraft ...   (modules of their own: specrelay.kvbench, .bench_fuzz, .bench_xvocab)
+    specrelay bench kv | fuzz | xvdraft | draft | archs | broker | httpfuzz | worker-abuse   (modules of their own)
 
 `python -m specrelay.bench ...` is the same program. Results go to ./bench_results (`--out DIR`).
 """

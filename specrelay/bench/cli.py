@@ -17,14 +17,14 @@ from .runs import DEFAULT_OUT, DEMO_DRAFT, DEMO_DRAFT_XV, DEMO_TARGET, meta, wri
 
 # benchmarks that live in their own module: NAME -> (module, function taking argv)
 EXTERNAL: dict[str, tuple[str, str]] = {
-    "kv": ("specrelay.kvbench", "main"),               # KV store, chunked prefill, determinism (issue 9)
-    "fuzz": ("specrelay.bench_fuzz", "main"),          # legit sessions under malformed / abusive traffic
-    "xvdraft": ("specrelay.bench_xvocab", "main"),     # cross-vocabulary drafts: plain vs distilled, TLI vs retok
-    "draft": ("specrelay.bench_draft", "main"),        # the edge's lockstep draft step: in-place K/V vs restack
-    "archs": ("specrelay.archmatrix", "main"),         # the architecture matrix and the README's table (issue 19)
+    "kv": ("specrelay.bench.kv", "main"),               # KV store, chunked prefill, determinism (issue 9)
+    "fuzz": ("specrelay.bench.fuzz", "main"),          # legit sessions under malformed / abusive traffic
+    "xvdraft": ("specrelay.bench.xvdraft", "main"),     # cross-vocabulary drafts: plain vs distilled, TLI vs retok
+    "draft": ("specrelay.bench.draft", "main"),        # the edge's lockstep draft step: in-place K/V vs restack
+    "archs": ("specrelay.bench.archmatrix", "main"),         # the architecture matrix and the README's table (issue 19)
     "httpfuzz": ("specrelay.bench.httpfuzz", "main"),  # the edge's HTTP API and health ports under attack
     "broker": ("specrelay.bench.broker_load", "main"),  # round trips per broker core, fake workers and edges
-    "worker-abuse": ("specrelay.bench_worker_abuse", "main"),  # RESAMPLE floods, OPEN/CLOSE churn, long prefill
+    "worker-abuse": ("specrelay.bench.worker_abuse", "main"),  # RESAMPLE floods, OPEN/CLOSE churn, long prefill
 }
 
 

@@ -1,4 +1,4 @@
-"""`specrelay bench kv determinism | concurrency` (dispatched by specrelay/kvbench.py): the KV-store benchmarks
+"""`specrelay bench kv determinism | concurrency` (dispatched by specrelay/bench/kv.py): the KV-store benchmarks
 that run whole generations through a local cluster's broker and workers with an edge in this process."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from .bench.runs import load_prompts, text_table
+from .runs import load_prompts, text_table
 
 
 # --------------------------------------------------------------------------------------- determinism
@@ -15,7 +15,7 @@ def bench_determinism(args) -> dict:
     """16 prompts x 96 tokens at T = 0.8, seed 7, through broker + worker(s): concurrency 1, 8, 16 on one
     worker, and 16 on two workers with one killed (SIGKILL) a third of the way in; for each worker numerics
     (default, --deterministic) and session mode (sample, coupled)."""
-    from .cluster import LocalCluster
+    from ..cluster import LocalCluster
 
     texts = load_prompts(None, 16)
     out: dict = {}
@@ -55,8 +55,8 @@ async def _generate(frontend: str, args, texts: list[str], concurrency: int, mod
     the tokens are committed."""
     import signal
 
-    from .common.sampling import SamplingParams
-    from .edge_worker.session import SessionConfig
+    from ..common.sampling import SamplingParams
+    from ..edge_worker.session import SessionConfig
 
     config = SessionConfig(max_new_tokens=args.max_new_tokens, params=SamplingParams(0.8), seed=7, mode=mode)
     total = [0]
@@ -76,7 +76,7 @@ async def _run_edge(frontend: str, draft: str, texts: list[str], concurrency: in
                     warm_up: bool = False) -> tuple[list, float]:
     """Generate every text through the broker with an in-process edge, `concurrency` at a time:
     ([(ids, stats)], wall seconds)."""
-    from .edge_worker.loading import load_edge
+    from ..edge_worker.loading import load_edge
 
     gate = asyncio.Semaphore(concurrency)
 
@@ -99,12 +99,12 @@ def bench_concurrency(args) -> dict:
     concurrency` setup), against the same ratio in-process (`speculative_generate_batch`, lockstep)."""
     import torch
 
-    from .cluster import LocalCluster
-    from .common.runner import ModelRunner
-    from .common.sampling import SamplingParams
-    from .edge_worker.drafter import Drafter
-    from .edge_worker.session import SessionConfig
-    from .speculative import speculative_generate_batch
+    from ..cluster import LocalCluster
+    from ..common.runner import ModelRunner
+    from ..common.sampling import SamplingParams
+    from ..edge_worker.drafter import Drafter
+    from ..edge_worker.session import SessionConfig
+    from ..speculative import speculative_generate_batch
 
     torch.set_num_threads(args.threads)
     texts, tokens = load_prompts(None, 16), args.concurrency_tokens
@@ -135,8 +135,8 @@ def bench_concurrency(args) -> dict:
 
 
 async def _greedy(frontend: str, draft: str, texts: list[str], concurrency: int, tokens: int) -> float:
-    from .common.sampling import SamplingParams
-    from .edge_worker.session import SessionConfig
+    from ..common.sampling import SamplingParams
+    from ..edge_worker.session import SessionConfig
 
     config = SessionConfig(max_new_tokens=tokens, params=SamplingParams(0.0))
     res, wall = await _run_edge(frontend, draft, texts, concurrency, config, warm_up=True)

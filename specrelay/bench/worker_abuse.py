@@ -1,7 +1,7 @@
 """`specrelay bench worker-abuse`: one hostile edge against a broker and a cloud worker (real processes), issue 18
 items 6, 7 and 9; prints and writes JSON (OUT/worker_abuse.json).
 
-    python -m specrelay.bench_worker_abuse [--flood-s 75] [--sessions 14] [--in-flight 60] [--pairs 20000]
+    python -m specrelay.bench.worker_abuse [--flood-s 75] [--sessions 14] [--in-flight 60] [--pairs 20000]
 
 resample flood (item 6): the attacker opens `--sessions` SAMPLE/srdv sessions, gets each a rejected VERIFY, then
 keeps `--in-flight` RESAMPLE(CANDIDATES, last round) per session in flight for `--flood-s` seconds, while 8 legit
@@ -24,12 +24,12 @@ import sys
 import time
 from collections import Counter
 
-from .bench.runs import load_prompts, write_result
-from .bench_fuzz import HealthWatch, legit
+from .runs import load_prompts, write_result
+from .fuzz import HealthWatch, legit
 
 
 class HealthProcess:
-    """bench_fuzz.HealthWatch in a process of its own, so the legit edge and the attacker in this process (the
+    """fuzz.HealthWatch in a process of its own, so the legit edge and the attacker in this process (the
     GIL, the event loop) never delay the poller: what it measures is the worker's answer time."""
 
     def __init__(self, port: int) -> None:
@@ -64,7 +64,7 @@ async def _rejections(sock, sessions: int, prompt: list[int]) -> list[int]:
     """One rejected SAMPLE/srdv VERIFY per session (draft token 7 sent with q = 1): the session ids."""
     import torch
 
-    from .common import protocol as P
+    from ..common import protocol as P
 
     rejected = []
     for sid in range(1, sessions + 1):
@@ -84,8 +84,8 @@ async def flood(frontend: str, seconds: float, sessions: int, in_flight: int, pr
     import zmq
     import zmq.asyncio
 
-    from .common import protocol as P
-    from .common.resample import SRDV_MAX_ROUNDS
+    from ..common import protocol as P
+    from ..common.resample import SRDV_MAX_ROUNDS
 
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -118,7 +118,7 @@ async def open_close(frontend: str, pairs: int, vocab: int, prompt: list[int]) -
     import zmq
     import zmq.asyncio
 
-    from .common import protocol as P
+    from ..common import protocol as P
 
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -148,9 +148,9 @@ def long_prompts(tokenizer, prompts: list[str], n: int, tokens: int) -> list[lis
 
 
 def run_prefill(args) -> dict:
-    from .cluster import LocalCluster
-    from .edge_worker.loading import load_edge
-    from .edge_worker.session import SessionConfig
+    from ..cluster import LocalCluster
+    from ..edge_worker.loading import load_edge
+    from ..edge_worker.session import SessionConfig
 
     with LocalCluster(args.target, threads=1, extra_worker_args=("--prefill-tokens", "4")) as cluster:
         async def generate() -> tuple[list, float]:
@@ -172,9 +172,9 @@ def run_prefill(args) -> dict:
 
 
 def run(args) -> dict:
-    from .cluster import LocalCluster
-    from .common.runner import ModelRunner
-    from .speculative import target_generate
+    from ..cluster import LocalCluster
+    from ..common.runner import ModelRunner
+    from ..speculative import target_generate
 
     prompts = load_prompts(args.prompts, 8)
     target = ModelRunner.load(args.target)
@@ -225,7 +225,7 @@ def run(args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="specrelay bench worker-abuse", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    from .bench.runs import MODELS as models
+    from .runs import MODELS as models
     ap.add_argument("--target", default=str(models / "demo-target"))
     ap.add_argument("--draft", default=str(models / "demo-draft"))
     ap.add_argument("--prompts", default=str(models / "heldout_prompts.jsonl"))

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from .bench.runs import DEMO_DRAFT, load_prompts, meta, text_table, write_result
+from .runs import DEMO_DRAFT, load_prompts, meta, text_table, write_result
 
 
 class Restack:
@@ -34,7 +34,7 @@ class Restack:
         self.state: dict[int, tuple[list[int], object]] = {}  # session -> (cached ids, per-layer K/V)
 
     def draft(self, contexts: list[list[int]], d: int) -> list[list[int]]:
-        from .common.runner import BatchRow, append_kv, common_prefix
+        from ..common.runner import BatchRow, append_kv, common_prefix
 
         ctxs = [list(c) for c in contexts]
         out = [[] for _ in ctxs]
@@ -58,10 +58,10 @@ class Restack:
 def run(args) -> dict:
     import torch
 
-    from .common.protocol import Mode
-    from .common.runner import ModelRunner
-    from .common.sampling import SamplingParams
-    from .edge_worker.drafter import Drafter, DraftJob
+    from ..common.protocol import Mode
+    from ..common.runner import ModelRunner
+    from ..common.sampling import SamplingParams
+    from ..edge_worker.drafter import Drafter, DraftJob
 
     torch.set_num_threads(args.threads)
     runner = ModelRunner.load(args.draft)

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import msgspec
 
-from .common import protocol as P
-from .common.protocol import MsgType
+from ..common import protocol as P
+from ..common.protocol import MsgType
 
 _ENCODE = msgspec.msgpack.encode
 
@@ -126,7 +126,7 @@ def squat(endpoint: str, ids: list[bytes], *, curve=None, anonymous: int = 5, ti
     close. Blocking (plain zmq): run it in a thread from asyncio."""
     import zmq
 
-    from .common import transport
+    from ..common import transport
 
     ctx = zmq.Context()
     socks = []

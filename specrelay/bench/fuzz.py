@@ -1,9 +1,9 @@
 """`specrelay bench fuzz`: legit greedy sessions through a broker and a cloud worker (real processes) while attacker
 processes send malformed and valid-but-abusive traffic; prints and writes JSON.
 
-    python -m specrelay.bench_fuzz [--malformed 100000] [--abusive 10000] [--attackers 2] [--cpus 0]
-    python -m specrelay.bench_fuzz --attack squat        # routing-id squatting on every ROUTER
-    python -m specrelay.bench_fuzz --attack multipart [--frames 120] [--frame-mib 1]
+    python -m specrelay.bench.fuzz [--malformed 100000] [--abusive 10000] [--attackers 2] [--cpus 0]
+    python -m specrelay.bench.fuzz --attack squat        # routing-id squatting on every ROUTER
+    python -m specrelay.bench.fuzz --attack multipart [--frames 120] [--frame-mib 1]
 
 Measured, against a no-attack run of the same sessions: legit latency per committed chunk (p50/p99, and the
 ratio of the p99s), outputs identical to target-alone greedy, the longest /healthz answer of the broker during
@@ -25,7 +25,7 @@ import threading
 import time
 import urllib.request
 
-from .bench.runs import load_prompts, write_result
+from .runs import load_prompts, write_result
 
 
 
@@ -35,7 +35,7 @@ def attacker(frontend: str, n_malformed: int, n_abusive: int, seed: int, vocab: 
 
     if cpus:
         os.sched_setaffinity(0, cpus)
-    from .fuzz import Fuzzer
+    from .attacks import Fuzzer
 
     fuzz = Fuzzer(seed, vocab)
     ctx = zmq.Context()
@@ -86,8 +86,8 @@ class HealthWatch:
 
 async def legit(frontend: str, draft: str, prompts: list[str], max_new: int) -> tuple[list[list[int]], list[float]]:
     """Greedy generations of every prompt at once; returns the outputs and the gaps between committed chunks."""
-    from .edge_worker.loading import load_edge
-    from .edge_worker.session import SessionConfig
+    from ..edge_worker.loading import load_edge
+    from ..edge_worker.session import SessionConfig
 
     gaps: list[float] = []
     async with await load_edge(frontend, draft) as edge:
@@ -112,9 +112,9 @@ def pct(values: list[float], q: float) -> float:
 
 
 def run(args) -> dict:
-    from .cluster import LocalCluster
-    from .common.runner import ModelRunner
-    from .speculative import target_generate
+    from ..cluster import LocalCluster
+    from ..common.runner import ModelRunner
+    from ..speculative import target_generate
 
     prompts = load_prompts(args.prompts, args.sessions)
     target = ModelRunner.load(args.target)
@@ -161,11 +161,11 @@ def run(args) -> dict:
 def run_squat(args) -> dict:
     """Squat the predicted routing ids (32) + 5 anonymous connections on the broker's frontend and backend and
     on `edge-worker --listen`, then one greedy generation through the edge; every process must survive."""
-    from .client import Client
-    from .cluster import LocalCluster, free_port
-    from .common.runner import ModelRunner
+    from ..client import Client
+    from ..cluster import LocalCluster, free_port
+    from ..common.runner import ModelRunner
     from .fuzz import end_squat, predicted_routing_ids, squat
-    from .speculative import target_generate
+    from ..speculative import target_generate
 
     prompt = load_prompts(args.prompts, 1)[0]
     target = ModelRunner.load(args.target)
@@ -201,7 +201,7 @@ def run_multipart(args) -> dict:
 
     import zmq
 
-    from .cluster import free_port
+    from ..cluster import free_port
 
     result = {"attack": "multipart", "frames": args.frames, "frame_mib": args.frame_mib}
     for budget in (0, args.max_rss_mb):
@@ -240,7 +240,7 @@ def _peak_mb(pid: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="specrelay bench fuzz", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    from .bench.runs import MODELS as models
+    from .runs import MODELS as models
     ap.add_argument("--target", default=str(models / "demo-target"))
     ap.add_argument("--draft", default=str(models / "demo-draft"))
     ap.add_argument("--prompts", default=str(models / "heldout_prompts.jsonl"))

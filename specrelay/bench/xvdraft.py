@@ -1,7 +1,7 @@
 """`specrelay bench xvdraft`: drafts with the target's vocabulary and without, side by side on the same prompts
 (in-process: the same edge and cloud cores the network path runs, counting the same message bytes).
 
-    python -m specrelay.bench_xvocab [--prompts N] [--max-new-tokens N] [--out DIR]
+    python -m specrelay.bench.xvdraft [--prompts N] [--max-new-tokens N] [--out DIR]
 
 Greedy: accepted/drafted, cloud calls per generated token, outputs identical to target-alone, and what the
 rejections were: a *segmentation mismatch* when the rejected draft token and the target's token spell the
@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from .bench.runs import write_result
+from .runs import write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
@@ -33,7 +33,7 @@ SAMPLED = [("full", "sample", "full"), ("hr", "sample", "hr"), ("srdv", "sample"
 
 def classify(table):
     """observe() callback counting greedy rejections by kind; `table` maps a target id to its bytes."""
-    from .common import protocol as P
+    from ..common import protocol as P
 
     counts = {"rejections": 0, "segmentation_mismatch": 0}
 
@@ -57,12 +57,12 @@ def row(results, n_prompts: int) -> dict:
 
 
 def run(args) -> dict:
-    from .common.runner import ModelRunner
-    from .common.sampling import SamplingParams
-    from .edge_worker.loading import load_drafter
-    from .edge_worker.session import SessionConfig
-    from .edge_worker.vocab import token_bytes
-    from .speculative import speculative_generate_batch, target_generate
+    from ..common.runner import ModelRunner
+    from ..common.sampling import SamplingParams
+    from ..edge_worker.loading import load_drafter
+    from ..edge_worker.session import SessionConfig
+    from ..edge_worker.vocab import token_bytes
+    from ..speculative import speculative_generate_batch, target_generate
 
     target = ModelRunner.load(str(MODELS / "demo-target"))
     texts = [json.loads(x)["prompt"] for x in (MODELS / "heldout_prompts.jsonl").read_text().splitlines()

@@ -1,13 +1,13 @@
 """Benchmarks of the cloud worker's KV store (issue 9). Each prints a table and writes JSON.
 
-    python -m specrelay.kvbench step          # verifier step vs the model's forward on a pre-stacked cache,
+    python -m specrelay.bench.kv step          # verifier step vs the model's forward on a pre-stacked cache,
                                               # contexts 64..max, batch 1/4/16; memory per session; sessions
                                               # at a budget; the deterministic mode's cost
-    python -m specrelay.kvbench prefill       # worst verification latency of 15 short sessions while a
+    python -m specrelay.bench.kv prefill       # worst verification latency of 15 short sessions while a
                                               # 900-token prompt arrives (chunked vs not); a too-long prompt
-    python -m specrelay.kvbench determinism   # seeded sampling at concurrency 1, 8, 16 and after failover
-    python -m specrelay.kvbench concurrency   # 16 sessions vs 1 on one worker vs the in-process lockstep
-    python -m specrelay.kvbench all
+    python -m specrelay.bench.kv determinism   # seeded sampling at concurrency 1, 8, 16 and after failover
+    python -m specrelay.bench.kv concurrency   # 16 sessions vs 1 on one worker vs the in-process lockstep
+    python -m specrelay.bench.kv all
 
 Results go to ./bench_results/kv_<name>.json (--out to change). Everything runs on 127.0.0.1.
 """
@@ -22,8 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from .bench.runs import MODELS, load_prompts, text_table, write_result
-from .kvbench_sessions import bench_concurrency, bench_determinism
+from .runs import MODELS, load_prompts, text_table, write_result
+from .kv_sessions import bench_concurrency, bench_determinism
 
 
 # ---------------------------------------------------------------------------------------------- step
@@ -33,8 +33,8 @@ def bench_step(args) -> dict:
     against the model's own forward over the same new tokens on a DynamicCache built from pre-stacked K/V."""
     import torch
 
-    from .cloud_worker.verifier import OPEN_HEADROOM, Verifier, VerifierConfig
-    from .common.runner import ModelRunner
+    from ..cloud_worker.verifier import OPEN_HEADROOM, Verifier, VerifierConfig
+    from ..common.runner import ModelRunner
 
     torch.set_num_threads(args.threads)
     runner = ModelRunner.load(args.model, args.device)
@@ -67,8 +67,8 @@ def bench_step(args) -> dict:
 def _step_row(runner, verifiers: dict, ctx: int, batch: int, reps: int) -> dict:
     import torch
 
-    from .common import protocol as P
-    from .common.runner import BatchRow, append_kv
+    from ..common import protocol as P
+    from ..common.runner import BatchRow, append_kv
 
     gen = torch.Generator().manual_seed(ctx * 100 + batch)
     ids = [torch.randint(1, runner.vocab_size, (ctx,), generator=gen).tolist() for _ in range(batch)]
@@ -132,7 +132,7 @@ def _step_row(runner, verifiers: dict, ctx: int, batch: int, reps: int) -> dict:
 def bench_prefill(args) -> dict:
     """15 short sessions verifying in a loop; then a 900-token OPEN arrives. Worst VERIFY round trip of the
     short sessions before and while it is prefilled, chunked (--prefill-tokens) and in one piece."""
-    from .cluster import LocalCluster
+    from ..cluster import LocalCluster
 
     results = {}
     for label, chunk in (("chunked", args.prefill_tokens), ("unchunked", 1_000_000)):
@@ -165,7 +165,7 @@ class _Edge:
         self.receiver = asyncio.create_task(self._receive())
 
     async def _receive(self) -> None:
-        from .common import protocol as P
+        from ..common import protocol as P
 
         while True:
             msg = P.decode(await self.sock.recv_multipart())
@@ -174,7 +174,7 @@ class _Edge:
                 fut.set_result(msg)
 
     async def send(self, msg) -> None:
-        from .common import protocol as P
+        from ..common import protocol as P
 
         await self.sock.send_multipart(P.encode(msg))
 
@@ -192,7 +192,7 @@ class _Edge:
 async def _prefill_run(frontend: str, args) -> dict:
     from transformers import AutoTokenizer
 
-    from .common import protocol as P
+    from ..common import protocol as P
 
     tok = AutoTokenizer.from_pretrained(args.model)
     texts = load_prompts(None, 40)
@@ -235,7 +235,7 @@ async def _prefill_run(frontend: str, args) -> dict:
 
 
 async def _too_long(call, tok, texts: list[str]) -> dict:
-    from .common import protocol as P
+    from ..common import protocol as P
 
     ids = [t for text in texts for t in tok(text).input_ids] * 4
     ids = ids[:3125]
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency-tokens", type=int, default=64, help="tokens per prompt (concurrency)")
     ap.add_argument("--out", type=Path, default=Path("bench_results"), help="directory for the JSON results")
     args = ap.parse_args(argv)
-    from . import logs
+    from .. import logs
     logs.configure("warning")
     os.environ.setdefault("SPECRELAY_LOG", "warning")  # the broker and workers we start
     for name in BENCHES if args.name == "all" else [args.name]:

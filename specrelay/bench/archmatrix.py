@@ -1,7 +1,7 @@
 """The architecture matrix: every tiny model of `specrelay.archs` as a target behind a real broker and cloud
 worker, and as a draft on a real edge, greedy output compared with transformers' `generate` of the target.
 
-Processes: the cloud side is ONE child process (`python -m specrelay.archmatrix`) holding a broker and a cloud
+Processes: the cloud side is ONE child process (`python -m specrelay.bench.archmatrix`) holding a broker and a cloud
 worker per target (real ZeroMQ over tcp on 127.0.0.1, the same `Broker` and `CloudWorker` the CLI starts);
 twenty-odd `specrelay cloud-worker` processes would spend minutes importing torch on two cores. The edges run
 in the calling process (`load_edge`: the CLI's edge, self-check included) and reach their brokers over tcp.
@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .archs import ARCHS, Arch, build
-from .paths import demo_model
+from ..archs import ARCHS, Arch, build
+from ..paths import demo_model
 
 TARGET_TOKENIZER = Path(demo_model("demo-target"))
 XV_TOKENIZER = Path(demo_model("demo-draft-xv"))
@@ -73,10 +73,10 @@ async def _host(spec: list[dict]) -> None:
     stdin closes."""
     import torch
 
-    from .broker.server import Broker
-    from .cloud_worker.config import WorkerConfig
-    from .cloud_worker.server import CloudWorker
-    from .common.runner import ModelRunner
+    from ..broker.server import Broker
+    from ..cloud_worker.config import WorkerConfig
+    from ..cloud_worker.server import CloudWorker
+    from ..common.runner import ModelRunner
 
     torch.set_num_threads(1)
     async with contextlib.AsyncExitStack() as stack:
@@ -98,7 +98,7 @@ async def _host(spec: list[dict]) -> None:
 def cloud(models: dict[tuple[str, bool], Path], targets: list[str], timeout: float = 300.0):
     """Yield {target: (frontend or None, path or None if refused, refusal)} while the cloud-side process runs."""
     spec = [dict(name=t, model=str(models[t, False])) for t in targets]
-    proc = subprocess.Popen([sys.executable, "-m", "specrelay.archmatrix", json.dumps(spec)], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "specrelay.bench.archmatrix", json.dumps(spec)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     try:
         status, deadline = {}, time.monotonic() + timeout
@@ -149,8 +149,8 @@ def references(models: dict, targets: list[str], prompts: list[str], n: int) -> 
 
 async def load_pair(pair: Pair, models: dict, frontend: str):
     """The pair's edge (not started), or the exception its start-up raised (the draft's self-check among them)."""
-    from .edge_worker.loading import load_edge
-    from .edge_worker.server import EdgeConfig
+    from ..edge_worker.loading import load_edge
+    from ..edge_worker.server import EdgeConfig
 
     target_tok = str(models[pair.target.model_type, False]) if pair.cross_vocab else None
     try:
@@ -162,7 +162,7 @@ async def load_pair(pair: Pair, models: dict, frontend: str):
 
 async def run_pair(pair: Pair, edge, refs: list[tuple], n: int) -> dict:
     """Generate greedily through the edge for every reference prompt; the row of the result table."""
-    from .edge_worker.session import SessionConfig
+    from ..edge_worker.session import SessionConfig
 
     row = dict(pair=pair.name, target=pair.target.model_type, draft=pair.draft.model_type,
                cross_vocab=pair.cross_vocab, exact=False, error="", accepted=0, drafted=0)
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import tempfile
 
-    from .bench.runs import meta, text_table, write_result
+    from .runs import meta, text_table, write_result
 
     ap = argparse.ArgumentParser(prog="specrelay bench archs", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

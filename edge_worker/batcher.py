@@ -33,18 +33,19 @@ class PreDraft:
         ids = self.block.ids
         return self.stopped or len(ids) >= self.job.d or bool(ids and ids[-1] in self.drafter.eos_ids)
 
-    def next_chunk(self, chunk: int) -> DraftJob:
-        """A job for the next `chunk` tokens after the ones drafted so far."""
-        j, n = self.job, len(self.block.ids)
-        context = j.context + [self.drafter.to_draft(x) for x in self.block.ids]
-        return DraftJob(j.state, context, j.position + n, min(chunk, j.d - n), j.mode, j.params, j.seed)
+    def next_chunk(self, chunk: int) -> DraftJob | None:
+        """A job for the next `chunk` tokens after the ones drafted so far (None: the draft cannot go on)."""
+        n = len(self.block.ids)
+        job = self.drafter.continue_job(self.job, self.block.ids, min(chunk, self.job.d - n))
+        self.stopped = self.stopped or job is None
+        return job
 
 
 class DraftBatcher:
     def __init__(self, drafter: Drafter, pool: Executor, max_batch: int = 64, chunk: int = 1,
                  on_timing: Callable[[int, float], None] | None = None) -> None:
         self.drafter, self.pool, self.max_batch, self.chunk = drafter, pool, max_batch, chunk
-        self.on_timing = on_timing  # (lockstep steps, seconds in the draft thread) of every batch and chunk
+        self.on_timing = on_timing  # (draft-model forwards, seconds in the draft thread) of every batch and chunk
         self._warm = False          # set by the first batch (only the draft thread touches it)
         self._queue: list[tuple[DraftJob, asyncio.Future]] = []
         self._pre: list[PreDraft] = []
@@ -122,19 +123,18 @@ class DraftBatcher:
         self.batches += 1
         self.jobs += len(batch)
         self.batch_sizes[len(batch)] += 1
-        steps = max(job.d for job, _ in batch)
         for (_, fut), block in zip(batch, blocks):
-            block.steps = steps
             if not fut.done():
                 fut.set_result(block)
 
     async def _run_predrafts(self) -> None:
         """One chunk of every live pre-draft, in one lockstep batch."""
         self._pre = [pre for pre in self._pre if not pre.finished]
-        live = self._pre[:self.max_batch]
-        if not live:
+        chunks = [(pre, job) for pre in self._pre[:self.max_batch] for job in [pre.next_chunk(self.chunk)] if job]
+        if not chunks:
             return
-        future = self._in_thread([pre.next_chunk(self.chunk) for pre in live])
+        live = [pre for pre, _ in chunks]
+        future = self._in_thread([job for _, job in chunks])
 
         def extend(done: asyncio.Future) -> None:  # runs before anyone awaiting the chunk resumes
             for pre in live:
@@ -162,7 +162,7 @@ class DraftBatcher:
         blocks = self.drafter.draft_batch(jobs)
         warm, self._warm = self._warm, True  # the first batch of a process is slow (allocations): not a timing
         if self.on_timing is not None and warm:
-            steps = max((len(b.ids) for b in blocks), default=0)
+            steps = max((b.steps for b in blocks), default=0)  # draft-model forwards, not target tokens
             try:
                 loop.call_soon_threadsafe(self.on_timing, steps, time.perf_counter() - t0)
             except RuntimeError:  # the loop closed meanwhile (shutdown): nothing to learn any more

@@ -55,6 +55,7 @@ class DraftJob:
     mode: Mode
     params: SamplingParams
     seed: int
+    unverified: tuple[int, ...] = ()  # target ids `context` holds past the committed tokens (a pre-draft's chain)
 
 
 @dataclass
@@ -63,7 +64,7 @@ class DraftBlock:
     q_tok: list[float] = field(default_factory=list)           # q'(x_i) (sample mode)
     q_rows: list[torch.Tensor] = field(default_factory=list)   # q' over the target vocabulary, [V_target] each
     drafted: list[int] = field(default_factory=list)          # draft-vocabulary ids, when `finish` converts them
-    steps: int = 0  # lockstep steps of the batch that drafted it (its longest job), set by DraftBatcher
+    steps: int = 0  # draft-model forwards of the lockstep batch that drafted it (what its session waited for)
 
     def part(self, start: int, stop: int | None = None) -> "DraftBlock":
         """Tokens start..stop-1 with their q' (q lists are empty outside sample mode)."""
@@ -90,6 +91,19 @@ class Drafter:
     def draft_context(self, state: DraftState, target_tokens: list[int]) -> list[int]:
         """The draft model's context for the committed target tokens (same vocabulary: the same ids)."""
         return target_tokens
+
+    def extend_context(self, job: "DraftJob", ids: list[int]) -> list[int] | None:
+        """The draft context after `job.context` and the target tokens `ids`: where a draft continuing them
+        starts (a pre-draft chunk, a block after its reused head, the reuse check). None: it cannot go on there."""
+        return job.context + list(ids)
+
+    def continue_job(self, job: "DraftJob", ids: list[int], d: int) -> "DraftJob | None":
+        """A job drafting d tokens after `job`'s context followed by the (unverified) target tokens `ids`."""
+        context = self.extend_context(job, ids)
+        if context is None:
+            return None
+        return DraftJob(job.state, context, job.position + len(ids), d, job.mode, job.params, job.seed,
+                        job.unverified + tuple(ids))
 
     def shared_bitmap(self) -> bytes:
         return b""
@@ -121,7 +135,9 @@ class Drafter:
         return x
 
     def draft_batch(self, jobs: list[DraftJob]) -> list[DraftBlock]:
-        """Draft every job in lockstep: at each step, ONE forward over the sessions still drafting."""
+        """Draft every job in lockstep: at each step, ONE forward over the sessions still drafting. Every block
+        records the forwards its batch ran (`steps`): a cross-vocabulary block of d target tokens takes ~2 per
+        token, and the batch lasts as long as its longest job."""
         blocks = [DraftBlock() for _ in jobs]
         contexts = [list(j.context) for j in jobs]
         live = [i for i, j in enumerate(jobs) if j.d > 0]
@@ -129,9 +145,10 @@ class Drafter:
         if workspace is None:  # edges sharing this drafter draft in their own threads: never share a buffer
             workspace = self._workspaces.buffer = Workspace()
         batch = LockstepKV(self.runner, workspace)
+        forwards = 0
         try:
             while live:
-                self._advance(batch, [jobs[i] for i in live], [contexts[i] for i in live], live)
+                forwards += self._advance(batch, [jobs[i] for i in live], [contexts[i] for i in live], live)
                 live = [i for i in live if self.step(jobs[i], blocks[i], contexts[i])]
             batch.close()
         except BaseException:
@@ -140,6 +157,7 @@ class Drafter:
             raise
         for job, block in zip(jobs, blocks):
             self.finish(job, block)
+            block.steps = forwards
         return blocks
 
     def step(self, job: DraftJob, block: DraftBlock, context: list[int]) -> bool:
@@ -153,8 +171,9 @@ class Drafter:
     def finish(self, job: DraftJob, block: DraftBlock) -> None:
         """Turn what `step` drafted into the block that travels (nothing to do with one vocabulary)."""
 
-    def _advance(self, batch: LockstepKV, jobs: list[DraftJob], contexts: list[list[int]], keys: list[int]) -> None:
-        """Bring each job's state up to its context and refresh last_logits (one batched forward)."""
+    def _advance(self, batch: LockstepKV, jobs: list[DraftJob], contexts: list[list[int]], keys: list[int]) -> bool:
+        """Bring each job's state up to its context and refresh last_logits (one batched forward); False when
+        every next token comes from logits already held (no forward ran)."""
         states = [job.state for job in jobs]
         if batch.buf is None:  # before the batch holds their K/V, states may roll back (rejected drafts)
             for state, ctx in zip(states, contexts):
@@ -163,10 +182,11 @@ class Drafter:
                     state.sync(ctx[:-1])                                      # re-run the last id
         feeds = [ctx[len(state.ids):] for state, ctx in zip(states, contexts)]
         if batch.buf is None and not any(feeds):  # every next token comes from logits already held
-            return
+            return False
         room = max(job.d for job in jobs)
         logits = batch.feed(keys, [s.kv for s in states], [len(s.ids) for s in states], feeds, room)
         for row, (state, ctx, fed) in enumerate(zip(states, contexts, feeds)):
             if fed:
                 state.ids = list(ctx)
                 state.last_logits = logits[row, len(fed) - 1]
+        return True

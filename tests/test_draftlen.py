@@ -150,7 +150,9 @@ def chain(ids: list[int]) -> DraftChain:
     return DraftChain(start=10, context=list(range(10)), block=DraftBlock(list(ids)), sent=3)
 
 
-ident = int
+def ident(ids: list[int]) -> list[int]:
+    """The chain's base context (0..9) followed by `ids`: one vocabulary."""
+    return list(range(10)) + list(ids)
 
 
 def test_chain_reuse_after_a_fully_accepted_block_and_matching_bonus():
@@ -174,10 +176,15 @@ def test_chain_not_reused_when_the_draft_context_differs():
 
 
 def test_chain_continuation_job_starts_after_the_chain():
+    from specrelay.edge_worker.drafter import Drafter
+
     c = chain([5, 6, 7])
     base = DraftJob(state=None, context=list(range(10)), position=10, d=3, mode=0, params=None, seed=1)
-    job = c.continuation(base, ident, 4)
+    job = Drafter.continue_job(Drafter.__new__(Drafter), base, c.block.ids, 4)
     assert job.context == list(range(10)) + [5, 6, 7] and job.position == 13 and job.d == 4
+    assert job.unverified == (5, 6, 7)
+    more = Drafter.continue_job(Drafter.__new__(Drafter), job, [8], 2)  # the next pre-draft chunk
+    assert more.context == list(range(10)) + [5, 6, 7, 8] and more.position == 14 and more.unverified == (5, 6, 7, 8)
 
 
 def test_controller_stuck_at_zero_explores_again():

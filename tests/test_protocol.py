@@ -54,6 +54,21 @@ def test_enums_cost_one_byte():
     assert len(greedy) == 5
 
 
+def test_a_forced_whole_float_default_costs_one_byte():
+    """A hinted VERDICT must carry theta_o (0.0) before its load hint: it goes as the int 0 and decodes as the float
+    0.0; any other value keeps its float64."""
+    hint = P.LoadHint(16, 5, 41000, 3000, 80)
+    hinted = P.encode(P.Verdict(3, 4, 2, 100, load=hint))
+    assert len(hinted[1]) == len(msgspec.msgpack.encode([3, 4, 2, 100, [], b"", b"", 0.0, hint])) - 8
+    back = P.decode(hinted)
+    assert back == P.Verdict(3, 4, 2, 100, load=hint) and type(back.theta_o) is float
+    for theta in (0.1, -0.0, 2.0):
+        assert P.decode(P.encode(P.Verdict(3, 4, 1, -1, theta_o=theta, load=hint))).theta_o == theta
+    assert str(P.decode(P.encode(P.Verdict(3, 4, 1, -1, theta_o=-0.0, load=hint))).theta_o) == "-0.0"
+    greedy = P.encode(P.Open(3, [1], P.Mode.GREEDY, shared_vocab=b"\x01"))  # temperature 0.0, top_p 1.0
+    assert P.decode(greedy) == P.Open(3, [1], P.Mode.GREEDY, shared_vocab=b"\x01")
+
+
 def test_huge_arrays_rejected_cheaply():
     assert bad(P.MsgType.VERIFY, [5, 1, 1, [], list(range(P.MAX_DRAFT + 1))]).field == "draft"
     assert bad(P.MsgType.OPEN, [5, list(range(P.MAX_CONTEXT + 1))]).field == "tokens"

@@ -75,6 +75,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--mode", choices=("greedy", "sample", "coupled"), default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--xv", action="store_true", help="the cross-vocabulary pair (demo-draft-xv)")
 
     p = sub.add_parser("stress", help="edge-worker, broker and cloud-worker processes under load for a duration")
     _models(p)
@@ -94,6 +95,7 @@ def parser() -> argparse.ArgumentParser:
                    help="what auto optimises on every edge")
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--sample-every", type=float, default=2.0, help="seconds between RSS samples")
+    p.add_argument("--xv", action="store_true", help="the cross-vocabulary pair (demo-draft-xv)")
 
     p = sub.add_parser("report", help="render docs/benchmarks.md (tables + plots) from the JSON in --out")
     p.add_argument("--out", default=DEFAULT_OUT)
@@ -178,6 +180,10 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
         rows = result.get("rows", [result.get("summary", {})])
         for row in rows:
             print(json.dumps(row) if args.json else report.row_line(row), flush=True)
+        for cell, v in result.get("bars", {}).get("auto_vs_best_fixed", {}).items():
+            print(f"auto vs best fixed, {cell}: {v['auto']} vs {v['best_fixed']} tok/s "
+                  f"(d = {v['best_fixed_draft_len']}) = {v['ratio']}x; calls/token {v['cloud_calls_per_token']} "
+                  f"vs {v['best_fixed_cloud_calls_per_token']}", flush=True)
         print(f"bars: {json.dumps(result.get('bars', {}))}", file=sys.stderr)
         return 0  # the run worked; whether a bar is met is in the result
     for name in LEGACY if args.name == "all" else [args.name]:

@@ -1,7 +1,8 @@
 """Batched drafting on the edge: sessions that want a draft at the same time share one lockstep batch.
 
 The draft model runs in one worker thread; while it drafts a batch, new jobs queue up and form the next
-batch, so batching grows with load and costs nothing to a lone session (no waiting).
+batch, so batching grows with load and costs nothing to a lone session (no waiting). A job's block is handed
+to its session as soon as that job leaves the batch, not when the batch's longest job ends.
 
 Pre-drafts (edge_worker/predraft.py) have the lowest priority: they run only while no real draft waits, a few
 tokens at a time (`chunk`), so a real draft waits for at most one chunk. `collect` stops a pre-draft and hands
@@ -110,8 +111,16 @@ class DraftBatcher:
         batch = [(job, fut) for job, fut in batch if not fut.cancelled()]
         if not batch:
             return
+        loop = asyncio.get_running_loop()
+
+        def ready(i: int, block: DraftBlock) -> None:  # in the draft thread: a job left the lockstep batch
+            try:
+                loop.call_soon_threadsafe(_settle, batch[i][1], block)
+            except RuntimeError:  # the loop closed meanwhile (shutdown)
+                pass
+
         try:
-            blocks = await self._in_thread([j for j, _ in batch])
+            blocks = await self._in_thread([j for j, _ in batch], ready)
         except asyncio.CancelledError:
             self._queue[:0] = batch  # closing: `close` fails them
             raise
@@ -124,8 +133,7 @@ class DraftBatcher:
         self.jobs += len(batch)
         self.batch_sizes[len(batch)] += 1
         for (_, fut), block in zip(batch, blocks):
-            if not fut.done():
-                fut.set_result(block)
+            _settle(fut, block)
 
     async def _run_predrafts(self) -> None:
         """One chunk of every live pre-draft, in one lockstep batch."""
@@ -152,14 +160,14 @@ class DraftBatcher:
         self.predraft_chunks += 1
         await asyncio.gather(asyncio.shield(future), return_exceptions=True)
 
-    def _in_thread(self, jobs: list[DraftJob]):
+    def _in_thread(self, jobs: list[DraftJob], ready: Callable[[int, DraftBlock], None] | None = None):
         loop = asyncio.get_running_loop()
-        return loop.run_in_executor(self.pool, self._timed, jobs, loop)
+        return loop.run_in_executor(self.pool, self._timed, jobs, loop, ready)
 
-    def _timed(self, jobs: list[DraftJob], loop: asyncio.AbstractEventLoop) -> list[DraftBlock]:
+    def _timed(self, jobs: list[DraftJob], loop: asyncio.AbstractEventLoop, ready=None) -> list[DraftBlock]:
         """`draft_batch`, in the draft thread; its lockstep steps and duration go to `on_timing` in the loop."""
         t0 = time.perf_counter()
-        blocks = self.drafter.draft_batch(jobs)
+        blocks = self.drafter.draft_batch(jobs, ready)
         warm, self._warm = self._warm, True  # the first batch of a process is slow (allocations): not a timing
         if self.on_timing is not None and warm:
             steps = max((b.steps for b in blocks), default=0)  # draft-model forwards, not target tokens
@@ -179,3 +187,8 @@ class DraftBatcher:
             if not fut.done():
                 fut.set_exception(reason or RuntimeError("the draft batcher is closed"))
         self._queue.clear()
+
+
+def _settle(future: asyncio.Future, block: DraftBlock) -> None:
+    if not future.done():
+        future.set_result(block)

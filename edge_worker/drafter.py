@@ -9,6 +9,7 @@ Every draw uses counter-based randomness at the token's absolute position (commo
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -134,10 +135,12 @@ class Drafter:
         block.q_rows.append(q)
         return x
 
-    def draft_batch(self, jobs: list[DraftJob]) -> list[DraftBlock]:
-        """Draft every job in lockstep: at each step, ONE forward over the sessions still drafting. Every block
-        records the forwards its batch ran (`steps`): a cross-vocabulary block of d target tokens takes ~2 per
-        token, and the batch lasts as long as its longest job."""
+    def draft_batch(self, jobs: list[DraftJob], ready: Callable[[int, DraftBlock], None] | None = None
+                    ) -> list[DraftBlock]:
+        """Draft every job in lockstep: at each step, ONE forward over the sessions still drafting. A job whose
+        block is complete leaves the batch at once, and `ready(index, block)` hands it over then (its session
+        need not wait for the batch's longest job: a cross-vocabulary block's length in draft tokens varies).
+        Every block records the forwards its session waited for (`steps`)."""
         blocks = [DraftBlock() for _ in jobs]
         contexts = [list(j.context) for j in jobs]
         live = [i for i, j in enumerate(jobs) if j.d > 0]
@@ -145,20 +148,29 @@ class Drafter:
         if workspace is None:  # edges sharing this drafter draft in their own threads: never share a buffer
             workspace = self._workspaces.buffer = Workspace()
         batch = LockstepKV(self.runner, workspace)
+        for i in (i for i, j in enumerate(jobs) if j.d <= 0):  # nothing to draft
+            self._hand_over(jobs[i], blocks[i], 0, i, ready)
         forwards = 0
         try:
             while live:
                 forwards += self._advance(batch, [jobs[i] for i in live], [contexts[i] for i in live], live)
-                live = [i for i in live if self.step(jobs[i], blocks[i], contexts[i])]
+                going = [i for i in live if self.step(jobs[i], blocks[i], contexts[i])]
+                for i in (i for i in live if i not in going):  # its K/V leaves the batch at the next forward
+                    self._hand_over(jobs[i], blocks[i], forwards, i, ready)
+                live = going
             batch.close()
         except BaseException:
             for job in jobs:  # their K/V may be half in the batch: start them over rather than trust it
                 job.state.reset()
             raise
-        for job, block in zip(jobs, blocks):
-            self.finish(job, block)
-            block.steps = forwards
         return blocks
+
+    def _hand_over(self, job: DraftJob, block: DraftBlock, forwards: int, index: int, ready) -> None:
+        """A job's block is complete after `forwards` forwards of its batch: convert it and hand it over."""
+        self.finish(job, block)
+        block.steps = forwards
+        if ready is not None:
+            ready(index, block)
 
     def step(self, job: DraftJob, block: DraftBlock, context: list[int]) -> bool:
         """One draft token from `job.state.last_logits`: record it, extend `context` (draft ids). Returns whether

@@ -119,6 +119,7 @@ class EdgeSession:
         self._chain: DraftChain | None = None      # the block in flight and its pre-drafted continuation
         self._hint: P.LoadHint | None = None
         self._fresh = self._width = 0              # last block: draft forwards waited for, cloud row width
+        self._predrafting = False                  # the draft thread pre-drafts while this VERIFY is in flight
         self._rejection: Rejection | None = None
         self._pending: P.Resample | None = None
 
@@ -161,6 +162,7 @@ class EdgeSession:
         """The VERIFY for the freshly drafted `block` (after whatever the chain provided)."""
         self._block, reused = self._reused + block, len(self._reused.ids)
         self._reused, self._fresh = DraftBlock(), block.steps  # draft-model forwards waited for
+        self._predrafting = False  # until predraft_job starts one for this VERIFY
         self._width = len(self.tokens) - self.cloud_len + len(self._block.ids) + 1  # the row the cloud runs
         self.seq += 1
         self.stats.draft_tokens += len(self._block.ids)
@@ -186,8 +188,11 @@ class EdgeSession:
         d_next = self.policy.choose(remaining - 1)  # if the whole block and the bonus guess are accepted
         budget = self.estimates.predraft_budget() if self.estimates is not None else 0
         k = min(1 + d_next, remaining - 1, budget)
-        worth = d_next > 0 or self.policy.probes    # at d = 0 only `auto` wants the guess (an acceptance sample)
-        return self.drafter.continue_job(job, chain.block.ids, k) if worth and k > 0 else None
+        if k <= 0 or not (self.policy.predrafts(len(chain.block.ids), d_next) if d_next > 0 else self.policy.probes):
+            return None  # at d = 0 only `auto` wants the guess (an acceptance sample)
+        job = self.drafter.continue_job(job, chain.block.ids, k)
+        self._predrafting = job is not None
+        return job
 
     def take_predraft(self, more: DraftBlock) -> None:
         """The pre-drafted continuation of the block in flight (call before `apply` of its VERDICT)."""
@@ -200,7 +205,7 @@ class EdgeSession:
         self.stats.draft_s += draft_s or 0.0
         self.stats.verify_s += latency_s
         d = len(self._block.ids) if self._block is not None else 0
-        self.policy.observe_round(self._fresh, draft_s, latency_s, self._width, d, self._hint)
+        self.policy.observe_round(self._fresh, draft_s, latency_s, self._width, d, self._hint, self._predrafting)
 
     # ---------------------------------------------------------------------------- replies
     def apply(self, reply: P.Base) -> list[int]:

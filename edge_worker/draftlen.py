@@ -132,10 +132,12 @@ class EdgeEstimates:
             self.step.observe(seconds / steps)
 
     def observe_round(self, fresh: int, draft_s: float | None, latency_s: float, width: int, d: int,
-                      hint: LoadHint | None, predrafted: bool = False) -> None:
+                      hint: LoadHint | None, predrafted: bool = False, opened: bool = False) -> None:
         """One VERIFY round of `d` draft tokens: waited `draft_s` (None: not timed) for a draft of `fresh`
         forwards, then `latency_s` from sending the VERIFY to its VERDICT; `width` = our row (d + 1 + tail); the
-        worker's hint; `predrafted`: whether the draft thread pre-drafted while this VERIFY was in flight."""
+        worker's hint; `predrafted`: the draft thread pre-drafted while this VERIFY was in flight; `opened`: it
+        was the session's first after an OPEN, whose pass and wait held the session's own prompt (a cost paid
+        once per session, whatever d: not a round's, so not in x, p or Q; the worker hints seq 1 always)."""
         self.rounds += 1
         if draft_s is not None and fresh > 0:
             self.draft.observe(draft_s / fresh)
@@ -146,10 +148,11 @@ class EdgeEstimates:
         forward, queue = hint.forward_us * 1e-6, hint.queue_us * 1e-6
         tokens = hint.tokens or hint.batch * (hint.width or width)  # a worker older than `tokens`: padded rows
         self.forward.observe(tokens, forward)
-        self.row_extra.observe(max(0.0, (tokens - hint.prefill) / hint.batch - (d + 1)))
-        self.prefill.observe(hint.prefill)
+        if not opened:
+            self.row_extra.observe(max(0.0, (tokens - hint.prefill) / hint.batch - (d + 1)))
+            self.prefill.observe(hint.prefill)
+            self.queue.observe(queue)
         self.batch.observe(hint.batch)
-        self.queue.observe(queue)
         self.busy.observe(hint.busy / 1000)
         (self.rtt_predraft if predrafted else self.rtt).observe(max(0.0, latency_s - forward - queue))
 
@@ -313,8 +316,8 @@ class GoodputController:
             self.edge.acceptance.observe(d, n_accepted, bonus_match)
 
     def observe_round(self, fresh: int, draft_s: float | None, latency_s: float, width: int, d: int,
-                      hint: LoadHint | None, predrafted: bool = False) -> None:
-        self.edge.observe_round(fresh, draft_s, latency_s, width, d, hint, predrafted)
+                      hint: LoadHint | None, predrafted: bool = False, opened: bool = False) -> None:
+        self.edge.observe_round(fresh, draft_s, latency_s, width, d, hint, predrafted, opened)
 
 
 class FixedDraftLen:
@@ -337,6 +340,6 @@ class FixedDraftLen:
             self.edge.acceptance.observe(d, n_accepted, bonus_match)
 
     def observe_round(self, fresh: int, draft_s: float | None, latency_s: float, width: int, d: int,
-                      hint: LoadHint | None, predrafted: bool = False) -> None:
+                      hint: LoadHint | None, predrafted: bool = False, opened: bool = False) -> None:
         if self.edge is not None:
-            self.edge.observe_round(fresh, draft_s, latency_s, width, d, hint, predrafted)
+            self.edge.observe_round(fresh, draft_s, latency_s, width, d, hint, predrafted, opened)

@@ -119,7 +119,7 @@ class EdgeSession:
         self._chain: DraftChain | None = None      # the block in flight and its pre-drafted continuation
         self._hint: P.LoadHint | None = None
         self._fresh = self._width = 0              # last block: draft forwards waited for, cloud row width
-        self._predrafting = False                  # the draft thread pre-drafts while this VERIFY is in flight
+        self._predrafting = self._opened = False   # pre-drafting while this VERIFY is in flight; first after OPEN
         self._rejection: Rejection | None = None
         self._pending: P.Resample | None = None
 
@@ -163,6 +163,7 @@ class EdgeSession:
         self._block, reused = self._reused + block, len(self._reused.ids)
         self._reused, self._fresh = DraftBlock(), block.steps  # draft-model forwards waited for
         self._predrafting = False  # until predraft_job starts one for this VERIFY
+        self._opened = self.prefill_due > 0  # the first VERIFY after an OPEN: the cloud prefills the prompt first
         self._width = len(self.tokens) - self.cloud_len + len(self._block.ids) + 1  # the row the cloud runs
         self.seq += 1
         self.stats.draft_tokens += len(self._block.ids)
@@ -205,7 +206,8 @@ class EdgeSession:
         self.stats.draft_s += draft_s or 0.0
         self.stats.verify_s += latency_s
         d = len(self._block.ids) if self._block is not None else 0
-        self.policy.observe_round(self._fresh, draft_s, latency_s, self._width, d, self._hint, self._predrafting)
+        self.policy.observe_round(self._fresh, draft_s, latency_s, self._width, d, self._hint, self._predrafting,
+                                  self._opened)
 
     # ---------------------------------------------------------------------------- replies
     def apply(self, reply: P.Base) -> list[int]:

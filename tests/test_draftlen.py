@@ -236,3 +236,16 @@ def test_auto_pre_drafts_where_it_pays_and_rechecks_one_round_in_eight():
     seen = [dear.predrafts(4, 4) for _ in range(2 * PREDRAFT_EXPLORE)]
     assert seen.count(True) == 2 and seen[PREDRAFT_EXPLORE - 1]
     assert FixedDraftLen(4).predrafts(4, 4)  # a fixed length pre-drafts as the edge is configured
+
+
+def test_a_sessions_own_prompt_is_not_a_cost_of_every_round():
+    """The first VERIFY after an OPEN (always hinted: seq 1) ran with the session's prompt and waited for its
+    prefill. That is paid once per session whatever d is: it must not enter the per-round extras x, p and Q
+    (it made a lone session's T(0) ~3 ms too long at 0 ms, so auto drafted where the target alone was best)."""
+    plain, first = trained(0.8, 0.002, 0.002, (0.008, 0.0005)), trained(0.8, 0.002, 0.002, (0.008, 0.0005))
+    before = (first.edge.row_extra.value, first.edge.prefill.value, first.edge.queue.value)
+    first.observe_round(4, 0.008, 0.08, 5, 4, LoadHint(1, 65, 40_000, 30_000, 65, 60, 0), opened=True)
+    assert (first.edge.row_extra.value, first.edge.prefill.value, first.edge.queue.value) == before
+    assert first.edge.forward.count == plain.edge.forward.count + 1  # the forward line still learns from it
+    plain.observe_round(4, 0.008, 0.08, 5, 4, LoadHint(1, 65, 40_000, 30_000, 65, 60, 0))
+    assert plain.edge.queue.value > first.edge.queue.value and plain.edge.prefill.value > first.edge.prefill.value

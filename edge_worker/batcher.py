@@ -165,7 +165,7 @@ class DraftBatcher:
         return loop.run_in_executor(self.pool, self._timed, jobs, loop, ready)
 
     def _timed(self, jobs: list[DraftJob], loop: asyncio.AbstractEventLoop, ready=None) -> list[DraftBlock]:
-        """`draft_batch`, in the draft thread; its lockstep steps and duration go to `on_timing` in the loop."""
+        """`draft_batch`, in the draft thread; its forwards and duration go to `on_timing` in the loop."""
         t0 = time.perf_counter()
         blocks = self.drafter.draft_batch(jobs, ready)
         warm, self._warm = self._warm, True  # the first batch of a process is slow (allocations): not a timing

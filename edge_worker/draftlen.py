@@ -211,19 +211,24 @@ class EdgeEstimates:
         return self.round_model()(d, p_next)
 
     def round_model(self):
-        """`round_time` with the fits done once: the function best_length evaluates for every candidate d. A round
-        pre-drafts only where that pays (`predraft_gain` > 0), so the model takes the better of the two."""
-        t, budget, penalty = self.draft_per_step(), self.predraft_budget(), self.predraft_penalty()
-        wait = self.link_rtt() + self.queue.value
-        fit = self.forward.fit() if self.forward.known else None
-        l0, l1 = self.latency.fit() if self.latency.known else (10.0, 10.0 * CLOUD_SLOPE_PRIOR)
+        """`round_time` with the fits done once: the function best_length evaluates for every candidate d (twice a
+        round per session, so it is a line in d plus the pre-draft credit). A round pre-drafts only where that
+        pays (`predraft_gain` > 0), so the model takes the better of the two."""
+        t, s, penalty = self.draft_per_step(), self.steps_per_token.value, self.predraft_penalty()
+        cap, lookahead = max(0, self.predraft_budget() - 1), self.lookahead
+        if self.forward.known:  # R + Q + F(d) = base + slope * d
+            f0, f1 = self.forward.fit()
+            base = self.link_rtt() + self.queue.value + self.forward_time(0, (f0, f1))
+            slope = f1 * self.batch.value
+        else:  # no load hints: the measured latency line l0 + l1 * (d + 1)
+            l0, l1 = self.latency.fit() if self.latency.known else (10.0, 10.0 * CLOUD_SLOPE_PRIOR)
+            base, slope = l0 + l1, l1
 
         def model(d: int, p_next: float) -> float:
-            saved = p_next * min(d, max(0, budget - 1)) * self.steps_per_token.value  # forwards pre-drafted
-            draft = t * self.draft_steps(d) - max(0.0, t * saved - penalty)
-            if fit is None:  # no load hints: the measured latency line
-                return draft + l0 + l1 * (d + 1)
-            return draft + wait + self.forward_time(d, fit)
+            if d <= 0:
+                return base
+            saved = t * s * p_next * min(d, cap)  # the next block's start, pre-drafted while this one is verified
+            return t * s * (d + lookahead) - max(0.0, saved - penalty) + base + slope * d
         return model
 
 

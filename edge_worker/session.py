@@ -189,8 +189,11 @@ class EdgeSession:
         d_next = self.policy.choose(remaining - 1)  # if the whole block and the bonus guess are accepted
         budget = self.estimates.predraft_budget() if self.estimates is not None else 0
         k = min(1 + d_next, remaining - 1, budget)
-        if k <= 0 or not (self.policy.predrafts(len(chain.block.ids), d_next) if d_next > 0 else self.policy.probes):
-            return None  # at d = 0 only `auto` wants the guess (an acceptance sample)
+        if k <= 0:
+            return None
+        # where it pays (auto; a fixed length always); at d = 0 only `auto` wants the guess (an acceptance sample)
+        if not (self.policy.predrafts(len(chain.block.ids), d_next) if d_next > 0 else self.policy.probes):
+            return None
         job = self.drafter.continue_job(job, chain.block.ids, k)
         self._predrafting = job is not None
         return job

@@ -112,6 +112,9 @@ class DraftBatcher:
         if not batch:
             return
         loop = asyncio.get_running_loop()
+        self.batches += 1  # counted before its blocks are handed over: `batches > 1` = not the process's first
+        self.jobs += len(batch)
+        self.batch_sizes[len(batch)] += 1
 
         def ready(i: int, block: DraftBlock) -> None:  # in the draft thread: a job left the lockstep batch
             try:
@@ -129,9 +132,6 @@ class DraftBatcher:
                 if not fut.done():
                     fut.set_exception(exc)
             return
-        self.batches += 1
-        self.jobs += len(batch)
-        self.batch_sizes[len(batch)] += 1
         for (_, fut), block in zip(batch, blocks):
             _settle(fut, block)
 

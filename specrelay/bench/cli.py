@@ -180,10 +180,11 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
         rows = result.get("rows", [result.get("summary", {})])
         for row in rows:
             print(json.dumps(row) if args.json else report.row_line(row), flush=True)
+        summary = sys.stderr if args.json else sys.stdout  # --json: stdout holds the rows only
         for cell, v in result.get("bars", {}).get("auto_vs_best_fixed", {}).items():
             print(f"auto vs best fixed, {cell}: {v['auto']} vs {v['best_fixed']} tok/s "
                   f"(d = {v['best_fixed_draft_len']}) = {v['ratio']}x; calls/token {v['cloud_calls_per_token']} "
-                  f"vs {v['best_fixed_cloud_calls_per_token']}", flush=True)
+                  f"vs {v['best_fixed_cloud_calls_per_token']}", file=summary, flush=True)
         print(f"bars: {json.dumps(result.get('bars', {}))}", file=sys.stderr)
         return 0  # the run worked; whether a bar is met is in the result
     for name in LEGACY if args.name == "all" else [args.name]:

@@ -20,6 +20,7 @@ While a VERIFY is in flight the draft thread, when idle, pre-drafts the session'
 measured draft wait and round-trip latency of every round feed the auto draft length (edge_worker/draftlen.py,
 one `EdgeEstimates` per edge). `metrics` (telemetry.py) counts what EdgeHealth serves on /metrics.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,6 +35,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from .. import defaults
 from ..common import health, transport
 from ..common import protocol as P
 from ..common.errors import (AuthenticationFailed, ConnectionLost, FatalError, GenerationTimeout, InvalidRequest,
@@ -336,7 +338,8 @@ async def load_edge(broker: str, draft_model: str, target_tokenizer: str | None 
 
 async def serve(broker: str, draft_model: str, listen: str | None, target_tokenizer: str | None = None, *,
                 device: str = "cpu", dtype: str = "float32", config: EdgeConfig | None = None,
-                http: tuple[str, int] | None = None, http_limits=None, served_model_name: str = "specrelay",
+                http: tuple[str, int] | None = None, http_limits=None,
+                served_model_name: str = defaults.SERVED_MODEL_NAME,
                 health_port: int | None = None, health_host: str = "127.0.0.1", **options) -> None:
     """`specrelay edge-worker`: load the draft model, connect to the broker and serve clients on `listen`
     (ZeroMQ), on `http` (the OpenAI-compatible API) and health / metrics on `health_port`, until SIGTERM / SIGINT."""

@@ -12,7 +12,9 @@ import pytest
 import zmq
 
 from specrelay.common import protocol as P
+from specrelay.common.errors import ErrorCode, FatalError
 from specrelay.edge_worker.links import DOWN, UP
+from specrelay.edge_worker.probe import probe_brokers
 from specrelay.edge_worker.server import EdgeConfig, EdgeHealth, EdgeWorker
 from specrelay.edge_worker.session import SessionConfig
 from test_edge_client import PROMPTS, FakeCloud, wait_until
@@ -216,3 +218,37 @@ def _get(port: int, path: str) -> tuple[int, str]:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
+
+
+async def fake_broker(router, has_worker) -> None:
+    """A broker's answers to the probe: UNAVAILABLE while `has_worker()` is False, else a VERDICT."""
+    while True:
+        peer, *frames = await router.recv_multipart()
+        msg = P.decode(frames)
+        if isinstance(msg, P.Verify):
+            reply = P.Verdict(msg.session, msg.seq, 0, 5) if has_worker() else \
+                P.Error(msg.session, msg.seq, ErrorCode.UNAVAILABLE, "no cloud worker is registered")
+            await router.send_multipart([peer, *P.encode(reply)])
+
+
+async def test_the_probe_succeeds_through_any_broker_with_a_live_worker_and_says_which(zctx):
+    routers = [zctx.socket(zmq.ROUTER) for _ in range(2)]
+    endpoints = [f"tcp://127.0.0.1:{r.bind_to_random_port('tcp://127.0.0.1')}" for r in routers]
+    worker_on = {"b": False}
+    tasks = [asyncio.create_task(fake_broker(routers[0], lambda: False)),
+             asyncio.create_task(fake_broker(routers[1], lambda: worker_on["b"]))]
+    notices: list[str] = []
+    try:
+        with pytest.raises(FatalError) as info:
+            await probe_brokers(endpoints, 1.0, context=zctx)
+        assert all(e in str(info.value) for e in endpoints) and "no live cloud worker" in str(info.value)
+        asyncio.get_running_loop().call_later(2.5, lambda: worker_on.update(b=True))
+        found = await probe_brokers(endpoints, 20.0, context=zctx, on_wait=notices.append)
+        assert found == endpoints[1]
+        assert len(notices) == 1 and all(e in notices[0] for e in endpoints), notices
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for router in routers:
+            router.close(linger=0)

@@ -26,6 +26,7 @@ import torch
 from ..common import protocol as P
 from ..common import resample, verify
 from ..common.errors import ContextFull, InvalidRequest, Overloaded, RequestError, UnknownSession
+from ..common.packing import from_f32
 from ..common.protocol import Mode, SessionKey, Strategy
 from ..common.ratelimit import TokenBucket
 from ..common.rng import Purpose, gumbel, uniform
@@ -320,7 +321,7 @@ class Verifier:
         if req.q and session.mode != Mode.SAMPLE:
             raise InvalidRequest(f"q travels only in SAMPLE mode; session {req.session} is {session.mode.name}",
                                  field="q")
-        q = P.from_f32(req.q, len(req.draft), "q") if session.mode == Mode.SAMPLE else None
+        q = from_f32(req.q, len(req.draft), "q") if session.mode == Mode.SAMPLE else None
         room = self.max_context - req.pos  # draft tokens that fit: positions pos-1+d <= max_context-1
         if room < 0:
             raise ContextFull(f"session {req.session} has {req.pos} tokens, past the target model's context "

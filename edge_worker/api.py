@@ -22,6 +22,7 @@ import msgspec
 
 from ..common import protocol as P
 from ..common.errors import InvalidRequest
+from ..common.packing import enum_value
 
 COMPLETION_MAX_TOKENS = 16    # OpenAI's default for /v1/completions
 CHAT_MAX_TOKENS = 1024        # the chat default: up to the target's context (OpenAI's), at most this
@@ -153,7 +154,7 @@ def generate_message(req: _Request, max_tokens: int) -> P.Generate:
 
 def _enum(kind, value, field: str):
     try:
-        return P.enum_value(kind, value, field)
+        return enum_value(kind, value, field)
     except InvalidRequest as exc:
         raise as_api_error(exc) from None
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from ..common import protocol as P
 from ..common.errors import ErrorCode, InternalError, InvalidRequest, from_wire
+from ..common.packing import enum_value, f32
 from ..common.protocol import DEFAULT_OBJECTIVE, DEFAULT_SAMPLED_MODE, DEFAULT_STRATEGY, Mode, Objective, Strategy
 from ..common.resample import Rejection
 from ..common.sampling import SamplingParams
@@ -50,9 +51,9 @@ class SessionConfig:
         return self.mode or DEFAULT_SAMPLED_MODE
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "resample", P.enum_value(Strategy, self.resample, "resample"))
-        object.__setattr__(self, "mode", P.enum_value(Mode, self.mode, "mode"))
-        object.__setattr__(self, "objective", P.enum_value(Objective, self.objective, "objective"))
+        object.__setattr__(self, "resample", enum_value(Strategy, self.resample, "resample"))
+        object.__setattr__(self, "mode", enum_value(Mode, self.mode, "mode"))
+        object.__setattr__(self, "objective", enum_value(Objective, self.objective, "objective"))
         if self.objective is None:
             raise InvalidRequest("objective must be speed, balanced or cloud", field="objective")
         if self.draft_len is not None and not 0 <= self.draft_len <= P.MAX_DRAFT:
@@ -169,7 +170,7 @@ class EdgeSession:
         job = self._job
         self._chain = DraftChain(len(self.tokens), job.context, self._block, len(self._block.ids)) if job else None
         return P.Verify(self.sid, self.seq, len(self.tokens), self.tokens[self.cloud_len:], self._block.ids,
-                        P.f32(self._block.q_tok) if self.mode == Mode.SAMPLE else b"")
+                        f32(self._block.q_tok) if self.mode == Mode.SAMPLE else b"")
 
     # ---------------------------------------------------------------------------- pre-drafting
     def predraft_job(self) -> DraftJob | None:

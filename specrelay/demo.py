@@ -105,6 +105,7 @@ async def run_demo(frontend: str, draft: Path, prompts: list[str], max_new_token
                    temperature: float, resample: str | None = None, mode: str | None = None,
                    link_ms: float = 0.0, objective: str = "balanced") -> dict:
     from .common import protocol as P
+    from .common.packing import enum_value
     from .common.sampling import SamplingParams
     from .edge_worker.frontend import default_mode
     from .edge_worker.loading import load_edge
@@ -116,7 +117,7 @@ async def run_demo(frontend: str, draft: Path, prompts: list[str], max_new_token
         torch.set_num_threads(THREADS)
         target_tokenizer = None if draft.name == "demo-draft" else str(draft.parent / "demo-target")
         edge = await load_edge(frontend, str(draft), target_tokenizer)
-    mode = default_mode(edge.config, temperature, P.enum_value(P.Mode, mode, "mode"))
+    mode = default_mode(edge.config, temperature, enum_value(P.Mode, mode, "mode"))
     config = SessionConfig(max_new_tokens=max_new_tokens, params=SamplingParams(temperature), seed=1, mode=mode,
                            resample=resample or edge.config.default_resample, objective=objective)
     async with edge:

@@ -15,6 +15,7 @@ import torch
 
 from .cloud_worker.verifier import Verifier, VerifierConfig
 from .common import protocol as P
+from .common.packing import enum_value
 from .common.protocol import Mode
 from .common.rng import Purpose, gumbel, sample_index, uniform
 from .common.runner import Decoder, ModelRunner
@@ -78,7 +79,7 @@ def target_generate(target: ModelRunner, prompt_ids: list[int], max_new_tokens: 
                     params: SamplingParams = SamplingParams(), mode: Mode = Mode.GREEDY, seed: int = 0) -> list[int]:
     """Target-alone decoding with the KV cache: greedy, `sample` (inverse CDF with Purpose.TARGET uniforms),
     or `coupled` (argmax(log p + g_t), the same noise the coupled speculative mode uses)."""
-    mode = P.enum_value(Mode, mode, "mode")
+    mode = enum_value(Mode, mode, "mode")
     decoder = Decoder(target)
     tokens, out = list(prompt_ids), []
     while len(out) < max_new_tokens:

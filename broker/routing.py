@@ -68,7 +68,8 @@ class Router(Liveness):
             else:
                 session_id, seq = protocol.read_head(msg_type, frames[2])
         except InvalidRequest as exc:
-            return actions + self._bad_request(peer, protocol.session_or_zero(frames, 2) if n == 3 else 0, str(exc), now)
+            session_id = protocol.session_or_zero(frames, 2) if n == 3 else 0
+            return actions + self._bad_request(peer, session_id, str(exc), now)
         if msg_type == MsgType.OPEN:
             return actions + self._open(peer, session_id, tokens, frames)
         key = (peer.edge, session_id)

@@ -1,19 +1,16 @@
 """The whole specrelay wire protocol: every message, field, enum and limit, and what a router reads of them.
 
-A message is two ZeroMQ frames: a 2-byte header (protocol version, message type) and a MessagePack body
-encoded from a typed msgspec Struct (array_like: fields travel by position, no names; trailing defaults
-are omitted). No pickle anywhere. Probability arrays travel as little-endian float32 `bytes` (common/floats.py).
+A message is two ZeroMQ frames: a 2-byte header (protocol version, message type) and a MessagePack body from a
+typed msgspec Struct (array_like: fields by position; trailing defaults omitted; no pickle). Probability arrays
+travel as little-endian float32 `bytes` (common/packing.py). Enums travel as small ints, decode only to a member.
 
-Socket topology (edge DEALER -> broker frontend ROUTER; broker backend ROUTER <- worker DEALER):
   edge   -> broker : [header, body]             OPEN, VERIFY, CLOSE, RESAMPLE, HEARTBEAT (liveness)
-  broker -> worker : [client_id, header, body]  client_id: the edge's handle (a keyed 16-byte hash of its routing id)
+  broker -> worker : [client_id, header, body]  client_id: the edge's handle (a keyed hash of its routing id)
   worker -> broker : [client_id, header, body]  VERDICT, ERROR, RESAMPLED (b"": READY, HEARTBEAT, DISCONNECT)
   broker -> edge   : [header, body]             VERDICT, ERROR, RESAMPLED
   client <-> edge  : [header, body]             GENERATE, CANCEL / TOKENS, DONE, ERROR
-Every session-scoped body has `session` first, so the broker routes on `read_head` / `read_open` without
-decoding the rest (never a tensor). A session id is chosen by the edge and unique per edge only: broker and
-workers key a session by `SessionKey` = (peer, session), so the id costs one byte in most messages.
-Enumerations (mode, strategy, kind, code) travel as one small int each and decode only to a known member.
+Every session-scoped body has `session` first: the broker routes on `read_head` / `read_open`, never decoding the
+rest. A session id is the edge's own, unique per edge only: broker and workers key by `SessionKey`.
 """
 
 from __future__ import annotations
@@ -65,8 +62,8 @@ CLOUD_REPLIES = frozenset({MsgType.VERDICT, MsgType.RESAMPLED, MsgType.ERROR})  
 
 
 class Mode(enum.IntEnum):
-    """GREEDY: accept while draft == target argmax (temperature 0, and only then). SAMPLE: accept w.p.
-    min(1, p/q'), a rejection resolved by the `Resample` strategy. COUPLED: shared Gumbel noise, no q travels."""
+    """GREEDY: accept while draft == target argmax (temperature 0 only). SAMPLE: accept w.p. min(1, p/q'), a
+    rejection resolved by the `Resample` strategy. COUPLED: shared Gumbel noise, no q travels."""
 
     GREEDY = 0
     SAMPLE = 1
@@ -179,8 +176,7 @@ class Verdict(Base):
 
 
 class Resample(Base):
-    """RESAMPLE, edge -> cloud after a rejection it could not resolve (see ResampleKind). Refers to the
-    rejection of the verdict with the same seq."""
+    """Edge -> cloud after a rejection it could not resolve (ResampleKind): the verdict's with the same seq."""
 
     session: U63
     seq: U63
@@ -216,8 +212,8 @@ class Error(Base):
 
 
 class Ready(Base):
-    """Worker -> broker on start: what it serves and how many sessions it takes. kv_capacity: token slots in its
-    KV store (0: not reported; then its heartbeats' kv_free means nothing)."""
+    """Worker -> broker on start: what it serves, how many sessions it takes, its KV store's token slots (0: not
+    reported; its heartbeats' kv_free then means nothing)."""
 
     model: str = ""
     vocab_size: int = 0
@@ -367,7 +363,8 @@ def read_head(msg_type: MsgType, body: bytes) -> tuple[int, int]:
     try:
         head = decoder.decode(body)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise _fault(body, f"{msg_type.name}.seq", "seq", exc) from None
+        session_of(body)  # raises, naming the session, when that is the fault
+        raise InvalidRequest(f"{msg_type.name}.seq is missing or invalid: {exc}", field="seq") from None
     return head.session, head.seq
 
 
@@ -377,15 +374,10 @@ def read_open(body: bytes) -> tuple[int, int]:
     try:
         head = _OPEN_HEAD.decode(body)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise _fault(body, "OPEN.tokens", "tokens", exc) from None
+        session_of(body)  # raises, naming the session, when that is the fault
+        raise InvalidRequest(f"OPEN.tokens is missing or invalid: {exc}", field="tokens") from None
     n = array_length(head.tokens)  # -1: not an array
     if not 1 <= n <= MAX_CONTEXT:
         raise InvalidRequest(f"OPEN.tokens must be an array of 1..{MAX_CONTEXT} token ids, got "
                              f"{n if n >= 0 else 'no array'}", field="tokens")
     return head.session, n
-
-
-def _fault(body: bytes, what: str, field: str, exc: Exception) -> InvalidRequest:
-    """The error for a head that did not decode: the session's when that is the fault (raised), else `field`'s."""
-    session_of(body)
-    return InvalidRequest(f"{what} is missing or invalid: {exc}", field=field)

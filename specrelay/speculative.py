@@ -13,7 +13,8 @@ from dataclasses import asdict
 
 import torch
 
-from .cloud_worker.verifier import Verifier, VerifierConfig
+from .cloud_worker.config import VerifierConfig
+from .cloud_worker.verifier import Verifier
 from .common import protocol as P
 from .common.packing import enum_value
 from .common.protocol import Mode

@@ -9,7 +9,8 @@ import asyncio
 import pytest
 import torch
 
-from specrelay.cloud_worker.verifier import Verifier, VerifierConfig
+from specrelay.cloud_worker.config import VerifierConfig
+from specrelay.cloud_worker.verifier import Verifier
 from specrelay.common import protocol as P
 from specrelay.common.errors import ErrorCode, InvalidRequest
 from specrelay.common.packing import f32

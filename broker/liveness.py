@@ -82,7 +82,7 @@ class Liveness(Tables):
         session_id, seq = protocol.read_head(msg_type, frames[3])
         session = self.sessions.get((edge, session_id))
         if session is not None and session.unsettle(msg_type, seq):
-            self.quotas.count(session.client, in_flight=-1)
+            self.quotas.settled(session.client, 1)
         self.stats.unavailable_sent += 1
         return [self._error(edge, session_id, seq, ErrorCode.UNAVAILABLE, "the worker's queue is full; retry later")]
 

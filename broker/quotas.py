@@ -57,25 +57,27 @@ class Quotas:
             return None
         return reason + "; close sessions or retry later"
 
-    def refuse_request(self, client: object, session_id: int, in_flight: int) -> str | None:
-        """Why one more request of a session with `in_flight` requests outstanding may not go now, or None."""
-        if in_flight >= self.limits.max_in_flight_per_session:
-            reason = f"session {session_id} already has {in_flight} requests in flight"
-        elif self.usage[client].in_flight >= self.limits.max_in_flight_per_client:
-            reason = f"this client already has {self.usage[client].in_flight} requests in flight"
-        else:
+    def take_request(self, client: object, session_id: int, in_flight: int) -> str | None:
+        """One more request in flight for a session with `in_flight` outstanding: counted (None), or why not."""
+        usage, lim = self.usage[client], self.limits
+        if in_flight < lim.max_in_flight_per_session and usage.in_flight < lim.max_in_flight_per_client:
+            usage.in_flight += 1
             return None
-        return reason + "; retry later"
+        if in_flight >= lim.max_in_flight_per_session:
+            return f"session {session_id} already has {in_flight} requests in flight; retry later"
+        return f"this client already has {usage.in_flight} requests in flight; retry later"
+
+    def settled(self, client: object, n: int) -> None:
+        """`n` of the client's requests in flight were answered (or never reached a worker)."""
+        self.usage[client].in_flight -= n
 
     def opened(self, client: object) -> None:
         """The client holds one more session."""
         self.usage.setdefault(client, Usage()).sessions += 1
 
-    def count(self, client: object, *, tokens: int = 0, in_flight: int = 0) -> None:
-        """Prompt tokens and requests in flight the client's sessions gained (negative: gave back)."""
-        usage = self.usage[client]
-        usage.tokens += tokens
-        usage.in_flight += in_flight
+    def add_tokens(self, client: object, n: int) -> None:
+        """The client's sessions hold `n` more prompt tokens (negative: fewer)."""
+        self.usage[client].tokens += n
 
     def closed(self, client: object, tokens: int, in_flight: int) -> None:
         """A session with `tokens` prompt tokens and `in_flight` requests outstanding is gone: its quota is back."""

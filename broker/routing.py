@@ -124,7 +124,7 @@ class Router(Liveness):
         if refusal is not None:
             self.stats.unavailable_sent += 1
             return [self._error(peer.edge, session_id, 0, ErrorCode.UNAVAILABLE, refusal)]
-        self.quotas.count(peer.client, tokens=extra_tokens)
+        self.quotas.add_tokens(peer.client, extra_tokens)
         session.tokens = tokens
         actions = self._forward(session_id, session, MsgType.OPEN, 0, frames)
         if not session.in_flight and not session.booked:  # its OPEN was refused: nothing holds it
@@ -142,10 +142,9 @@ class Router(Liveness):
 
     def _forward(self, session_id: int, session: Session, msg_type: MsgType, seq: int,
                  frames: list[bytes]) -> list[Action]:
-        refusal = self.quotas.refuse_request(session.client, session_id, len(session.in_flight))
+        refusal = self.quotas.take_request(session.client, session_id, len(session.in_flight))
         if refusal is None:
             session.in_flight.append((msg_type, seq))
-            self.quotas.count(session.client, in_flight=1)
             return [self._to_worker(session.worker, session.edge, frames[1:])]
         self.stats.quota_refusals += 1
         self.stats.unavailable_sent += 1
@@ -237,7 +236,7 @@ class Router(Liveness):
             return []
         before = len(session.in_flight)
         session.settle(msg_type, seq)
-        self.quotas.count(session.client, in_flight=len(session.in_flight) - before)
+        self.quotas.settled(session.client, before - len(session.in_flight))
         if code is None:
             session.booked = True
         elif seq == 0 or code in _FORGET_ON:  # it refused the OPEN, or no longer holds the session

@@ -12,7 +12,7 @@ from specrelay.cloud_worker.scheduler import ChunkedPrefill, Item, Scheduler
 from specrelay.cloud_worker.verifier import Verifier
 from specrelay.cluster import LocalCluster
 from specrelay.common import protocol as P
-from specrelay.edge_worker.loading import load_edge
+from specrelay.edge_worker.server import load_edge
 from specrelay.edge_worker.server import EdgeConfig
 from specrelay.edge_worker.session import SessionConfig
 

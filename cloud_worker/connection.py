@@ -1,6 +1,6 @@
-"""A cloud worker's link to one broker (a worker has one per broker it is given), Paranoid Pirate style (ZeroMQ RFC 6): one DEALER, READY on every
-(re)connect, heartbeats both ways, and a new socket when the broker is silent for `heartbeat_liveness`
-intervals or says DISCONNECT.
+"""A cloud worker's link to one broker (a worker has one per broker it is given), Paranoid Pirate style (ZeroMQ
+RFC 6): one DEALER, READY on every (re)connect, heartbeats both ways, and a new socket when the broker is silent for
+`heartbeat_liveness` intervals or says DISCONNECT.
 
     in : [client_id, header, body]   an edge's request; the broker prepends the edge's peer id
          [b"", header, body]         the broker's own HEARTBEAT / DISCONNECT

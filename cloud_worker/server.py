@@ -2,8 +2,8 @@
 between.
 
 Loops (common/transport.Service): each connection receives edge requests into the Scheduler and reconnects
-Paranoid-Pirate style on its own (connection.py). The processor asks the Scheduler for the next step, waiting only as its
-plan says, applies the OPEN / CLOSE / RESAMPLE it hands over, and runs ONE `Verifier.verify` per step in a
+Paranoid-Pirate style on its own (connection.py). The processor asks the Scheduler for the next step, waiting only
+as its plan says, applies the OPEN / CLOSE / RESAMPLE it hands over, and runs ONE `Verifier.verify` per step in a
 one-thread executor, so heartbeats flow and the next step fills while the model runs. The ticker sends heartbeats
 and the systemd watchdog. Only the processor touches the Verifier (through the executor thread while it awaits
 it), so there is no lock. Sessions are keyed by (peer, session): the peer is the broker's index (one byte) and the

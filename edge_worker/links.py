@@ -5,9 +5,11 @@ replies of each broker handed to its sessions.
 A link is `connecting` until its first handshake, `up` after it, `down` once lost: the connection dropped
 (EVENT_DISCONNECTED: a killed broker, or ZMTP heartbeats unanswered for 3 intervals), nothing listens there
 (EVENT_CONNECT_RETRIED), the first handshake has not come within `grace_s`, or, with a broker that answers the
-edge's HEARTBEATs, nothing came from it for `grace_s`. A handshake makes it `up` again. inproc:// endpoints (one
-process, `specrelay serve`) have no monitor events: they are `up` from the start. A lost broker's sessions fail
-their request with a retryable ConnectionLost at once; the EdgeWorker's recovery re-OPENs each on another broker.
+edge's HEARTBEATs (broker/routing.py echoes them), nothing came from it while GRACE_BEATS heartbeats went
+unanswered (counted in beats, not seconds, so an edge whose own loop stalled does not blame the broker). A handshake
+(or, for a silent one, its next word) makes it `up` again. inproc:// endpoints (one process, `specrelay serve`)
+have no monitor events: they are `up` from the start. A lost broker's sessions fail their request with a retryable
+ConnectionLost at once; the EdgeWorker's recovery re-OPENs each on another broker.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class BrokerLink:
         self.state, self.since = (UP if endpoint.startswith("inproc://") else CONNECTING), clock()
         self.heard: float | None = None  # when the broker last sent anything
         self.echoes = False              # the broker answers HEARTBEATs: its silence means it is lost
+        self.unanswered = 0              # heartbeats sent since the broker last sent anything
+        self.connected = False           # a handshake done and the connection not dropped since
         self.sock: zmq.asyncio.Socket | None = None
         self.monitor: transport.Monitor | None = None
         self.on_state: Callable[[BrokerLink, str], None] = lambda link, old: None
@@ -70,27 +74,35 @@ class BrokerLink:
         return transport.send_nowait(self.sock, frames)
 
     def heard_now(self) -> None:
-        self.heard = self._clock()
+        self.heard, self.unanswered = self._clock(), 0
         if self.state == DOWN and self.echoes:  # silent, not disconnected: it speaks again
             self._set(UP)
 
     def on_event(self, event: int) -> None:
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            self.heard = self._clock()
+            self.heard, self.unanswered, self.connected = self._clock(), 0, True
             self._set(UP)
         elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             self.on_refused(self)
-        elif event == zmq.EVENT_DISCONNECTED and self.state == UP:
+        elif event == zmq.EVENT_DISCONNECTED:
+            self.connected = False
             self._set(DOWN)
         elif event == zmq.EVENT_CONNECT_RETRIED and self.state == CONNECTING:
             self._set(DOWN)  # nothing listens there
 
     def check(self, now: float) -> None:
-        """Once per heartbeat: a first handshake that does not come, or a broker that stopped answering."""
+        """Once per heartbeat, before sending it: a first handshake that does not come, or a broker that stopped
+        answering (GRACE_BEATS heartbeats in a row without a word from it)."""
         if self.state == CONNECTING and now - self.since > self.grace_s:
             self._set(DOWN)
-        elif self.state == UP and self.echoes and self.heard is not None and now - self.heard > self.grace_s:
+        elif self.state == UP and self.echoes and self.unanswered >= GRACE_BEATS:
             self._set(DOWN)
+
+    @property
+    def beating(self) -> bool:
+        """Heartbeats go to a broker not known to be lost, and to one lost only by its silence (still connected:
+        its answer brings it back); not into the queue of a dropped connection."""
+        return self.state != DOWN or self.connected
 
     def _set(self, state: str) -> None:
         old = self.state
@@ -160,8 +172,8 @@ class BrokerLinks:
         now = self._clock()
         for link in self.links:
             link.check(now)
-            if link.state != DOWN:
-                link.send(self._beat)
+            if link.beating and link.send(self._beat) is None:
+                link.unanswered += 1
 
     def _on_state(self, link: BrokerLink, old: str) -> None:
         """A broker lost: its sessions' requests fail with a retryable error now (they re-OPEN on another broker),

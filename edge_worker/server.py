@@ -314,9 +314,9 @@ class EdgeWorker(transport.Service):
         self._refused.set()
 
 
-async def load_edge(broker: str | Sequence[str], draft_model: str, target_tokenizer: str | None = None, *, device: str = "cpu",
-                    dtype: str = "float32", target_vocab_size: int | None = None, config: EdgeConfig | None = None,
-                    **options) -> EdgeWorker:
+async def load_edge(broker: str | Sequence[str], draft_model: str, target_tokenizer: str | None = None, *,
+                    device: str = "cpu", dtype: str = "float32", target_vocab_size: int | None = None,
+                    config: EdgeConfig | None = None, **options) -> EdgeWorker:
     """Load the draft model (in a thread, edge_worker/loading.py) and build an EdgeWorker (not started). Every
     edge (the CLI's edge-worker and generate, `Client.local`, the demo, the benchmarks) is built here. options:
     EdgeWorker's keyword arguments (context, identity, curve)."""
@@ -328,9 +328,9 @@ async def load_edge(broker: str | Sequence[str], draft_model: str, target_tokeni
     return EdgeWorker(broker, drafter, tokenizer, config, **options)
 
 
-async def serve(broker: str | Sequence[str], draft_model: str, listen: str | None, target_tokenizer: str | None = None, *,
-                device: str = "cpu", dtype: str = "float32", config: EdgeConfig | None = None,
-                http: tuple[str, int] | None = None, http_limits=None,
+async def serve(broker: str | Sequence[str], draft_model: str, listen: str | None,
+                target_tokenizer: str | None = None, *, device: str = "cpu", dtype: str = "float32",
+                config: EdgeConfig | None = None, http: tuple[str, int] | None = None, http_limits=None,
                 served_model_name: str = defaults.SERVED_MODEL_NAME,
                 health_port: int | None = None, health_host: str = "127.0.0.1", **options) -> None:
     """`specrelay edge-worker`: load the draft model, connect to the brokers and serve clients on `listen`

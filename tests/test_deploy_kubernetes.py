@@ -297,7 +297,8 @@ def test_brokers_are_replicas_that_fail_over_one_at_a_time_on_the_slim_image():
     assert workload["spec"]["updateStrategy"]["type"] == "RollingUpdate", "one broker restarts at a time"
     (budget,) = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
     assert budget["spec"]["maxUnavailable"] == 1
-    assert budget["spec"]["selector"]["matchLabels"].items() <= workload["spec"]["template"]["metadata"]["labels"].items()
+    labels = workload["spec"]["template"]["metadata"]["labels"]
+    assert budget["spec"]["selector"]["matchLabels"].items() <= labels.items()
     assert c["image"].split(":")[0].endswith("-broker"), "the broker runs the image without torch"
     for command in ("cloud-worker", "edge-worker"):
         assert not by_command(docs)[command][1]["image"].split(":")[0].endswith("-broker")

@@ -189,8 +189,11 @@ async def test_a_silent_broker_that_answered_heartbeats_is_lost(zctx, brokers, d
         brokers.clouds[0].silent = True  # receives, never answers: the socket stays connected
         config = SessionConfig(max_new_tokens=8, draft_len=2)
         outs = await asyncio.gather(*(running.generate(references[p][0], config) for p in PROMPTS * 2))
-        assert running.links[0].state == DOWN and running.links[0].sock is not None
+        assert running.links[0].state == DOWN and running.links[0].connected and running.links[0].beating
         assert [ids for ids, _ in outs] == [references[p][1][:8] for p in PROMPTS * 2]
+        for edge_id in brokers.clouds[0].peers:  # it answers again: up again
+            await brokers.clouds[0].sock.send_multipart([edge_id, *P.encode(P.Heartbeat())])
+        await wait_until(lambda: running.links[0].state == UP)
 
 
 async def test_readiness_is_one_broker_up_and_the_body_names_them(zctx, brokers, drafter, tiny_runners):
@@ -252,3 +255,21 @@ async def test_the_probe_succeeds_through_any_broker_with_a_live_worker_and_says
         await asyncio.gather(*tasks, return_exceptions=True)
         for router in routers:
             router.close(linger=0)
+
+
+def test_the_broker_answers_an_edge_heartbeat():
+    """Pure: the Router echoes an edge's HEARTBEAT (what lets an edge of several brokers tell a silent broker)."""
+    from specrelay.broker.routing import Router
+    from specrelay.broker.table import FRONTEND
+
+    actions = Router().from_edge([b"edge-1", *P.encode(P.Heartbeat())], 0.0)
+    assert [(socket, frames[0], type(P.decode(frames[1:]))) for socket, frames in actions] == \
+        [(FRONTEND, b"edge-1", P.Heartbeat)]
+
+
+async def test_an_edge_learns_that_a_real_broker_answers_its_heartbeats(zctx, drafter, tiny_runners):
+    from specrelay.broker.server import Broker
+
+    async with Broker("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", context=zctx, linger_ms=0) as broker:
+        async with edge(zctx, [broker.frontend], drafter, tiny_runners[0].tokenizer) as running:
+            await wait_until(lambda: running.links[0].echoes and running.links[0].state == UP)

@@ -62,7 +62,8 @@ def test_broker_a_sigkilled_mid_run_sessions_finish_on_broker_b_identical(tiny_p
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     with LocalCluster(str(target), workers=2, brokers=2, threads=1) as cluster:
         gen = subprocess.Popen([sys.executable, "-m", "specrelay.cli", "generate", "--broker", cluster.frontends[0],
-                                "--broker", cluster.frontends[1], "--draft-model", str(draft), "--prompts", str(prompts),
+                                "--broker", cluster.frontends[1], "--draft-model", str(draft),
+                                "--prompts", str(prompts),
                                 "--concurrency", "16", "--max-new-tokens", str(N_NEW), "--temperature", "0",
                                 "--draft-len", "1", "--retry-budget", "30", "--json"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -4,9 +4,6 @@ broker (a mismatch refused in one line); the help says what several mean."""
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import io
 from pathlib import Path
 
 import pytest
@@ -17,23 +14,10 @@ from specrelay.cliargs import UsageError
 from specrelay.common import auth
 from specrelay.common.brokers import MAX_BROKERS
 from specrelay.preflight import client_curve
+from test_cli import parse, usage_error
 
 COMMANDS = (["cloud-worker"], ["edge-worker"], ["generate", "--prompt", "x"])
 A, B, C = "tcp://a:5555", "tcp://b:5555", "tcp://c:5555"
-
-
-def parse(argv: list[str], env: dict | None = None) -> argparse.Namespace:
-    return cliargs.parse(parser(), argv, env or {})
-
-
-def usage_error(argv: list[str], env: dict | None = None) -> str:
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as info:
-        parse(argv, env)
-    assert info.value.code == 2
-    lines = err.getvalue().strip().splitlines()
-    assert len(lines) == 1, lines
-    return lines[0]
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])

@@ -17,11 +17,9 @@ from specrelay.edge_worker.links import DOWN, UP
 from specrelay.edge_worker.probe import probe_brokers
 from specrelay.edge_worker.server import EdgeConfig, EdgeHealth, EdgeWorker
 from specrelay.edge_worker.session import SessionConfig
-from test_edge_client import PROMPTS, FakeCloud, wait_until
+from test_edge_client import N_NEW, PROMPTS, FakeCloud, drafter, greedy_refs, wait_until  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(90)
-
-N_NEW = 24
 
 
 class Cloud(FakeCloud):
@@ -72,31 +70,10 @@ async def brokers(zctx, tiny_runners):
     await pair.close()
 
 
-@pytest.fixture(scope="module")
-def references(tiny_runners):
-    import torch
-
-    target = tiny_runners[0]
-    refs = {}
-    for prompt in PROMPTS:
-        ids = target.tokenizer(prompt).input_ids
-        out = target.model.generate(torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False)
-        refs[prompt] = (ids, out[0, len(ids):].tolist())
-    return refs
-
-
 def edge(zctx, endpoints, drafter, tokenizer, **config) -> EdgeWorker:
     config = {"request_timeout_s": 10.0, "retry_budget_s": 20.0, "retry_backoff_s": 0.05, "linger_ms": 0,
               "heartbeat_s": 0.2} | config
     return EdgeWorker(endpoints, drafter, tokenizer, EdgeConfig(**config), context=zctx)
-
-
-@pytest.fixture
-def drafter(tiny_runners):
-    from specrelay.edge_worker.drafter import Drafter
-
-    target, draft = tiny_runners
-    return Drafter(draft, target.vocab_size)
 
 
 def opened_on(cloud: FakeCloud) -> set[int]:
@@ -104,7 +81,7 @@ def opened_on(cloud: FakeCloud) -> set[int]:
 
 
 async def test_sessions_spread_and_a_lost_broker_s_sessions_finish_on_the_other(zctx, brokers, drafter, tiny_runners,
-                                                                                references):
+                                                                                greedy_refs):
     tokenizer = tiny_runners[0].tokenizer
     prompts = PROMPTS * 4  # 16 sessions
     committed, lost = {"n": 0}, asyncio.Event()
@@ -118,7 +95,7 @@ async def test_sessions_spread_and_a_lost_broker_s_sessions_finish_on_the_other(
     async with edge(zctx, brokers.endpoints, drafter, tokenizer) as running:
         await wait_until(lambda: running.ready)
         config = SessionConfig(max_new_tokens=N_NEW, draft_len=1)
-        outs = await asyncio.gather(*(running.generate(references[p][0], config, on_tokens) for p in prompts))
+        outs = await asyncio.gather(*(running.generate(greedy_refs[p][0], config, on_tokens) for p in prompts))
         assert lost.is_set() and running.links[0].state == DOWN and running.links[1].state == UP
         assert running.metrics.failovers > 0 and running.ready
     first, second = (opened_on(cloud) for cloud in brokers.clouds)
@@ -129,20 +106,20 @@ async def test_sessions_spread_and_a_lost_broker_s_sessions_finish_on_the_other(
         reopen = brokers.clouds[1].opens[sid][0]
         assert len(reopen) > len(brokers.clouds[0].opens[sid][0])
     for prompt, (ids, _) in zip(prompts, outs):
-        assert ids == references[prompt][1]
+        assert ids == greedy_refs[prompt][1]
 
 
 async def test_new_sessions_avoid_a_lost_broker_and_use_it_again_when_it_is_back(zctx, brokers, drafter,
-                                                                                  tiny_runners, references):
+                                                                                  tiny_runners, greedy_refs):
     tokenizer = tiny_runners[0].tokenizer
     async with edge(zctx, brokers.endpoints, drafter, tokenizer) as running:
         await wait_until(lambda: len(running.links.up) == 2)
         await brokers.stop(0)
         await wait_until(lambda: running.links[0].state == DOWN)
         config = SessionConfig(max_new_tokens=4, draft_len=2)
-        outs = await asyncio.gather(*(running.generate(references[p][0], config) for p in PROMPTS * 2))
+        outs = await asyncio.gather(*(running.generate(greedy_refs[p][0], config) for p in PROMPTS * 2))
         assert not running.metrics.retries  # nothing was sent to the lost broker
-        assert [ids for ids, _ in outs] == [references[p][1][:4] for p in PROMPTS * 2]
+        assert [ids for ids, _ in outs] == [greedy_refs[p][1][:4] for p in PROMPTS * 2]
         assert len(opened_on(brokers.clouds[1])) == 2 * len(PROMPTS)
         assert {running.links.choose(sid) for sid in range(1, 33)} == {1}
         # a broker on the same endpoint again: up, and new sessions go to both again
@@ -156,14 +133,14 @@ async def test_new_sessions_avoid_a_lost_broker_and_use_it_again_when_it_is_back
             revived.close(linger=0)
 
 
-async def test_replies_count_only_from_the_session_s_broker(zctx, brokers, drafter, tiny_runners, references):
+async def test_replies_count_only_from_the_session_s_broker(zctx, brokers, drafter, tiny_runners, greedy_refs):
     tokenizer = tiny_runners[0].tokenizer
     async with edge(zctx, brokers.endpoints, drafter, tokenizer) as running:
         await wait_until(lambda: len(running.links.up) == 2)
         await wait_until(lambda: all(cloud.peers for cloud in brokers.clouds))  # heartbeats reached both
         brokers.clouds[0].delay = brokers.clouds[1].delay = 0.3
         config = SessionConfig(max_new_tokens=4, draft_len=2)
-        task = asyncio.create_task(running.generate(references[PROMPTS[0]][0], config))
+        task = asyncio.create_task(running.generate(greedy_refs[PROMPTS[0]][0], config))
         await wait_until(lambda: running.sessions_open == 1)
         route = next(iter(running._routes.values()))
         other = brokers.clouds[1 - route.link]
@@ -172,12 +149,12 @@ async def test_replies_count_only_from_the_session_s_broker(zctx, brokers, draft
         for edge_id in other.peers:
             await other.sock.send_multipart([edge_id, *P.encode(forged)])
         ids, _ = await task
-        assert ids == references[PROMPTS[0]][1][:4]
+        assert ids == greedy_refs[PROMPTS[0]][1][:4]
         assert running.links[1 - route.link].stats["stale_replies"] >= 1
         assert not opened_on(other)
 
 
-async def test_a_silent_broker_that_answered_heartbeats_is_lost(zctx, brokers, drafter, tiny_runners, references):
+async def test_a_silent_broker_that_answered_heartbeats_is_lost(zctx, brokers, drafter, tiny_runners, greedy_refs):
     """A broker that echoes the edge's HEARTBEATs and then stops answering anything (hung, not disconnected):
     lost after the grace, and its sessions finish on the other broker."""
     tokenizer = tiny_runners[0].tokenizer
@@ -188,9 +165,9 @@ async def test_a_silent_broker_that_answered_heartbeats_is_lost(zctx, brokers, d
         await wait_until(lambda: running.links[0].echoes)
         brokers.clouds[0].silent = True  # receives, never answers: the socket stays connected
         config = SessionConfig(max_new_tokens=8, draft_len=2)
-        outs = await asyncio.gather(*(running.generate(references[p][0], config) for p in PROMPTS * 2))
+        outs = await asyncio.gather(*(running.generate(greedy_refs[p][0], config) for p in PROMPTS * 2))
         assert running.links[0].state == DOWN and running.links[0].connected and running.links[0].beating
-        assert [ids for ids, _ in outs] == [references[p][1][:8] for p in PROMPTS * 2]
+        assert [ids for ids, _ in outs] == [greedy_refs[p][1][:8] for p in PROMPTS * 2]
         for edge_id in brokers.clouds[0].peers:  # it answers again: up again
             await brokers.clouds[0].sock.send_multipart([edge_id, *P.encode(P.Heartbeat())])
         await wait_until(lambda: running.links[0].state == UP)
@@ -273,3 +250,18 @@ async def test_an_edge_learns_that_a_real_broker_answers_its_heartbeats(zctx, dr
     async with Broker("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", context=zctx, linger_ms=0) as broker:
         async with edge(zctx, [broker.frontend], drafter, tiny_runners[0].tokenizer) as running:
             await wait_until(lambda: running.links[0].echoes and running.links[0].state == UP)
+
+
+async def test_a_broker_that_never_answers_costs_nothing_but_a_retry(zctx, brokers, drafter, tiny_runners,
+                                                                       greedy_refs):
+    """One of the brokers is not there from the start (nothing listens): sessions hashed to it move to the live one
+    as soon as the connection is refused, and every output is the target's."""
+    from specrelay.cluster import free_port
+
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    tokenizer = tiny_runners[0].tokenizer
+    async with edge(zctx, [dead, brokers.endpoints[1]], drafter, tokenizer) as running:
+        config = SessionConfig(max_new_tokens=6, draft_len=2)
+        outs = await asyncio.gather(*(running.generate(greedy_refs[p][0], config) for p in PROMPTS * 4))
+        assert running.links[0].state == DOWN and running.ready
+    assert [ids for ids, _ in outs] == [greedy_refs[p][1][:6] for p in PROMPTS * 4]

@@ -12,9 +12,9 @@ import sys
 import time
 
 import pytest
-import torch
 
 from specrelay.cluster import LocalCluster
+from tiny import greedy_references
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(180)]
 
@@ -26,16 +26,7 @@ N_NEW = 48
 
 @pytest.fixture(scope="module")
 def references(tiny_pair):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    target, _ = tiny_pair
-    tok, model = AutoTokenizer.from_pretrained(target), AutoModelForCausalLM.from_pretrained(target)
-    refs = {}
-    for prompt in PROMPTS:
-        ids = tok(prompt).input_ids
-        out = model.generate(torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False, pad_token_id=tok.eos_token_id)
-        refs[prompt] = out[0, len(ids):].tolist()
-    return refs
+    return greedy_references(tiny_pair[0], PROMPTS, N_NEW)
 
 
 def sessions_open(cluster: LocalCluster, port: int, name: str) -> float:

@@ -280,7 +280,7 @@ def _linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def self_check(model, store: KVStore, deterministic: bool, forward=forward_packed,
                path: str = "the cloud worker's packed forward over its KV store") -> None:
     """Raise FatalError (one line) unless ragged `forward`s over `store` (an empty scratch store of the worker's
-    kind), with a rollback, give the model's own logits (common/selfcheck.py)."""
+    kind), with a rollback, and (packed forward) a token tree, give the model's own logits (common/selfcheck.py)."""
     from ..common import selfcheck
 
     a, b = selfcheck.probe(model.get_output_embeddings().weight.shape[0])
@@ -298,3 +298,26 @@ def self_check(model, store: KVStore, deterministic: bool, forward=forward_packe
         return [torch.cat([a1, a2[:2], a3]), torch.cat([b1, b2, b3])]
 
     selfcheck.compare(model, path, probe_path)
+    if forward is forward_packed:
+        _tree_self_check(model, store, deterministic, a, b, path + " with a token tree")
+
+
+def _tree_self_check(model, store: KVStore, deterministic: bool, a: list[int], b: list[int], path: str) -> None:
+    """A tree row after 12 tokens of `a` (a branch along a, one along b), beside another session: each node's
+    logits must be the model's own after its root-to-node path (windows shrunk to 8, so the tree slides)."""
+    from ..common import selfcheck
+
+    tokens, parents = [a[12], b[0], a[13], b[1], a[14], b[2]], [-1, -1, 0, 1, 2, 3]
+    paths = [[]] + [[a[12], a[13], a[14]][:k] if i % 2 == 0 else b[:k] for i, k in enumerate((1, 1, 2, 2, 3, 3))]
+    try:
+        with selfcheck.shrunk_windows(model):
+            want = torch.stack([logits[-1] for logits in selfcheck.reference(model, [a[:12] + p for p in paths])])
+            for key in (0, 1):
+                store.reserve(key, 32)
+            forward_packed(model, store, [Row(0, a[:11])], deterministic=deterministic)
+            got = forward_packed(model, store, [Row(1, b[:5], 1), Row(0, a[11:12] + tokens, 7, parents)],
+                          deterministic=deterministic)[1]
+    except Exception as exc:
+        raise FatalError(f"{type(model).__name__}: {path} failed on the start-up self-check "
+                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc
+    selfcheck.require_close(model, path, [got], [want])

@@ -343,11 +343,13 @@ _DEFAULTS = {cls: _defaults(cls) for cls in MESSAGES.values()}
 
 def encode(msg: Base) -> list[bytes]:
     """Message -> [header, body] frames. Trailing fields equal to their defaults are left off the array
-    (msgspec's omit_defaults does not apply to array_like structs); the decoder fills them back in."""
+    (msgspec's omit_defaults does not apply to array_like structs); the decoder fills them back in. A float 0
+    before them travels as the int 0 (1 byte, not 9; a float field reads it back as 0.0)."""
     values = list(msgspec.structs.astuple(msg))
     defaults = _DEFAULTS[type(msg)]
     while values and values[-1] == defaults[len(values) - 1]:
         values.pop()
+    values = [0 if type(v) is float and v == 0 else v for v in values]
     return [header(TYPE_OF[type(msg)]), _encoder.encode(values)]
 
 

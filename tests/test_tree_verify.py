@@ -237,3 +237,24 @@ def test_replays_context_limit_and_chains_next_to_trees(tiny_runners):
     req.parents = [-1, -1, 0, 2, 3]
     error = verifier.verify([(key, req)])[0]
     assert error.code == ErrorCode.BAD_REQUEST and "different draft" in error.message
+
+
+@pytest.mark.parametrize("broken", ["positions", "mask"])
+def test_the_start_up_self_check_catches_a_tree_path_that_is_wrong(tiny_runners, monkeypatch, broken):
+    from specrelay.cloud_worker import treeattn
+    from specrelay.common.errors import FatalError
+
+    model = tiny_runners[0].model
+    install(model)
+    store = KVStore(KVShape.of(model.config, torch.float32), 256)
+    attention.self_check(model, store, False)  # the real path passes
+    if broken == "positions":  # nodes at their slots instead of past + depth
+        real = treeattn.TreeLayout.of
+        monkeypatch.setattr(treeattn.TreeLayout, "of", classmethod(
+            lambda cls, parents, new, past: real(parents, new, past).__class__(
+                new - len(parents), past + torch.arange(new), real(parents, new, past).seen, [])))
+    else:  # every node sees every new token: no tree mask
+        monkeypatch.setattr(treeattn.TreeLayout, "fast_mask", lambda self, past, first, window, device: torch.ones(
+            len(self.pos), past + len(self.pos) - first, dtype=torch.bool, device=device))
+    with pytest.raises(FatalError, match="with a token tree does not reproduce"):
+        attention.self_check(model, KVStore(KVShape.of(model.config, torch.float32), 256), False)

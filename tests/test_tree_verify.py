@@ -5,6 +5,7 @@ the one after the accepted chain alone, and hostile trees are BAD_REQUESTs that 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from stats import chi2_pvalue
@@ -63,42 +64,51 @@ def test_sampled_trees_repeat_for_a_seed(tiny_runners, resample):
     assert any(run(3) != run(s) for s in (4, 5, 6))
 
 
-def test_sampled_tree_verification_commits_tokens_distributed_as_p(tiny_runners):
+@pytest.mark.parametrize("cross", [False, True], ids=["same vocabulary, srdv", "cross vocabulary, hr"])
+def test_sampled_tree_verification_commits_tokens_distributed_as_p(tiny_runners, cross):
     """Through the Verifier, 2,400 seeds: a root with three children drawn from q without replacement (each with
-    one child), or a root with one child that branches; one-child rejections resolved by the edge (srdv). The
-    first committed token's law is the target's p after the prompt (chi-square). q is the draft's, peaked on one
-    token: exactness holds for any q the children are drawn from, and a peaked one exposes a wrong residual."""
+    one child), or a root with one child that branches; one-child rejections resolved by the edge (srdv; or hr
+    when the target's likeliest token lies outside the draft's vocabulary, q' zero there). The first committed
+    token's law is the target's p after the prompt (chi-square). q is the draft's, peaked on one token:
+    exactness holds for any q the children are drawn from, and a peaked one exposes a wrong residual."""
     target, draft = tiny_runners
-    params = SamplingParams(temperature=1.5, top_k=6)
+    v, params = target.vocab_size, SamplingParams(temperature=1.5, top_k=6)
     ids = target.tokenizer(PROMPTS[0]).input_ids
     with torch.no_grad():
         p = probs_from_logits(target.model(torch.tensor([ids])).logits[0, -1].float(), params)
         q = probs_from_logits(draft.model(torch.tensor([ids])).logits[0, -1].float(), params)
     flat = (p > 0).float() / (p > 0).sum()  # p's support, evenly
-    q = 0.1 * q + 0.2 * flat + 0.7 * torch.nn.functional.one_hot(p.topk(2).indices[1], len(p))  # peaked
+    q = 0.1 * q + 0.2 * flat + 0.7 * torch.nn.functional.one_hot(p.topk(2).indices[1], v)  # peaked
+    shared = torch.ones(v, dtype=torch.bool)
+    shared[p.argmax()] = not cross  # V_o = {the target's likeliest token} across vocabularies
+    q = q * shared / (q * shared).sum()
+    bitmap = np.packbits(shared.numpy(), bitorder="little").tobytes() if cross else b""
+    strategy = Strategy.HR if cross else Strategy.SRDV
+    grandchildren = shared.nonzero().squeeze(1)[:3].tolist()
     verifier, key = Verifier(target), (b"e", 1)
-    counts = torch.zeros(target.vocab_size)
+    counts = torch.zeros(v)
     for seed in range(2400):
-        verifier.open(key, P.Open(1, ids, Mode.SAMPLE, params.temperature, params.top_k, 1.0, seed, Strategy.SRDV))
+        verifier.open(key, P.Open(1, ids, Mode.SAMPLE, params.temperature, params.top_k, 1.0, seed, strategy,
+                                  bitmap, v))
         if seed % 2:
             kids = draw_children(q, 3, seed, len(ids))
-            tokens, parents, rows = kids + [7, 8, 9], [-1, -1, -1, 0, 1, 2], [encode_q_row(q)]
+            tokens, parents, rows = kids + grandchildren, [-1, -1, -1, 0, 1, 2], [encode_q_row(q)]
             qs = [float(q[x]) for x in kids] + [0.5] * 3
         else:  # the root's one child: the chain rule at the root, then a branching node under it
             kids = draw_children(q, 1, seed, len(ids))
-            tokens, parents, qs = kids + [7, 8], [-1, 0, 0], [float(q[kids[0]]), 0.5, 0.5]
-            rows = [encode_q_row(torch.full((target.vocab_size,), 1.0 / target.vocab_size))]
-        req = P.Verify(1, 1, len(ids), [], tokens, P.f32(qs), parents, rows)
-        verdict = verifier.verify([(key, req)])[0]
+            tokens, parents, qs = kids + grandchildren[:2], [-1, 0, 0], [float(q[kids[0]]), 0.5, 0.5]
+            rows = [encode_q_row(shared / shared.sum())]
+        verdict = verifier.verify([(key, P.Verify(1, 1, len(ids), [], tokens, P.f32(qs), parents, rows))])[0]
         first = tokens[Tree.parse(tokens, parents).path(verdict.node)[0]] if verdict.n_accepted else None
         if first is None and verdict.next_token >= 0:
             first = verdict.next_token
-        elif first is None:  # the root's one child was rejected: the edge draws from the residual with q
-            reply, rejection = verdict, Rejection(q, None, seed, len(ids), 1, 1, Strategy.SRDV)
+        elif first is None:  # the root's one child was rejected: the edge draws from the residual with q'
+            reply, rejection = verdict, Rejection(q, shared if cross else None, seed, len(ids), 1, 1, strategy)
             while not isinstance(first := rejection.step(reply), int):
                 reply = verifier.resample(key, first)
         counts[first] += 1
     assert chi2_pvalue(counts.numpy(), p.numpy()) > 0.001
+    assert counts[p.argmax()] > 0  # across vocabularies too: the target-only token is committed
 
 
 # ------------------------------------------------------------------------------------------ the forward

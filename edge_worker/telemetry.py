@@ -1,4 +1,4 @@
-"""What the edge worker counts; loading.EdgeHealth serves it on the health port (`specrelay edge-worker
+"""What the edge worker counts; server.EdgeHealth serves it on the health port (`specrelay edge-worker
 --health-port`): speculative-decoding counters under vLLM's names, latency histograms, sessions, queue depth,
 bytes, errors.
 

@@ -100,7 +100,7 @@ class Client:
               context: zmq.asyncio.Context | None = None) -> "Client":
         """A client with an EdgeWorker embedded in this process (no local socket): one-process apps.
         The draft model loads when the client starts."""
-        from .edge_worker.loading import load_edge
+        from .edge_worker.server import load_edge
 
         client = cls(f"local edge worker (broker {broker})", timeout, context=context)
 
@@ -182,8 +182,9 @@ class Client:
 
     def _start(self, prompt: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,
                draft_len: int | None, mode: str | None, resample: str | None) -> _Call:
-        """mode: greedy | sample | coupled (None: greedy at temperature 0, else sample); resample: full | hr |
-        srdv (None: the edge's default)."""
+        """mode: greedy | sample | coupled (None: greedy at temperature 0, else the edge's sampling mode, coupled
+        by default); resample: full | hr | srdv (None: the edge's default). The edge builds the session's settings
+        from this GENERATE (edge_worker/config.py) and answers a refusal with an ERROR naming the field."""
         if self._sock is None and self._edge is None:
             raise FatalError("the client is not started (use `async with Client(...)` or `await start()`)")
         msg = P.Generate(next(self._ids), prompt, max_new_tokens, float(temperature), top_k, float(top_p), seed,

@@ -1,16 +1,20 @@
-"""Every flag of every `specrelay` command (argparse), with its default; `cli.py` wires them to the commands.
-Environment variables, one-line usage errors and help formatting come from `cliargs.py`."""
+"""Every flag of every `specrelay` command (argparse); `cli.py` wires them to the commands. An edge's defaults
+are read from its config dataclasses (edge_worker/config.py), so a flag and the library agree. Environment
+variables, one-line usage errors and help formatting come from `cliargs.py`."""
 
 from __future__ import annotations
 
 import argparse
 
 from . import cliargs, defaults
+from .common.protocol import Mode, Objective, Strategy
+from .common.sampling import SamplingParams
+from .edge_worker.config import EdgeConfig, HttpLimits, SessionConfig
 from .paths import demo_model
 
-MODES = ("greedy", "sample", "coupled")
-STRATEGIES = ("full", "hr", "srdv")
-OBJECTIVES = ("speed", "balanced", "cloud")  # what --draft-len auto optimises (docs/draftlen.md)
+MODES = tuple(m.name.lower() for m in Mode)
+STRATEGIES = tuple(s.name.lower() for s in Strategy)
+OBJECTIVES = tuple(o.name.lower() for o in Objective)  # what --draft-len auto optimises (docs/draftlen.md)
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -27,14 +31,14 @@ def add_client_keys(p) -> None:
 
 
 def add_retry_budget(p) -> None:
-    p.add_argument("--retry-budget", type=cliargs.nonneg_float, default=30.0, metavar="SECONDS",
+    p.add_argument("--retry-budget", type=cliargs.nonneg_float, default=EdgeConfig.retry_budget_s, metavar="SECONDS",
                    help="how long a generation keeps retrying through consecutive failures (broker restart, "
                         "no live worker) before it fails")
 
 
-def add_health(p) -> None:
+def add_health(p, default: str = "off") -> None:
     p.add_argument("--health-port", type=cliargs.port, default=None,
-                   help="HTTP port for /healthz, /readyz and /metrics (0 = any free port)")
+                   help=f"HTTP port for /healthz, /readyz and /metrics (0 = any free port) [default: {default}]")
     p.add_argument("--health-host", default="127.0.0.1", help="address the health port binds (0.0.0.0 in a pod)")
 
 
@@ -60,11 +64,11 @@ def add_http(p, default: str | None) -> None:
     p.add_argument("--api-key", action=cliargs.Append, default=None, metavar="KEY",
                    help="require `Authorization: Bearer KEY` on /v1/* (repeatable; each key gets a fair share)")
     p.add_argument("--api-key-file", default=None, metavar="PATH", help="API keys, one a line (# comments)")
-    p.add_argument("--max-concurrent-requests", type=cliargs.positive_int, default=64,
+    p.add_argument("--max-concurrent-requests", type=cliargs.positive_int, default=HttpLimits.max_concurrent,
                    help="HTTP generations in flight; more get 429 with Retry-After")
-    p.add_argument("--max-prompt-tokens-in-flight", type=cliargs.positive_int, default=1 << 19,
+    p.add_argument("--max-prompt-tokens-in-flight", type=cliargs.positive_int, default=HttpLimits.max_prompt_tokens,
                    help="prompt tokens of HTTP generations in flight (at most the broker's per-client quota)")
-    p.add_argument("--http-read-timeout", type=cliargs.seconds, default=10.0, metavar="SECONDS",
+    p.add_argument("--http-read-timeout", type=cliargs.seconds, default=HttpLimits.header_timeout_s, metavar="SECONDS",
                    help="a request's head must arrive within this, its body within 3x (slow clients are closed)")
     p.add_argument("--max-model-len", type=cliargs.positive_int, default=None,
                    help="the target's context; a longer request is refused before any work (default: the target "
@@ -72,27 +76,26 @@ def add_http(p, default: str | None) -> None:
 
 
 def add_objective(p) -> None:
-    p.add_argument("--objective", choices=OBJECTIVES, default="balanced",
+    p.add_argument("--objective", choices=OBJECTIVES, default=EdgeConfig.default_objective.name.lower(),
                    help="what --draft-len auto optimises: speed (the session's tokens/s), balanced (the fewest cloud "
                    "calls within 10%% of the best speed) or cloud (the least cloud time per token, whatever the "
                    "session's speed); docs/draftlen.md")
 
 
 def add_sampling(p) -> None:
-    from .common.protocol import DEFAULT_STRATEGY
-
-    p.add_argument("--max-new-tokens", type=cliargs.positive_int, default=64, help="tokens to generate per prompt")
-    p.add_argument("--temperature", type=cliargs.nonneg_float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=cliargs.count, default=0, help="0 = off")
-    p.add_argument("--top-p", type=cliargs.probability, default=1.0, help="1.0 = off")
-    p.add_argument("--seed", type=cliargs.count, default=0, help="seed of the counter-based sampler")
+    p.add_argument("--max-new-tokens", type=cliargs.positive_int, default=SessionConfig.max_new_tokens,
+                   help="tokens to generate per prompt")
+    p.add_argument("--temperature", type=cliargs.nonneg_float, default=SamplingParams.temperature, help="0 = greedy")
+    p.add_argument("--top-k", type=cliargs.count, default=SamplingParams.top_k, help="0 = off")
+    p.add_argument("--top-p", type=cliargs.probability, default=SamplingParams.top_p, help="1.0 = off")
+    p.add_argument("--seed", type=cliargs.count, default=SessionConfig.seed, help="seed of the counter-based sampler")
     p.add_argument("--draft-len", type=cliargs.draft_len, default="auto",
                    help="tokens drafted per cloud call, or auto (adaptive); 0 = target alone through the same path")
     add_objective(p)
     p.add_argument("--mode", choices=MODES, default=None,
                    help="greedy at temperature 0, else coupled (shared Gumbel noise: the fewest bytes); sample = "
                    "rejection sampling, its rejections resolved by --resample")
-    p.add_argument("--resample", choices=(*STRATEGIES, "coupled"), default=DEFAULT_STRATEGY.name.lower(),
+    p.add_argument("--resample", choices=(*STRATEGIES, "coupled"), default=EdgeConfig.default_resample.name.lower(),
                    help="what a rejection sends down in --mode sample: srdv (fewest bytes) | hr | full")
 
 
@@ -157,7 +160,7 @@ def serve_flags(p) -> None:
     add_target(p)
     add_edge(p)
     add_http(p, defaults.HTTP)
-    add_health(p)
+    add_health(p, "the --http port + 1")
     add_objective(p)
 
 

@@ -19,9 +19,10 @@ from .common.protocol import Mode
 from .common.rng import Purpose, gumbel, sample_index, uniform
 from .common.runner import Decoder, ModelRunner
 from .common.sampling import SamplingParams, probs_from_logits
+from .edge_worker.config import SessionConfig
 from .edge_worker.draftlen import EdgeEstimates
 from .edge_worker.drafter import Drafter
-from .edge_worker.session import EdgeSession, SessionConfig
+from .edge_worker.session import EdgeSession
 
 
 def speculative_generate(draft: ModelRunner | Drafter, target: ModelRunner | Verifier, prompt_ids: list[int],

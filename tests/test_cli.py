@@ -87,6 +87,17 @@ def test_environment_values_go_through_types_and_choices():
     assert "SPECRELAY_MAX_BATCH" in usage_error(["cloud-worker"], {"SPECRELAY_MAX_BATCH": "0"})
 
 
+def test_serve_has_a_health_port_by_default_the_others_only_when_asked():
+    from specrelay.onebox import health_port
+
+    assert health_port(parse(["serve"])) == 8001  # beside the default --http 127.0.0.1:8000
+    assert health_port(parse(["serve", "--http", "127.0.0.1:9000"])) == 9001
+    assert health_port(parse(["serve", "--http", "127.0.0.1:0"])) == 0  # any free port, as the API's
+    assert health_port(parse(["serve", "--health-port", "7000"])) == 7000
+    for command in (["broker"], ["cloud-worker"], ["edge-worker"]):
+        assert parse(command).health_port is None
+
+
 def test_exclusive_flags_from_the_environment():
     assert parse(["generate"], {"SPECRELAY_PROMPT": "hi"}).prompt == "hi"
     args = parse(["generate", "--prompts", "f.jsonl"], {"SPECRELAY_PROMPT": "hi"})  # the flag wins

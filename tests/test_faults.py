@@ -15,7 +15,7 @@ import torch
 
 from specrelay import Client
 from specrelay.cluster import LocalCluster, free_port
-from specrelay.edge_worker.loading import load_edge
+from specrelay.edge_worker.server import load_edge
 from specrelay.edge_worker.server import EdgeConfig
 from specrelay.edge_worker.session import SessionConfig
 

@@ -11,7 +11,7 @@ from specrelay.cloud_worker.batcher import Batcher, Item
 from specrelay.cloud_worker.verifier import Verifier, VerifierConfig
 from specrelay.cluster import LocalCluster
 from specrelay.common import protocol as P
-from specrelay.edge_worker.loading import load_edge
+from specrelay.edge_worker.server import load_edge
 from specrelay.edge_worker.server import EdgeConfig
 from specrelay.edge_worker.session import SessionConfig
 

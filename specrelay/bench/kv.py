@@ -110,21 +110,26 @@ def _step_row(runner, verifiers: dict, ctx: int, batch: int, reps: int) -> dict:
         for kv, (_, new_kv) in zip(per_row, outs):
             append_kv(kv, new_kv, keep=1)
 
-    fns = {"forward": model_forward, "verifier": verifier_step(verifiers[False]),
-           "deterministic": verifier_step(verifiers[True]), "main_path": main_path}
-    times = {name: [] for name in fns}
-    for rep in range(reps + 1):
-        for name, fn in fns.items():  # interleaved, so load changes hit every column alike
-            t0 = time.perf_counter()
-            fn()
-            if rep:  # the first round warms up
-                times[name].append(time.perf_counter() - t0)
-    ms = {name: statistics.median(t) * 1000 for name, t in times.items()}
+    ms = _median_ms({"forward": model_forward, "verifier": verifier_step(verifiers[False]),
+                     "deterministic": verifier_step(verifiers[True]), "main_path": main_path}, reps)
     return {"context": ctx, "batch": batch, "forward_ms": round(ms["forward"], 2),
             "verifier_ms": round(ms["verifier"], 2), "ratio": round(ms["verifier"] / ms["forward"], 3),
             "deterministic_ms": round(ms["deterministic"], 2),
             "deterministic_cost": round(ms["deterministic"] / ms["verifier"], 3),
             "main_path_ms": round(ms["main_path"], 2)}
+
+
+def _median_ms(fns: dict, reps: int) -> dict[str, float]:
+    """Median milliseconds of each function over `reps` rounds, interleaved (load changes hit every column
+    alike), after one warm-up round."""
+    times = {name: [] for name in fns}
+    for rep in range(reps + 1):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            if rep:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) * 1000 for name, t in times.items()}
 
 
 # ------------------------------------------------------------------------------------------- prefill

@@ -149,7 +149,7 @@ def bench_srdv_k(args) -> dict:
     from ..common.runner import ModelRunner
     from ..common.sampling import SamplingParams
     from ..edge_worker.loading import load_drafter
-    from ..edge_worker.session import SessionConfig
+    from ..edge_worker.config import SessionConfig
     from ..speculative import speculative_generate_batch
 
     target = ModelRunner.load(args.target)

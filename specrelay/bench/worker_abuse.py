@@ -149,8 +149,8 @@ def long_prompts(tokenizer, prompts: list[str], n: int, tokens: int) -> list[lis
 
 def run_prefill(args) -> dict:
     from ..cluster import LocalCluster
-    from ..edge_worker.loading import load_edge
-    from ..edge_worker.session import SessionConfig
+    from ..edge_worker.config import SessionConfig
+    from ..edge_worker.server import load_edge
 
     with LocalCluster(args.target, threads=1, extra_worker_args=("--prefill-tokens", "4")) as cluster:
         async def generate() -> tuple[list, float]:

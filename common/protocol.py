@@ -155,8 +155,7 @@ class Open(Base):
 
 
 class QRow(Base):
-    """q at a branching tree node (sample mode; common/tree.py): float32 probs over the target ids (dense, ids
-    empty) or over `ids` (sparse, strictly ascending). The cloud normalises it; children are drawn from it."""
+    """q at a branching tree node (common/tree.py): float32 probs over all target ids, or over ascending `ids`."""
 
     probs: bytes
     ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_SPARSE)] = []
@@ -166,9 +165,8 @@ class Verify(Base):
     """Score a draft block. pos: the edge's committed length (prompt included), so pos - len(tail) is
     what the cloud must already know. tail: committed tokens the cloud has not seen (a token the edge
     drew itself after a rejection). draft: x_1..x_d as target ids. q: float32 q(x_i) per draft token
-    (sample mode only). A token tree (common/tree.py) adds parents: per draft node its parent node, -1 for a
-    child of the last committed token, parents before children (empty: a chain); and in sample mode q_rows:
-    the QRow of every node with two or more children (the root first), in node order."""
+    (sample mode only). A token tree (common/tree.py): parents, per node its parent (-1: the last committed
+    token; [] = a chain), and in sample mode q_rows, the QRow of each node with 2+ children (root first)."""
 
     session: U63
     seq: U63
@@ -207,8 +205,7 @@ class Verdict(Base):
     draw order (repeats kept); cand_p: float32 p(z) once per distinct candidate, in order of first appearance.
     p: float32 target probabilities at the rejected position over the shared vocabulary (resample full | hr);
     theta_o: mass of p outside the shared vocabulary (hr). load: the worker's LoadHint (every HINT_EVERY-th
-    verdict). node: a tree VERIFY's deepest accepted node (-1: none), always sent for a tree, None for a chain
-    (the edge rebuilds the path from its parents; n_accepted is its length). Fields are ordered so each verdict
+    verdict). node: a tree's deepest accepted node (-1: none; None for a chain). Fields are ordered so each verdict
     kind leaves the others' defaults off the end (a greedy verdict is 4 numbers, an SR-DV one carries no empty
     p / theta_o, a verdict without a hint is unchanged)."""
 
@@ -343,13 +340,12 @@ _DEFAULTS = {cls: _defaults(cls) for cls in MESSAGES.values()}
 
 def encode(msg: Base) -> list[bytes]:
     """Message -> [header, body] frames. Trailing fields equal to their defaults are left off the array
-    (msgspec's omit_defaults does not apply to array_like structs); the decoder fills them back in. A float 0
-    before them travels as the int 0 (1 byte, not 9; a float field reads it back as 0.0)."""
+    (msgspec's omit_defaults does not apply to array_like structs); the decoder fills them back in."""
     values = list(msgspec.structs.astuple(msg))
     defaults = _DEFAULTS[type(msg)]
     while values and values[-1] == defaults[len(values) - 1]:
         values.pop()
-    values = [0 if type(v) is float and v == 0 else v for v in values]
+    values = [0 if type(v) is float and v == 0 else v for v in values]  # 1 byte, not 9; read back as 0.0
     return [header(TYPE_OF[type(msg)]), _encoder.encode(values)]
 
 

@@ -105,8 +105,8 @@ def attend_tree(q: torch.Tensor, kv: torch.Tensor, r, scale: float, block: int, 
     key = ("tree", f.window)
     if key not in r.masks:
         r.masks[key] = _tree_masks(r, g, nb, block, f.window)
-    shared, gather, masks, tail_mask, index = r.masks[key]
-    tail_sums, tail_top = _tail(q, kv, gather, tail_mask, scale, block, f)  # top -> [h, tb, n*gp, d+1]; [h, n*gp]
+    shared, moved, masks, tail_mask, index = r.masks[key]
+    tail_sums, tail_top = _tail(q, kv, shared, moved, tail_mask, scale, block, f)  # top -> parts; [h, n*gp]
     qp, sinks = _padded(q, h, masks.shape[0], f)
     keys, values = kv[0].reshape(h * nb, block, d), kv[1].reshape(h * nb, block, d)
     top = tail_top[:, index].clone()            # [h, tiles*QT]: every row's max, over the tail ...
@@ -135,8 +135,9 @@ def _token_top(top: torch.Tensor, tail_top: torch.Tensor, index: torch.Tensor, s
 
 
 def _tree_masks(r, g: int, nb: int, block: int, window: int | None) -> tuple:
-    """(shared, gather [n, tb*block], shared-block masks [tiles, 1, nb, QT, block] (blocks >= shared: none),
-    tail mask [1, n, 1, tb, 1, block], index [tiles*QT]: each padded row's row in the token layout)."""
+    """(shared, moved: (token, tail slot, span slot) of every slot a token's chain layout reads from elsewhere,
+    shared-block masks [tiles, 1, nb, QT, block] (blocks >= shared: none), tail mask [1, n, 1, tb, 1, block],
+    index [tiles*QT]: each padded row's row in the token layout)."""
     lay = r.tree
     device = r.span.kv.device
     shared, gather = lay.chain_slots(r.past, block)
@@ -149,22 +150,25 @@ def _tree_masks(r, g: int, nb: int, block: int, window: int | None) -> tuple:
     gp = -(-g // QT) * QT
     i = torch.arange(masks.shape[0] * QT, device=device)
     index = (i % n) * gp + torch.clamp(i // n, max=g - 1)  # row i = (group i // n, token i % n)
-    return shared, gather.to(device), masks, tail_mask, index
+    own = shared * block + torch.arange(tb * block)
+    token, slot = (gather != own).nonzero(as_tuple=True)
+    moved = tuple(x.to(device) for x in (token, slot, gather[token, slot]))
+    return shared, moved, masks, tail_mask, index
 
 
-def _tail(q, kv, gather, tail_mask, scale: float, block: int, f):
+def _tail(q, kv, shared: int, moved: tuple, tail_mask, scale: float, block: int, f):
     """The tail blocks in the token layout: per token t, tiles of its g query heads (padded to gp rows) against
-    its gathered chain-layout blocks. Returns (parts: top [h, n*gp] -> partial sums [h, tb, n*gp, d+1], the
-    rows' own maxima over the tail [h, n*gp])."""
+    its chain-layout blocks (the span's own tail blocks, a node's ancestors moved in). Returns (parts: top
+    [h, n*gp] -> partial sums [h, tb, n*gp, d+1], the rows' own maxima over the tail [h, n*gp])."""
     hq, n, d = q.shape
     h = kv.shape[1]
-    g, tb = hq // h, gather.shape[1] // block
+    g, tb = hq // h, tail_mask.shape[3]
     tg = -(-g // QT)
     qt = q.new_zeros(h, n, tg * QT, d)
     qt[:, :, :g] = q.view(h, g, n, d).transpose(1, 2)
-    flat = gather.reshape(-1)
-    k, v = (kv[i].index_select(1, flat).view(h, n, 1, tb, block, d).expand(h, n, tg, tb, block, d)
-            .reshape(-1, block, d) for i in (0, 1))
+    token, slot, source = moved
+    k, v = (_chain_tail(kv[i], shared * block, tb * block, n, token, slot, source)
+            .view(h, n, 1, tb, block, d).expand(h, n, tg, tb, block, d).reshape(-1, block, d) for i in (0, 1))
     a = qt.view(h, n, tg, 1, QT, d).expand(h, n, tg, tb, QT, d).reshape(-1, QT, d)
     scores = _scores(a, k, scale, f).view(h, n, tg, tb, QT, block).masked_fill(~tail_mask, float("-inf"))
 
@@ -174,6 +178,14 @@ def _tail(q, kv, gather, tail_mask, scale: float, block: int, f):
         return p.permute(0, 3, 1, 2, 4, 5).reshape(h, tb, n * tg * QT, d + 1)
 
     return parts, scores.amax(dim=(3, 5)).reshape(h, n * tg * QT)
+
+
+def _chain_tail(x: torch.Tensor, start: int, width: int, n: int, token, slot, source) -> torch.Tensor:
+    """x [h, capacity, d] -> [h, n, width, d]: the span's slots start.. for every token (one broadcast copy),
+    then each token's moved slots (its ancestors) written in."""
+    out = x[:, start:start + width].unsqueeze(1).expand(-1, n, -1, -1).clone()
+    out[:, token, slot] = x[:, source]
+    return out
 
 
 def pairwise_sum(x: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,12 @@
-"""The cloud worker process: the pure `Verifier` behind a `BrokerConnection`, with the `Batcher` queue between.
+"""The cloud worker process: the pure `Verifier` behind a `BrokerConnection`, the pure `Scheduler` between.
 
-Three loops (common/transport.Service). The connection receives edge requests into the Batcher and reconnects
-Paranoid-Pirate style (connection.py). The processor applies OPEN / CLOSE / RESAMPLE in arrival order and runs
-ONE `Verifier.verify` per batch in a one-thread executor, so heartbeats flow and the next batch fills while the
-model runs. The ticker sends heartbeats and the systemd watchdog. Only the processor touches the Verifier (through
-the executor thread while it awaits it), so there is no lock. Sessions are keyed by (peer, session): the peer is
-the client id the broker prepends to every edge request.
+Three loops (common/transport.Service). The connection receives edge requests into the Scheduler and reconnects
+Paranoid-Pirate style (connection.py). The processor asks the Scheduler for the next step, waiting only as its
+plan says, applies the OPEN / CLOSE / RESAMPLE it hands over, and runs ONE `Verifier.verify` per step in a
+one-thread executor, so heartbeats flow and the next step fills while the model runs. The ticker sends heartbeats
+and the systemd watchdog. Only the processor touches the Verifier (through the executor thread while it awaits
+it), so there is no lock. Sessions are keyed by (peer, session): the peer is the client id the broker prepends to
+every edge request.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ from ..common.errors import ErrorCode, InvalidRequest, RequestError
 from ..common.metrics import Utilisation
 from ..common.ratelimit import LogLimiter
 from ..common.runner import ModelRunner
-from .batcher import Batcher, Item
 from .config import WorkerConfig, WorkerStats
 from .connection import BrokerConnection
-from .verifier import Verifier, VerifierConfig
+from .scheduler import Item, Scheduler, Step
+from .verifier import Verifier
 
 log = structlog.get_logger("specrelay.cloud")
 
@@ -51,9 +52,8 @@ class CloudWorker(transport.Service):
         super().__init__()
         self.broker = broker
         self.config = c = config or WorkerConfig()
-        self.verifier = Verifier(runner, VerifierConfig(c.max_sessions, c.max_cache_bytes, c.deterministic,
-                                                        c.prefill_tokens, c.evict_idle_s), clock=clock)
-        self.batcher = Batcher(c.max_batch, c.max_wait_ms / 1000, c.idle_after_s)
+        self.verifier = Verifier(runner, c, clock=clock)
+        self.scheduler = Scheduler(c, self.verifier)
         self.health_port = c.health_port
         self._stats = WorkerStats()
         self._clock = clock
@@ -62,7 +62,7 @@ class CloudWorker(transport.Service):
                                            ready=self._ready_message, beat=self._heartbeat_message,
                                            on_request=self._on_request, on_reset=self._on_reset, clock=clock,
                                            curve=curve)
-        self._reset_to = self._reset_done = 0  # the processor forgets connections before generation _reset_to
+        self._gone: set[int] = set()  # broker connections lost, whose sessions the processor is to forget
         self._last_tick = clock()
         self._arrived = asyncio.Event()
         self._executor: ThreadPoolExecutor | None = None
@@ -83,7 +83,7 @@ class CloudWorker(transport.Service):
             "evictions": self.verifier.stats["evictions"], "sessions_open": len(self.verifier.sessions),
             "kv_free_tokens": self.verifier.kv_free_tokens, "kv_capacity_tokens": self.verifier.store.capacity,
             "kv_moves": self.verifier.store.stats["moves"], "prefill_tokens": self.verifier.stats["prefill_tokens"],
-            "queued": len(self.batcher), "connected": int(self.connection.sock is not None),
+            "queued": len(self.scheduler), "connected": int(self.connection.sock is not None),
             "batch_size_mean": s.verify_requests / s.batches if s.batches else 0.0,
             "batch_sizes": dict(s.batch_sizes), "errors": dict(s.errors),
             **s.spec.as_stats(), "forward_seconds": s.forward_seconds,
@@ -133,69 +133,63 @@ class CloudWorker(transport.Service):
 
     def _on_request(self, frames: list[bytes], n_frames: int) -> None:
         self._stats.requests += 1
-        self.batcher.push(self._decode(frames, n_frames))
+        self.scheduler.push(self._decode(frames, n_frames))
         self._arrived.set()
 
     def _decode(self, frames: list[bytes], n_frames: int) -> Item:
-        """An edge request -> Item; anything malformed becomes a ready-made BAD_REQUEST reply."""
-        peer, now, generation = frames[0], self._clock(), self.connection.generation
+        """An edge request -> Item (its header parsed once); anything malformed becomes a ready-made BAD_REQUEST
+        reply."""
+        peer, now, conn = frames[0], self._clock(), self.connection.generation
         try:
             if n_frames != 3:
                 raise InvalidRequest(f"an edge message is 3 frames (client id, header, body), got {n_frames}",
                                      field="frames")
-            if P.parse_header(frames[1]) not in P.EDGE_REQUESTS:
+            msg_type = P.parse_header(frames[1])
+            if msg_type not in P.EDGE_REQUESTS:
                 raise InvalidRequest("a cloud worker takes OPEN, VERIFY, CLOSE or RESAMPLE", field="header.type")
-            msg = P.decode(frames[1:])
+            msg = P.decode_body(msg_type, frames[2])
         except InvalidRequest as exc:
             sid = P.session_or_zero(frames, 2)
-            return Item((peer, sid), P.Error(sid, 0, exc.code, str(exc)), now, generation)
-        return Item((peer, msg.session), msg, now, generation)
+            return Item((peer, sid), P.Error(sid, 0, exc.code, str(exc)), now, conn)
+        return Item((peer, msg.session), msg, now, conn)
 
     def _on_reset(self) -> None:
         """The broker connection was dropped: the processor forgets that connection's sessions and requests."""
-        self._reset_to = self.connection.generation + 1
+        self._gone.add(self.connection.generation)
         self._arrived.set()
 
     # ---- processing --------------------------------------------------------------------------------
 
     async def _process(self) -> None:
         while True:
-            await self._run_batch(await self._next_batch())
+            await self._run_step(await self._next_step())
 
-    async def _next_batch(self) -> list[Item]:
-        """Apply control messages and gather VERIFYs; wait for more only while other sessions may send one."""
-        batch: list[Item] = []
+    async def _next_step(self) -> Step:
+        """Plan until the Scheduler hands over a step, waiting only as it says: for a request (so long), or one
+        turn of the event loop under a flood of control messages."""
         while True:
-            batch = self._apply_reset(batch)
-            if self.batcher.take(batch, self._control, self.verifier.ready):
-                return batch  # the next message waits for this batch's outcome
-            if self.batcher.stopped_early:
-                await asyncio.sleep(0)  # a flood of control messages: let heartbeats and /healthz run
+            self._apply_reset()
+            plan = self.scheduler.plan(self._clock(), self._control)
+            if plan.step is not None:
+                return plan.step
+            if plan.yield_first:
+                await asyncio.sleep(0)  # let heartbeats and /healthz run
                 continue
-            if self.verifier.prefill_pending:
-                return batch  # a prompt is being prefilled: a step now, with the VERIFYs that are ready
-            budget = self.batcher.wait_budget(batch, self._clock(), self.verifier.sessions)
-            if batch and budget <= 0:
-                return batch
             self._arrived.clear()
-            if not batch:
-                await self._arrived.wait()
-                continue
             try:
-                await asyncio.wait_for(self._arrived.wait(), budget)
+                await asyncio.wait_for(self._arrived.wait(), plan.wait)
             except asyncio.TimeoutError:
-                return batch
+                pass
 
-    def _apply_reset(self, batch: list[Item]) -> list[Item]:
-        """After a reconnect: forget the sessions and queued messages of older connections."""
-        if self._reset_done < self._reset_to:
-            self._reset_done = self._reset_to
+    def _apply_reset(self) -> None:
+        """After a reconnect: forget the sessions and queued requests of the connections that are gone."""
+        if self._gone:
+            gone, self._gone = self._gone, set()
             n_sessions = len(self.verifier.sessions)
             self.verifier.reset()
-            stale = self.batcher.drop_before(self._reset_to)
+            stale = self.scheduler.drop(gone)
             self._log.info("state of the previous broker connection dropped", sessions=n_sessions,
                            queued=len(stale))
-        return [item for item in batch if item.generation >= self._reset_to]
 
     def _control(self, item: Item) -> None:
         """OPEN / CLOSE / RESAMPLE, or a ready-made ERROR: handled at once, in arrival order."""
@@ -207,7 +201,6 @@ class CloudWorker(transport.Service):
                 self.verifier.open(item.key, msg)  # success is silent: the edge has pipelined its first VERIFY
             elif isinstance(msg, P.Close):
                 self.verifier.close(item.key)
-                self.batcher.forget(item.key)
             else:
                 self._reply(item, self.verifier.resample(item.key, msg))
         except RequestError as exc:
@@ -218,15 +211,12 @@ class CloudWorker(transport.Service):
             self._reply(item, P.Error(msg.session, getattr(msg, "seq", 0), ErrorCode.INTERNAL,
                                       f"{type(msg).__name__} failed on the worker: {type(exc).__name__}"))
 
-    async def _run_batch(self, batch: list[Item]) -> None:
-        """ONE Verifier.verify (one forward pass) for the whole batch, in the executor thread."""
-        batch = self._apply_reset(batch)
-        if not batch and not self.verifier.prefill_pending:
-            return
+    async def _run_step(self, step: Step) -> None:
+        """ONE Verifier.verify (one forward pass) for the whole step, in the executor thread."""
+        batch = step.verifies
         loop, started = asyncio.get_running_loop(), self._clock()
         counts = self.verifier.stats["forward_tokens"], self.verifier.stats["prefill_tokens"]
-        future = loop.run_in_executor(self._executor, self.verifier.verify, [(i.key, i.msg) for i in batch],
-                                      self.config.prefill_tokens)
+        future = loop.run_in_executor(self._executor, self.verifier.verify, step.requests, step.prefill)
         self._inflight = (future, batch)
         try:
             replies = await asyncio.shield(future)  # cancelled: the batch runs on and shutdown drains it
@@ -276,7 +266,7 @@ class CloudWorker(transport.Service):
         if isinstance(msg, P.Error):
             self._stats.errors[msg.code.name] += 1
             self._stats.bad_requests += msg.code == ErrorCode.BAD_REQUEST
-        if item.generation == self.connection.generation and self.connection.send(item.peer, msg):
+        if item.conn == self.connection.generation and self.connection.send(item.peer, msg):
             self._stats.replies += 1
         else:
             self._stats.replies_dropped += 1

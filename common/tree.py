@@ -21,6 +21,7 @@ import torch
 
 from . import protocol as P
 from .errors import InvalidRequest
+from .packing import f32, from_f32
 from .rng import Purpose, gumbel
 
 
@@ -148,14 +149,14 @@ def q_row_values(row: P.QRow, vocab_size: int) -> torch.Tensor:  # -> [V] float6
     """A QRow -> q over the target ids; InvalidRequest (field q_rows) on a wrong size, unordered or out-of-range
     ids, or no mass."""
     if not row.ids:
-        q = P.from_f32(row.probs, vocab_size, "q_rows").double()
+        q = from_f32(row.probs, vocab_size, "q_rows").double()
     else:
         ids = torch.tensor(row.ids, dtype=torch.long)
         if int(ids[-1]) >= vocab_size or (len(ids) > 1 and not bool((ids[1:] > ids[:-1]).all())):
             raise InvalidRequest(f"q_rows: a sparse row's ids must ascend strictly within [0, {vocab_size})",
                                  field="q_rows")
         q = torch.zeros(vocab_size, dtype=torch.float64)
-        q[ids] = P.from_f32(row.probs, len(ids), "q_rows").double()
+        q[ids] = from_f32(row.probs, len(ids), "q_rows").double()
     total = float(q.sum())
     if not 0 < total < float("inf"):
         raise InvalidRequest("q_rows: a row must hold finite probabilities with a positive sum", field="q_rows")
@@ -167,8 +168,8 @@ def encode_q_row(q: torch.Tensor) -> P.QRow:  # q: [V]
     than dense (4 bytes per target id)."""
     support = (q > 0).nonzero().squeeze(1)
     if 8 * len(support) < 4 * q.shape[0] and len(support) <= P.MAX_SPARSE:
-        return P.QRow(P.f32(q[support]), support.tolist())
-    return P.QRow(P.f32(q))
+        return P.QRow(f32(q[support]), support.tolist())
+    return P.QRow(f32(q))
 
 
 def draw_children(q: torch.Tensor, k: int, seed: int, position: int) -> list[int]:  # q: [V]

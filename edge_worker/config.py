@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from ..common import protocol as P
 from ..common.errors import InvalidRequest
+from ..common.packing import enum_value
 from ..common.protocol import DEFAULT_OBJECTIVE, DEFAULT_SAMPLED_MODE, DEFAULT_STRATEGY, Mode, Objective, Strategy
 from ..common.sampling import SamplingParams
 
@@ -37,9 +38,9 @@ class SessionConfig:
     objective: Objective = DEFAULT_OBJECTIVE  # what `auto` optimises (edge_worker/draftlen.py)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "resample", P.enum_value(Strategy, self.resample, "resample"))
-        object.__setattr__(self, "objective", P.enum_value(Objective, self.objective, "objective"))
-        object.__setattr__(self, "mode", _resolve_mode(self.params, P.enum_value(Mode, self.mode, "mode")))
+        object.__setattr__(self, "resample", enum_value(Strategy, self.resample, "resample"))
+        object.__setattr__(self, "objective", enum_value(Objective, self.objective, "objective"))
+        object.__setattr__(self, "mode", _resolve_mode(self.params, enum_value(Mode, self.mode, "mode")))
         if self.resample is None:
             raise InvalidRequest("resample must be full, hr or srdv", field="resample")
         if self.objective is None:
@@ -103,7 +104,7 @@ class EdgeConfig:
         check = SessionConfig(resample=self.default_resample, draft_len=self.default_draft_len,
                               objective=self.default_objective)  # validates all three
         self.default_resample, self.default_objective = check.resample, check.objective  # names -> members
-        self.sampling_mode = P.enum_value(Mode, self.sampling_mode, "sampling_mode")
+        self.sampling_mode = enum_value(Mode, self.sampling_mode, "sampling_mode")
         if self.sampling_mode in (None, Mode.GREEDY):
             raise ValueError("sampling_mode is the mode at temperature > 0: sample or coupled")
         if self.predraft_window not in ("uplink", "wait"):

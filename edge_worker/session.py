@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from ..common import protocol as P
 from ..common.errors import ErrorCode, InternalError, InvalidRequest, from_wire
+from ..common.packing import f32
 from ..common.protocol import Mode
 from ..common.resample import Rejection
 from .config import SessionConfig
@@ -138,7 +139,7 @@ class EdgeSession:
         job = self._job
         self._chain = DraftChain(len(self.tokens), job.context, self._block, len(self._block.ids)) if job else None
         return P.Verify(self.sid, self.seq, len(self.tokens), self.tokens[self.cloud_len:], self._block.ids,
-                        P.f32(self._block.q_tok) if self.mode == Mode.SAMPLE else b"")
+                        f32(self._block.q_tok) if self.mode == Mode.SAMPLE else b"")
 
     # ---------------------------------------------------------------------------- pre-drafting
     def predraft_job(self) -> DraftJob | None:

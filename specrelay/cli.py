@@ -35,7 +35,7 @@ def cmd_keys(args) -> int:
 
 def cmd_broker(args) -> int:
     from .broker.server import serve
-    from .broker.table import Limits
+    from .broker.quotas import Limits
     from .runtime import run_async
 
     limits = Limits(max_sessions_per_client=args.max_sessions_per_client,

@@ -24,6 +24,7 @@ import zmq.asyncio
 from . import defaults
 from .common import protocol as P
 from .common import transport
+from .common.packing import enum_value
 from .common.errors import FatalError, GenerationTimeout, InvalidRequest, from_wire
 from .edge_worker.frontend import handle_generate
 
@@ -188,8 +189,8 @@ class Client:
         if self._sock is None and self._edge is None:
             raise FatalError("the client is not started (use `async with Client(...)` or `await start()`)")
         msg = P.Generate(next(self._ids), prompt, max_new_tokens, float(temperature), top_k, float(top_p), seed,
-                         -1 if draft_len is None else draft_len, P.enum_value(P.Mode, mode, "mode"),
-                         P.enum_value(P.Strategy, resample, "resample"))
+                         -1 if draft_len is None else draft_len, enum_value(P.Mode, mode, "mode"),
+                         enum_value(P.Strategy, resample, "resample"))
         P.decode(P.encode(msg))  # checks every field's range here, naming the field (InvalidRequest)
         return _Call(self, msg)
 

@@ -51,9 +51,13 @@ def add_edge(p) -> None:
 
 
 def add_target(p) -> None:
+    from .cloud_worker.config import WorkerConfig as W  # the worker's defaults, defined once there
+
     p.add_argument("--model", default=demo_model("demo-target"), help="target model directory or hub id")
-    p.add_argument("--max-batch", type=cliargs.positive_int, default=32, help="VERIFYs verified in one forward")
-    p.add_argument("--max-wait-ms", type=cliargs.nonneg_float, default=5.0, help="longest wait to fill a batch")
+    p.add_argument("--max-batch", type=cliargs.positive_int, default=W.max_batch,
+                   help="VERIFYs verified in one forward")
+    p.add_argument("--max-wait-ms", type=cliargs.nonneg_float, default=W.max_wait_ms,
+                   help="longest wait to fill a batch")
 
 
 def add_http(p, default: str | None) -> None:
@@ -100,6 +104,8 @@ def add_sampling(p) -> None:
 
 
 def broker_flags(p) -> None:
+    from .broker.quotas import Limits  # the broker's defaults, defined once there
+
     p.add_argument("--frontend", default=defaults.BROKER_FRONTEND, help="endpoint edges connect to")
     p.add_argument("--backend", default=defaults.BROKER_BACKEND, help="endpoint cloud workers connect to")
     add_health(p)
@@ -112,21 +118,25 @@ def broker_flags(p) -> None:
     p.add_argument("--insecure", action="store_true", help="allow binding a non-loopback address without keys")
     p.add_argument("--max-rss-mb", type=float, default=1024, metavar="MiB", help="exit (code 75) for a restart once "
                    "resident memory passes this (one huge multipart message can grow it; 0: no limit)")
-    p.add_argument("--max-sessions-per-client", type=cliargs.positive_int, default=256,
+    p.add_argument("--max-sessions-per-client", type=cliargs.positive_int, default=Limits.max_sessions_per_client,
                    help="open sessions per edge key")
-    p.add_argument("--max-prompt-tokens-per-client", type=cliargs.positive_int, default=1 << 20,
+    p.add_argument("--max-prompt-tokens-per-client", type=cliargs.positive_int,
+                   default=Limits.max_prompt_tokens_per_client,
                    help="prompt tokens held by one edge key's open sessions")
-    p.add_argument("--edge-ttl", type=cliargs.seconds, default=10.0,
+    p.add_argument("--edge-ttl", type=cliargs.seconds, default=Limits.edge_ttl,
                    help="seconds an edge may stay silent before its sessions are closed for it")
 
 
 def cloud_worker_flags(p) -> None:
+    from .cloud_worker.config import WorkerConfig as W
+
     add_broker(p, defaults.BROKER_BACKEND, "backend")
     add_target(p)
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="target model weights")
-    p.add_argument("--kv-cache-mb", "--max-cache-mb", dest="max_cache_mb", type=cliargs.nonneg_float, default=2048,
-                   help="size of the preallocated KV store (capped at 1024 full-context sessions)")
+    p.add_argument("--kv-cache-mb", "--max-cache-mb", dest="max_cache_mb", type=cliargs.nonneg_float,
+                   default=W.max_cache_bytes // 2**20,
+                   help=f"size of the preallocated KV store (capped at {W.max_sessions} full-context sessions)")
     p.add_argument("--kv-cache-fraction", type=cliargs.nonneg_float, default=0.0,
                    help="cuda only: give the KV store this share (< 1) of the device memory free after loading "
                         "the model, instead of --kv-cache-mb")
@@ -134,7 +144,7 @@ def cloud_worker_flags(p) -> None:
                    help="batch-invariant numerics: a session's logits do not depend on the other sessions in its "
                         "batch or on prefill chunking, so seeded sampling repeats at any concurrency and after "
                         "failover (slower; see README)")
-    p.add_argument("--prefill-tokens", type=cliargs.positive_int, default=64,
+    p.add_argument("--prefill-tokens", type=cliargs.positive_int, default=W.prefill_tokens,
                    help="prompt tokens prefilled per forward pass, beside the running sessions' verification")
     add_health(p)
     add_client_keys(p)

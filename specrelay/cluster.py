@@ -10,6 +10,8 @@ import sys
 import time
 import urllib.request
 
+from .cloud_worker.config import WorkerConfig
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -21,8 +23,8 @@ class LocalCluster:
     """`with LocalCluster(model) as c:` starts `specrelay broker` and `workers` x `specrelay cloud-worker`,
     waits until every worker answers /healthz, and stops them all (SIGTERM, then SIGKILL) on exit."""
 
-    def __init__(self, target_model: str, workers: int = 1, max_batch: int = 32, threads: int | None = None,
-                 extra_worker_args: tuple[str, ...] = (), startup_timeout: float = 120.0,
+    def __init__(self, target_model: str, workers: int = 1, max_batch: int = WorkerConfig.max_batch,
+                 threads: int | None = None, extra_worker_args: tuple[str, ...] = (), startup_timeout: float = 120.0,
                  extra_broker_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
                  launcher: tuple[str, ...] = ()) -> None:
         self.target_model, self.workers, self.max_batch = target_model, workers, max_batch

@@ -19,6 +19,7 @@ import torch
 
 from .cloud_worker.verifier import Verifier
 from .common import protocol as P
+from .common.packing import f32
 from .common.protocol import Mode, Strategy
 from .common.resample import Rejection
 from .common.rng import gumbel
@@ -95,7 +96,7 @@ def tree_request(session: int, seq: int, context: list[int], cloud_len: int, t: 
     """The tree VERIFY: q per node and the branching nodes' q rows in sample mode only."""
     req = P.Verify(session, seq, len(context), context[cloud_len:], list(t.tokens), parents=list(t.parents))
     if mode == Mode.SAMPLE and t.tokens:
-        req.q = P.f32(t.q)
+        req.q = f32(t.q)
         req.q_rows = [encode_q_row(t.dists[u]) for u in Tree.parse(t.tokens, t.parents).branching()]
     return req
 

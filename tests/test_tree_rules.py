@@ -9,6 +9,7 @@ import torch
 from stats import chi2_pvalue
 
 from specrelay.common import protocol as P
+from specrelay.common.packing import f32
 from specrelay.common import verify
 from specrelay.common.errors import InvalidRequest
 from specrelay.common.rng import Purpose, gumbel, sample_index, uniform
@@ -38,8 +39,8 @@ def test_a_chain_costs_exactly_todays_bytes_and_a_tree_verdict_always_names_its_
     for node in (-1, 3):  # -1 (nothing accepted) travels too: a tree verdict without `node` is an old worker's
         verdict = P.decode(P.encode(P.Verdict(37, 57, 0, 8001, node=node)))
         assert verdict.node == node
-    tree = P.Verify(37, 57, 300, [], [5, 6, 7], P.f32([0.5] * 3), [-1, -1, 0],
-                    [P.QRow(P.f32([0.25] * 4)), P.QRow(P.f32([0.5, 0.5]), [3, 9])])
+    tree = P.Verify(37, 57, 300, [], [5, 6, 7], f32([0.5] * 3), [-1, -1, 0],
+                    [P.QRow(f32([0.25] * 4)), P.QRow(f32([0.5, 0.5]), [3, 9])])
     assert P.decode(P.encode(tree)) == tree
 
 
@@ -84,17 +85,17 @@ def test_q_rows_dense_and_sparse_and_their_checks():
     sparse = encode_q_row(q)
     assert sparse.ids == [1, 3, 4] and torch.allclose(q_row_values(sparse, 12), q.double())
     assert encode_q_row(torch.full((4,), 0.25)).ids == []  # dense is smaller
-    for row, match in [(P.QRow(P.f32([0.5] * 4)), "4 values, expected 5"), (P.QRow(P.f32([0.5, 0.5]), [3, 1]), "ascend"),
-                       (P.QRow(P.f32([0.5]), [9]), "ascend"), (P.QRow(P.f32([0.0] * 5)), "positive sum")]:
+    for row, match in [(P.QRow(f32([0.5] * 4)), "4 values, expected 5"), (P.QRow(f32([0.5, 0.5]), [3, 1]), "ascend"),
+                       (P.QRow(f32([0.5]), [9]), "ascend"), (P.QRow(f32([0.0] * 5)), "positive sum")]:
         with pytest.raises(InvalidRequest, match=match):
             q_row_values(row, 5)
-    req = P.Verify(1, 1, 3, [], [1, 2], P.f32([0.5, 0.5]), [-1, -1], [P.QRow(P.f32([0.0, 1.0, 0, 0, 0]))])
+    req = P.Verify(1, 1, 3, [], [1, 2], f32([0.5, 0.5]), [-1, -1], [P.QRow(f32([0.0, 1.0, 0, 0, 0]))])
     with pytest.raises(InvalidRequest, match="gives token 2, one of its children, no mass"):
         from_verify(req, 5, sample=True)
     with pytest.raises(InvalidRequest, match="2 rows; this tree has 1 branching"):
-        from_verify(P.Verify(1, 1, 3, [], [1, 2], b"", [-1, -1], [P.QRow(P.f32([.2] * 5))] * 2), 5, True)
+        from_verify(P.Verify(1, 1, 3, [], [1, 2], b"", [-1, -1], [P.QRow(f32([.2] * 5))] * 2), 5, True)
     with pytest.raises(InvalidRequest, match="only in SAMPLE mode"):
-        from_verify(P.Verify(1, 1, 3, [], [1, 2], b"", [-1, -1], [P.QRow(P.f32([.2] * 5))]), 5, False)
+        from_verify(P.Verify(1, 1, 3, [], [1, 2], b"", [-1, -1], [P.QRow(f32([.2] * 5))]), 5, False)
 
 
 # ------------------------------------------------------------------------------------------ greedy and coupled

@@ -15,6 +15,7 @@ from specrelay.cloud_worker.attention import Row, forward_packed, install
 from specrelay.cloud_worker.kvcache import KVShape, KVStore
 from specrelay.cloud_worker.verifier import Verifier, VerifierConfig
 from specrelay.common import protocol as P
+from specrelay.common.packing import f32
 from specrelay.common.errors import ErrorCode
 from specrelay.common.protocol import Mode, Strategy
 from specrelay.common.resample import Rejection
@@ -98,7 +99,7 @@ def test_sampled_tree_verification_commits_tokens_distributed_as_p(tiny_runners,
             kids = draw_children(q, 1, seed, len(ids))
             tokens, parents, qs = kids + grandchildren[:2], [-1, 0, 0], [float(q[kids[0]]), 0.5, 0.5]
             rows = [encode_q_row(shared / shared.sum())]
-        verdict = verifier.verify([(key, P.Verify(1, 1, len(ids), [], tokens, P.f32(qs), parents, rows))])[0]
+        verdict = verifier.verify([(key, P.Verify(1, 1, len(ids), [], tokens, f32(qs), parents, rows))])[0]
         first = tokens[Tree.parse(tokens, parents).path(verdict.node)[0]] if verdict.n_accepted else None
         if first is None and verdict.next_token >= 0:
             first = verdict.next_token
@@ -204,9 +205,9 @@ def bad_trees(n: int, v: int) -> list[tuple[dict, str]]:
     return [({"parents": [-1, 0, 0, 5]}, "parents"), ({"parents": [-1, 1, 0, 0]}, "parents"),
             ({"parents": [-1, 0]}, "parents"), ({"draft": [5, 6, 6, 7], "parents": [-1, 0, 0, 1]}, "parents"),
             ({"q_rows": [row]}, "q_rows"), ({"mode": Mode.SAMPLE, "q_rows": []}, "q_rows"),
-            ({"mode": Mode.SAMPLE, "q_rows": [P.QRow(P.f32([0.5] * (v - 1)))]}, "q_rows"),
-            ({"mode": Mode.SAMPLE, "q_rows": [P.QRow(P.f32([1.0, 1.0]), [v, v + 1])]}, "q_rows"),
-            ({"mode": Mode.SAMPLE, "q_rows": [P.QRow(P.f32([0.0] * v))]}, "q_rows"),
+            ({"mode": Mode.SAMPLE, "q_rows": [P.QRow(f32([0.5] * (v - 1)))]}, "q_rows"),
+            ({"mode": Mode.SAMPLE, "q_rows": [P.QRow(f32([1.0, 1.0]), [v, v + 1])]}, "q_rows"),
+            ({"mode": Mode.SAMPLE, "q_rows": [P.QRow(f32([0.0] * v))]}, "q_rows"),
             ({"parents": [], "q_rows": [row]}, "q_rows")]
 
 
@@ -217,7 +218,7 @@ def test_hostile_trees_are_bad_requests_that_change_nothing(tiny_runners):
         mode = overrides.pop("mode", Mode.GREEDY)
         verifier, key = Verifier(target), (b"e", 1)
         verifier.open(key, P.Open(1, ids, mode, 0.0 if mode == Mode.GREEDY else 1.0))
-        req = P.Verify(1, 1, len(ids), [], [5, 6, 7, 8], P.f32([0.25] * 4) if mode == Mode.SAMPLE else b"",
+        req = P.Verify(1, 1, len(ids), [], [5, 6, 7, 8], f32([0.25] * 4) if mode == Mode.SAMPLE else b"",
                        [-1, 0, 0, 1])
         for name, value in overrides.items():
             setattr(req, name, value)
@@ -227,7 +228,7 @@ def test_hostile_trees_are_bad_requests_that_change_nothing(tiny_runners):
         assert verifier.sessions[key].tokens == ids and verifier.stats["forward_passes"] == 0
         follow = P.Verify(1, 2, len(ids), [], [5, 6], b"", [-1, -1])
         if mode == Mode.SAMPLE:
-            follow.q, follow.q_rows = P.f32([0.5, 0.5]), [encode_q_row(torch.full((target.vocab_size,), 0.5))]
+            follow.q, follow.q_rows = f32([0.5, 0.5]), [encode_q_row(torch.full((target.vocab_size,), 0.5))]
         ok = verifier.verify([(key, follow)])[0]  # still served
         assert isinstance(ok, P.Verdict) and ok.node is not None
 

@@ -35,7 +35,9 @@ def bench_step(args) -> dict:
     against the model's own forward over the same new tokens on a DynamicCache built from pre-stacked K/V."""
     import torch
 
-    from ..cloud_worker.verifier import OPEN_HEADROOM, Verifier, VerifierConfig
+    from ..cloud_worker.config import VerifierConfig
+    from ..cloud_worker.scheduler import ChunkedPrefill
+    from ..cloud_worker.verifier import OPEN_HEADROOM, Verifier
     from ..common.runner import ModelRunner
 
     torch.set_num_threads(args.threads)
@@ -80,7 +82,7 @@ def _step_row(runner, verifiers: dict, ctx: int, batch: int, reps: int) -> dict:
         v.reset()
         for key, x in zip(keys, ids):
             v.open(key, P.Open(key[1], x))
-        v.verify([], prefill_tokens=batch * ctx)  # each context cached but its last token
+        v.verify([], ChunkedPrefill(v, batch * ctx).rows())  # each context cached but its last token
     spans = [verifiers[False].store.span(k) for k in keys]
     layers = [(torch.stack([s.kv[li, 0, :, :ctx - 1] for s in spans]), torch.stack([s.kv[li, 1, :, :ctx - 1]
                                                                                      for s in spans]))

@@ -180,6 +180,7 @@ def bench_wire(args) -> dict:
     """Bytes on the wire (header + body frames) of each message, for d = 4 and d = 8 draft tokens.
     Realistic field values: a small per-edge session id (37), token ids near 8000, position 300."""
     from ..common import protocol as P
+    from ..common.packing import f32
 
     sid, ids = 37, lambda n: [8000 + i for i in range(n)]
     size = lambda m: sum(map(len, P.encode(m)))
@@ -187,14 +188,14 @@ def bench_wire(args) -> dict:
     for d in (4, 8):
         rows[f"d={d}"] = {
             "VERIFY greedy/coupled": size(P.Verify(sid, 57, 300, [], ids(d))),
-            "VERIFY sample (q per token)": size(P.Verify(sid, 57, 300, [], ids(d), P.f32([0.5] * d))),
-            "VERIFY sample + 1 tail token": size(P.Verify(sid, 57, 300, [8001], ids(d), P.f32([0.5] * d))),
+            "VERIFY sample (q per token)": size(P.Verify(sid, 57, 300, [], ids(d), f32([0.5] * d))),
+            "VERIFY sample + 1 tail token": size(P.Verify(sid, 57, 300, [8001], ids(d), f32([0.5] * d))),
             "VERIFY greedy/coupled tree (2 branches at the root)": size(P.Verify(sid, 57, 300, [], ids(d), b"",
                                                                                two_branches(d))),
             "VERIFY sample tree, root's q row sparse (top-40)": size(P.Verify(
-                sid, 57, 300, [], ids(d), P.f32([0.5] * d), two_branches(d), [P.QRow(P.f32([0.025] * 40), ids(40))])),
+                sid, 57, 300, [], ids(d), f32([0.5] * d), two_branches(d), [P.QRow(f32([0.025] * 40), ids(40))])),
             "VERIFY sample tree, root's q row dense (8192 floats)": size(P.Verify(
-                sid, 57, 300, [], ids(d), P.f32([0.5] * d), two_branches(d), [P.QRow(P.f32([1 / 8192] * 8192))])),
+                sid, 57, 300, [], ids(d), f32([0.5] * d), two_branches(d), [P.QRow(f32([1 / 8192] * 8192))])),
         }
     rows["any d"] = {
         "OPEN (100-token prompt)": size(P.Open(sid, ids(100), P.Mode.GREEDY)),
@@ -204,9 +205,9 @@ def bench_wire(args) -> dict:
         "VERDICT of a tree (+ the deepest accepted node)": size(P.Verdict(sid, 57, 3, 8001, node=5)),
         f"VERDICT + load hint (1 in {P.HINT_EVERY})": size(P.Verdict(sid, 57, 3, 8001,
                                                                      load=P.LoadHint(16, 5, 41000, 3000, 80))),
-        "VERDICT srdv (4 candidates)": size(P.Verdict(sid, 57, 1, -1, candidates=ids(4), cand_p=P.f32([0.1] * 4))),
-        "VERDICT hr (p on V_c: 2950 floats + θ_o)": size(P.Verdict(sid, 57, 1, -1, p=P.f32([0.0] * 2950), theta_o=0.1)),
-        "VERDICT full (8192 floats)": size(P.Verdict(sid, 57, 1, -1, p=P.f32([0.0] * 8192))),
+        "VERDICT srdv (4 candidates)": size(P.Verdict(sid, 57, 1, -1, candidates=ids(4), cand_p=f32([0.1] * 4))),
+        "VERDICT hr (p on V_c: 2950 floats + θ_o)": size(P.Verdict(sid, 57, 1, -1, p=f32([0.0] * 2950), theta_o=0.1)),
+        "VERDICT full (8192 floats)": size(P.Verdict(sid, 57, 1, -1, p=f32([0.0] * 8192))),
         "RESAMPLE": size(P.Resample(sid, 57, P.ResampleKind.SERVER_ONLY)),
         "RESAMPLED": size(P.Resampled(sid, 57, 8001)),
         "CLOSE": size(P.Close(sid)), "ERROR": size(P.Error(sid, 57, P.ErrorCode.UNKNOWN_SESSION,

@@ -32,6 +32,8 @@ from ..common.ratelimit import TokenBucket
 from ..common.rng import Purpose, gumbel, uniform
 from ..common.runner import ModelRunner
 from ..common.sampling import SamplingParams, probs_from_logits
+from ..common.tree import TreeDraft
+from . import treeverify
 from .attention import Row, forward_packed, install, self_check
 from .config import VerifierConfig
 from .kvcache import KVFull, KVStore
@@ -57,7 +59,7 @@ class CloudSession:
     shared: torch.Tensor | None  # [V_target] bool, None = same vocabulary
     used: float = 0.0            # clock time of its last request
     last_seq: int = -1
-    last_draft: tuple[int, ...] = ()
+    last_draft: tuple = ()       # (draft, parents) of the last VERIFY
     last_reply: P.Verdict | None = None
     pending: resample.Pending | None = None  # a sampled rejection awaiting RESAMPLE
     bitmap: bytes = b""          # the OPEN's shared_vocab: the key of `shared` in Verifier._masks
@@ -71,13 +73,14 @@ class CloudSession:
 @dataclass
 class _Work:
     """One admitted VERIFY: its slot in the reply list, its session, the request, the draft that fits the
-    model's context, and q parsed once."""
+    model's context (a tree's nodes), q parsed once, and the token tree (None: a chain)."""
 
     slot: int
     session: CloudSession
     req: P.Verify
     draft: list[int]
     q: torch.Tensor | None  # [d] q(x_i), sample mode only
+    tree: TreeDraft | None = None
 
 
 class Verifier:
@@ -257,8 +260,8 @@ class Verifier:
         return replies
 
     def _run(self, work: list[_Work], prefill: list[Row], replies: list) -> None:
-        rows = [Row(w.session.key, w.session.tokens[self.cached(w.session.key):] + w.draft, keep=len(w.draft) + 1)
-                for w in work]
+        rows = [Row(w.session.key, w.session.tokens[self.cached(w.session.key):] + w.draft, keep=len(w.draft) + 1,
+                    parents=w.tree.tree.parents if w.tree else ()) for w in work]
         try:
             outputs = self._forward(self.runner.model, self.store, rows + prefill,
                                     deterministic=self.config.deterministic)
@@ -279,7 +282,7 @@ class Verifier:
         self.sessions.move_to_end(key)
         session.used = self.clock()
         if req.seq == session.last_seq and session.last_reply is not None:
-            if tuple(req.draft) != session.last_draft:
+            if (tuple(req.draft), tuple(req.parents)) != session.last_draft:
                 raise InvalidRequest(f"seq {req.seq} was already verified with a different draft", field="seq")
             return None
         if len(session.tokens) + len(req.tail) != req.pos:
@@ -295,7 +298,10 @@ class Verifier:
         if room < 0:
             raise ContextFull(f"session {req.session} has {req.pos} tokens, past the target model's context "
                               f"of {self.max_context} (max_position_embeddings)", field="pos")
-        draft = list(req.draft[:room])
+        tree = treeverify.admit(req, session.mode, self.runner.vocab_size, room, self._forward is forward_packed)
+        draft = list(req.draft[:room]) if tree is None else list(tree.tree.tokens)
+        if q is not None:
+            q = q[:len(draft)] if tree is None else q[tree.kept]
         span = self.store.span(key)
         need = req.pos + len(draft)
         if need > span.capacity:
@@ -303,26 +309,33 @@ class Verifier:
             self.store.ensure(key, need)
         session.tokens.extend(req.tail)
         session.pending = None
-        return _Work(slot, session, req, draft, None if q is None else q[:len(draft)])
+        return _Work(slot, session, req, draft, q, tree)
 
     def _decide(self, w: _Work, logits: torch.Tensor) -> P.Verdict:
-        """logits [d+1, V]: target logits at the d+1 positions after pos-1. Commit; roll the rest back."""
+        """logits [d+1, V]: target logits at the d+1 positions after pos-1 (a tree: after the last committed
+        token and each node). Commit; roll the rest back."""
         s, req = w.session, w.req
-        outcome = self._outcome(s, req, w.draft, w.q, logits)
+        outcome = self._outcome(s, req, w.draft, w.q, logits, w.tree)
         n = outcome.n_accepted
-        self.store.truncate(s.key, len(s.tokens) + n)  # last committed token + accepted drafts stay cached
-        s.tokens.extend(w.draft[:n])
+        path = range(n) if w.tree is None else w.tree.tree.path(outcome.node)  # accepted drafts
+        self.store.keep(s.key, len(s.tokens), path)  # last committed token + the path stay cached; the rest goes
+        s.tokens.extend(w.draft[i] for i in path)
         if outcome.token is None:  # sampled rejection: the edge, holding q', finishes the draw
             verdict = resample.rejection_verdict(req.session, n, s.pending, s.strategy, s.shared, s.seed)
         else:
             s.tokens.append(outcome.token)
             verdict = P.Verdict(req.session, req.seq, n, outcome.token)
-        s.last_seq, s.last_draft, s.last_reply = req.seq, tuple(req.draft), verdict
+        if w.tree is not None:
+            verdict.node = w.tree.original(outcome.node)
+        s.last_seq, s.last_draft, s.last_reply = req.seq, (tuple(req.draft), tuple(req.parents)), verdict
         return verdict
 
     def _outcome(self, s: CloudSession, req: P.Verify, draft_ids: list[int], q: torch.Tensor | None,
-                 logits: torch.Tensor) -> verify.Outcome:
+                 logits: torch.Tensor, tree: TreeDraft | None = None) -> verify.Outcome | verify.TreeOutcome:
         """The mode's acceptance rule on logits [d+1, V], with the counter-based draws at positions pos..pos+d."""
+        if tree is not None:
+            outcome, s.pending = treeverify.decide(s, req.seq, req.pos, tree, q, logits)
+            return outcome
         draft = torch.tensor(draft_ids, dtype=torch.long)  # [d]
         pos, d = req.pos, len(draft_ids)
         if s.mode == Mode.GREEDY:

@@ -25,7 +25,8 @@ from .packing import array_length, field_defaults, field_name, prefix_decoder
 
 PROTOCOL_VERSION = 2        # 2: enums on the wire (mode, resample, kind, code)
 MAX_CONTEXT = 32_768        # tokens in OPEN.tokens (prompt + history on re-prefill); a worker enforces its model's
-MAX_DRAFT = 64              # draft tokens in one VERIFY
+MAX_DRAFT = 64              # draft tokens (chain) or nodes (tree) in one VERIFY; so a tree's depth <= MAX_DRAFT too
+MAX_SPARSE = 16_384         # entries of a sparse QRow (a denser q travels dense: 4 bytes per target id)
 MAX_TAIL = 64               # committed tokens the cloud has not seen, carried by a VERIFY
 MAX_FRAME = 8 * 1024 * 1024  # MAXMSGSIZE on every socket (per frame)
 MAX_FRAMES = 4              # ZeroMQ's MAXMSGSIZE limits frames, not their number: we cap it ourselves
@@ -34,6 +35,7 @@ MAX_PROMPT_CHARS = 1_000_000
 U63 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_CONTEXT * 4)]
+NodeRef = Annotated[int, msgspec.Meta(ge=-1, lt=MAX_DRAFT)]  # a tree node's index; -1: the last committed token
 
 SessionKey = tuple[bytes, int]
 """(peer, session): the session is the edge's own number; the peer is the edge's connection: its routing id on
@@ -122,11 +124,19 @@ class Open(Base):
     vocab_size: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
+class QRow(Base):
+    """q at a branching tree node (common/tree.py): float32 probs over all target ids, or over ascending `ids`."""
+
+    probs: bytes
+    ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_SPARSE)] = []
+
+
 class Verify(Base):
     """Score a draft block. pos: the edge's committed length (prompt included), so pos - len(tail) is
     what the cloud must already know. tail: committed tokens the cloud has not seen (a token the edge
     drew itself after a rejection). draft: x_1..x_d as target ids. q: float32 q(x_i) per draft token
-    (sample mode only)."""
+    (sample mode only). A token tree (common/tree.py): parents, per node its parent (-1: the last committed
+    token; [] = a chain), and in sample mode q_rows, the QRow of each node with 2+ children (root first)."""
 
     session: U63
     seq: U63
@@ -134,6 +144,8 @@ class Verify(Base):
     tail: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_TAIL)] = []
     draft: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_DRAFT)] = []
     q: Annotated[bytes, msgspec.Meta(max_length=4 * MAX_DRAFT)] = b""
+    parents: Annotated[list[NodeRef], msgspec.Meta(max_length=MAX_DRAFT)] = []
+    q_rows: Annotated[list[QRow], msgspec.Meta(max_length=MAX_DRAFT // 2)] = []
 
 
 HINT_EVERY = 4  # a worker attaches a LoadHint to a session's VERDICTs with seq % HINT_EVERY == 1 (1, 5, 9, ...)
@@ -161,8 +173,9 @@ class Verdict(Base):
     draw order (repeats kept); cand_p: float32 p(z) once per distinct candidate, in order of first appearance.
     p: float32 target probabilities at the rejected position over the shared vocabulary (resample full | hr);
     theta_o: mass of p outside the shared vocabulary (hr). load: the worker's LoadHint (every HINT_EVERY-th
-    verdict). Fields are ordered so each verdict kind leaves the others' defaults off the end (a greedy verdict
-    is 4 numbers, an SR-DV one carries no empty p / theta_o, a verdict without a hint is unchanged)."""
+    verdict). node: a tree's deepest accepted node (-1: none; None for a chain). Fields are ordered so each verdict
+    kind leaves the others' defaults off the end (a greedy verdict is 4 numbers, an SR-DV one carries no empty
+    p / theta_o, a verdict without a hint is unchanged)."""
 
     session: U63
     seq: U63
@@ -173,6 +186,7 @@ class Verdict(Base):
     p: bytes = b""
     theta_o: float = 0.0
     load: LoadHint | None = None
+    node: NodeRef | None = None
 
 
 class Resample(Base):
@@ -291,6 +305,7 @@ def encode(msg: Base) -> list[bytes]:
     defaults = _DEFAULTS[type(msg)]
     while values and values[-1] == defaults[len(values) - 1]:
         values.pop()
+    values = [0 if type(v) is float and v == 0 else v for v in values]  # 1 byte, not 9; read back as 0.0
     return [header(TYPE_OF[type(msg)]), _encoder.encode(values)]
 
 

@@ -1,11 +1,11 @@
-"""The broker's routing core: worker registry, edges, session table and in-flight requests, with no sockets.
+"""The broker's routing core: which worker serves a session, and who may speak for it; no sockets.
 
 Events go in (frames from one side, a clock tick, a send that failed); actions come out as a list of
 (socket_name, frames) for the shell to send. Time is passed in (`now`, seconds on a monotonic clock) so
 tests drive heartbeats and expiry without sleeping.
 
 Frames (the first frame is always the ROUTER's routing id of the peer):
-  frontend in/out : [edge_id, header, body]               edges send OPEN VERIFY RESAMPLE CLOSE HEARTBEAT
+  frontend in/out : [edge_id, header, body]               edges send OPEN VERIFY RESAMPLE CLOSE HEARTBEAT (echoed)
   backend out     : [worker_id, handle, header, body]     handle b"" for HEARTBEAT / DISCONNECT
   backend in      : [worker_id, handle, header, body]     handle b"" for READY / HEARTBEAT / DISCONNECT
 An edge's routing id never leaves the broker: workers see an opaque `handle` (a keyed hash of it, the key drawn
@@ -17,16 +17,12 @@ Rules:
 - A new session goes to the least-loaded live worker, later requests to the worker holding it (affinity).
   It is *booked* when the worker accepts it (its first VERDICT); an ERROR for its OPEN frees it again.
 - A worker's reply is delivered only for a session that worker holds (no injection into other sessions).
-- Per-client quotas (sessions, requests in flight, prompt tokens; `Limits`) answer UNAVAILABLE past them.
-- Failure rule: the Majordomo reference broker silently loses the work held by a dead worker; we do not.
-  When a worker dies, every request in flight on it is answered WORKER_LOST (with its seq) and its sessions
-  are forgotten so the edge's re-OPEN lands on a live worker. An edge silent past `edge_ttl` (edges heartbeat)
-  or unreachable has its sessions closed on their workers.
+- Per-client quotas (sessions, requests in flight, prompt tokens; quotas.py) answer UNAVAILABLE past them.
+- Failure rule (liveness.py, which the Router builds on): a dead worker's requests in flight are answered
+  WORKER_LOST, never lost; a silent or unreachable edge has its sessions closed on their workers.
 """
 
 from __future__ import annotations
-
-import itertools
 
 import structlog
 
@@ -35,42 +31,20 @@ from specrelay.common.errors import ErrorCode, InvalidRequest
 from specrelay.common.protocol import CLOUD_REPLIES, EDGE_REQUESTS, MsgType
 from specrelay.common.ratelimit import LogLimiter, TokenBucket
 
-from .heads import open_tokens, read_head
-from .table import EdgeHandles, Limits, Peer, Session, SessionKey, Stats, Usage, Worker
+from .liveness import Liveness
+from .table import Action, Peer, Session, Worker
 
-HEARTBEAT_INTERVAL = 1.0   # seconds between heartbeats to each worker
-HEARTBEAT_LIVENESS = 3     # a worker silent for LIVENESS intervals is dead
 MAX_SHARE, SHARE_SLACK = 1.5, 4  # no worker's claims draw it more than 1.5x the mean sessions (+4)
-
-FRONTEND = "frontend"
-BACKEND = "backend"
-
-Action = tuple[str, list[bytes]]
 
 log = structlog.get_logger("specrelay.broker")
 limited = LogLimiter(log)  # bad input is counted exactly but logged at a bounded rate
+HEARTBEAT_ECHO = protocol.encode(protocol.Heartbeat())  # the broker's answer to an edge's HEARTBEAT, encoded once
 _FORGET_ON = frozenset({ErrorCode.UNKNOWN_SESSION, ErrorCode.INTERNAL})  # the worker no longer holds it
 
 
-class Router:
-    """Assigns sessions to workers, keeps affinity, enforces ownership and quotas, answers for dead workers.
-    Single-threaded."""
-
-    def __init__(self, *, heartbeat_interval: float = HEARTBEAT_INTERVAL, liveness: int = HEARTBEAT_LIVENESS,
-                 limits: Limits | None = None) -> None:
-        if heartbeat_interval <= 0 or liveness < 1:
-            raise ValueError("heartbeat_interval must be > 0 and liveness >= 1")
-        self.heartbeat_interval = heartbeat_interval
-        self.ttl = heartbeat_interval * liveness
-        self.limits = limits or Limits()
-        self.workers: dict[bytes, Worker] = {}
-        self.peers: dict[bytes, Peer] = {}
-        self.sessions: dict[SessionKey, Session] = {}  # (edge_id, the edge's session id) -> session
-        self.usage: dict[object, Usage] = {}           # Peer.client -> what it holds
-        self.stats = Stats()
-        self._serials = itertools.count()
-        self.handles = EdgeHandles()  # what workers see for each edge in `peers`
-        self._next_heartbeat: float | None = None
+class Router(Liveness):
+    """Assigns sessions to workers, keeps affinity, enforces ownership and quotas; answers for dead workers
+    (Liveness). Single-threaded."""
 
     # ---- edge side -------------------------------------------------------------------------------
 
@@ -85,15 +59,18 @@ class Router:
             if n != 3:
                 raise InvalidRequest(f"a request is 2 frames (header, body), got {n - 1}", field="frames")
             msg_type = protocol.parse_header(frames[1])
-            if msg_type == MsgType.HEARTBEAT:
-                return actions  # liveness only (Peer.expires was just renewed)
+            if msg_type == MsgType.HEARTBEAT:  # Peer.expires was just renewed; the echo tells the edge this broker
+                return actions + [self._to_edge(frames[0], HEARTBEAT_ECHO)]  # answers (several brokers: links.py)
             if msg_type not in EDGE_REQUESTS:
                 raise InvalidRequest(f"an edge may not send {msg_type.name}; it sends OPEN, VERIFY, RESAMPLE, "
                                      "CLOSE or HEARTBEAT", field="header.type")
-            session_id, seq = read_head(msg_type, frames[2])
-            tokens = open_tokens(frames[2]) if msg_type == MsgType.OPEN else 0
+            if msg_type == MsgType.OPEN:  # its session and prompt length, read once
+                (session_id, tokens), seq = protocol.read_open(frames[2]), 0
+            else:
+                session_id, seq = protocol.read_head(msg_type, frames[2])
         except InvalidRequest as exc:
-            return actions + self._bad_request(peer, protocol.session_or_zero(frames, 2) if n == 3 else 0, str(exc), now)
+            session_id = protocol.session_or_zero(frames, 2) if n == 3 else 0
+            return actions + self._bad_request(peer, session_id, str(exc), now)
         if msg_type == MsgType.OPEN:
             return actions + self._open(peer, session_id, tokens, frames)
         key = (peer.edge, session_id)
@@ -132,9 +109,9 @@ class Router:
         worker that holds it."""
         key = (peer.edge, session_id)
         session = self.sessions.get(key)
-        usage = self.usage.get(peer.client) or Usage()  # kept only once the client holds a session
         extra_tokens = tokens - (session.tokens if session else 0)
-        refusal = self._quota(usage, new_session=session is None, extra_tokens=extra_tokens)
+        refusal = self.quotas.refuse_open(peer.client, new_session=session is None, extra_tokens=extra_tokens)
+        self.stats.quota_refusals += refusal is not None
         if refusal is None and session is None:
             worker = self._least_loaded()
             if worker is None:
@@ -143,24 +120,17 @@ class Router:
                 session = self.sessions[key] = Session(edge=peer.edge, worker=worker.identity, client=peer.client)
                 worker.sessions.add(key)
                 peer.sessions.add(key)
-                self.usage[peer.client] = usage
-                usage.sessions += 1
+                self.quotas.opened(peer.client)
                 self._gauges()
         if refusal is not None:
             self.stats.unavailable_sent += 1
             return [self._error(peer.edge, session_id, 0, ErrorCode.UNAVAILABLE, refusal)]
-        usage.tokens += extra_tokens
+        self.quotas.add_tokens(peer.client, extra_tokens)
         session.tokens = tokens
         actions = self._forward(session_id, session, MsgType.OPEN, 0, frames)
         if not session.in_flight and not session.booked:  # its OPEN was refused: nothing holds it
             self._forget(key)
         return actions
-
-    def _quota(self, usage: Usage, *, new_session: bool, extra_tokens: int) -> str | None:
-        """Why this client may not open (or grow) a session now, or None."""
-        reason = usage.refusal(self.limits, new_session=new_session, extra_tokens=extra_tokens)
-        self.stats.quota_refusals += reason is not None
-        return reason
 
     def _least_loaded(self) -> Worker | None:
         """The most free KV memory (estimated, `Worker.free_fraction`), then the fewest broker-assigned
@@ -173,18 +143,13 @@ class Router:
 
     def _forward(self, session_id: int, session: Session, msg_type: MsgType, seq: int,
                  frames: list[bytes]) -> list[Action]:
-        usage = self.usage[session.client]
-        if len(session.in_flight) >= self.limits.max_in_flight_per_session:
-            reason = f"session {session_id} already has {len(session.in_flight)} requests in flight"
-        elif usage.in_flight >= self.limits.max_in_flight_per_client:
-            self.stats.quota_refusals += 1
-            reason = f"this client already has {usage.in_flight} requests in flight"
-        else:
+        refusal = self.quotas.take_request(session.client, session_id, len(session.in_flight))
+        if refusal is None:
             session.in_flight.append((msg_type, seq))
-            usage.in_flight += 1
             return [self._to_worker(session.worker, session.edge, frames[1:])]
+        self.stats.quota_refusals += 1
         self.stats.unavailable_sent += 1
-        return [self._error(session.edge, session_id, seq, ErrorCode.UNAVAILABLE, reason + "; retry later")]
+        return [self._error(session.edge, session_id, seq, ErrorCode.UNAVAILABLE, refusal)]
 
     # ---- worker side -----------------------------------------------------------------------------
 
@@ -219,7 +184,7 @@ class Router:
         """Register a worker. A second READY from a known identity means it restarted and lost its state (or,
         under another key, that another worker took the routing id: it inherits nothing either way)."""
         try:
-            ready = protocol.decode(frames[2:])
+            ready = protocol.decode_body(MsgType.READY, frames[3])
         except InvalidRequest as exc:
             return self._bad_worker(worker_id, str(exc))
         actions = []
@@ -234,7 +199,7 @@ class Router:
 
     def _heartbeat(self, worker: Worker, frames: list[bytes]) -> list[Action]:
         try:
-            beat = protocol.decode(frames[2:])
+            beat = protocol.decode_body(MsgType.HEARTBEAT, frames[3])
         except InvalidRequest as exc:
             return self._bad_worker(worker.identity, str(exc))
         worker.heard(beat)
@@ -256,8 +221,11 @@ class Router:
         if not frames[1]:
             return self._bad_worker(worker.identity, f"{msg_type.name} without the edge's id in frame 1")
         try:
-            session_id, seq = read_head(msg_type, frames[3])
-            code = protocol.decode(frames[2:]).code if msg_type == MsgType.ERROR else None
+            if msg_type == MsgType.ERROR:  # its code decides what becomes of the session: decoded once, whole
+                error = protocol.decode_body(msg_type, frames[3])
+                session_id, seq, code = error.session, error.seq, error.code
+            else:
+                (session_id, seq), code = protocol.read_head(msg_type, frames[3]), None
         except InvalidRequest as exc:
             return self._bad_worker(worker.identity, str(exc))
         key = (client, session_id)
@@ -269,7 +237,7 @@ class Router:
             return []
         before = len(session.in_flight)
         session.settle(msg_type, seq)
-        self.usage[session.client].in_flight -= before - len(session.in_flight)
+        self.quotas.settled(session.client, before - len(session.in_flight))
         if code is None:
             session.booked = True
         elif seq == 0 or code in _FORGET_ON:  # it refused the OPEN, or no longer holds the session
@@ -281,122 +249,6 @@ class Router:
         self.stats.bad_worker_messages += 1
         limited.warning("bad worker message dropped", worker=worker_id.hex(), reason=reason)
         return []
-
-    # ---- time and failures -----------------------------------------------------------------------
-
-    def tick(self, now: float) -> list[Action]:
-        """Expire silent workers (WORKER_LOST for their in-flight requests) and silent edges (CLOSE their
-        sessions), and, once per interval, heartbeat every live worker (load: the sessions assigned to it)."""
-        actions: list[Action] = []
-        for worker_id in [w.identity for w in self.workers.values() if now >= w.expires]:
-            actions += self._lose_worker(worker_id, "heartbeat expired", tell_worker=True)
-        for edge in [p.edge for p in self.peers.values() if now >= p.expires]:
-            self.stats.edges_expired += 1
-            actions += self._edge_gone(edge)
-        if self._next_heartbeat is None or now >= self._next_heartbeat:
-            self._next_heartbeat = now + self.heartbeat_interval
-            actions += [self._to_worker(w.identity, b"", protocol.encode(protocol.Heartbeat(load=len(w.sessions))))
-                        for w in self.workers.values()]
-        return actions
-
-    def next_deadline(self) -> float | None:
-        """When `tick` next has work: the next heartbeat or the earliest worker or edge expiry."""
-        times = [w.expires for w in self.workers.values()] + [p.expires for p in self.peers.values()]
-        if self._next_heartbeat is not None:
-            times.append(self._next_heartbeat)
-        return min(times, default=None)
-
-    def undeliverable(self, socket_name: str, frames: list[bytes], now: float, *, peer_gone: bool) -> list[Action]:
-        """A send failed. peer_gone (EHOSTUNREACH): the worker is lost / the edge's sessions are closed.
-        Otherwise the peer's queue is full (EAGAIN): a request to a worker is answered UNAVAILABLE."""
-        self.stats.unroutable += 1
-        peer = frames[0]
-        limited.warning("send failed", socket=socket_name, peer=peer.hex(), peer_gone=peer_gone)
-        if socket_name == FRONTEND:
-            return self._edge_gone(peer) if peer_gone else []
-        if peer_gone:
-            if peer in self.workers:
-                return self._lose_worker(peer, "the worker is unreachable", tell_worker=False)
-            return []
-        return self._worker_full(frames)
-
-    def _worker_full(self, frames: list[bytes]) -> list[Action]:
-        edge, msg_type = self.handles.edge(frames[1]), protocol.parse_header(frames[2])
-        if not edge or msg_type == MsgType.CLOSE:
-            return []  # a heartbeat or a CLOSE: nobody waits for an answer
-        session_id, seq = read_head(msg_type, frames[3])
-        session = self.sessions.get((edge, session_id))
-        if session is not None and session.unsettle(msg_type, seq):
-            self.usage[session.client].in_flight -= 1
-        self.stats.unavailable_sent += 1
-        return [self._error(edge, session_id, seq, ErrorCode.UNAVAILABLE, "the worker's queue is full; retry later")]
-
-    def _edge_gone(self, edge: bytes) -> list[Action]:
-        """The edge disconnected or went silent: close its sessions on their workers so they free the memory."""
-        peer = self.peers.pop(edge, None)
-        self.handles.remove(edge)
-        self.stats.live_edges = len(self.peers)
-        actions = []
-        for key in sorted(peer.sessions) if peer is not None else []:
-            session = self._forget(key)
-            actions.append(self._to_worker(session.worker, edge, protocol.encode(protocol.Close(session=key[1]))))
-        return actions
-
-    def _lose_worker(self, worker_id: bytes, reason: str, *, tell_worker: bool) -> list[Action]:
-        """Remove a worker; every request in flight on it gets WORKER_LOST, never silence."""
-        worker = self.workers.pop(worker_id)
-        n_sessions, lost = len(worker.sessions), []
-        for key in sorted(worker.sessions):
-            session, session_id = self._forget(key), key[1]
-            for seq in session.lost_seqs():
-                lost.append(self._error(session.edge, session_id, seq, ErrorCode.WORKER_LOST,
-                                        f"the worker holding session {session_id} was lost ({reason}); "
-                                        "re-OPEN it with the full context"))
-        self.stats.worker_lost_sent += len(lost)
-        self.stats.workers_lost += 1
-        self._gauges()
-        log.warning("worker lost", worker=worker_id.hex(), reason=reason, sessions=n_sessions,
-                    requests_lost=len(lost))
-        return lost + [self._disconnect(worker_id, reason)] if tell_worker else lost
-
-    # ---- helpers ---------------------------------------------------------------------------------
-
-    def _forget(self, key: SessionKey) -> Session:
-        """Drop a session and give its quota back."""
-        session = self.sessions.pop(key)
-        worker = self.workers.get(session.worker)
-        if worker is not None:
-            worker.sessions.discard(key)
-        peer = self.peers.get(key[0])
-        if peer is not None:
-            peer.sessions.discard(key)
-        usage = self.usage[session.client]
-        usage.sessions -= 1
-        usage.tokens -= session.tokens
-        usage.in_flight -= len(session.in_flight)
-        if usage.sessions == 0:
-            del self.usage[session.client]
-        self._gauges()
-        return session
-
-    def _gauges(self) -> None:
-        self.stats.sessions_open = len(self.sessions)
-        self.stats.live_workers = len(self.workers)
-
-    def _to_edge(self, edge: bytes, message: list[bytes]) -> Action:
-        self.stats.frontend_out += 1
-        return FRONTEND, [edge, *message]
-
-    def _to_worker(self, worker_id: bytes, edge: bytes, message: list[bytes]) -> Action:
-        self.stats.backend_out += 1
-        return BACKEND, [worker_id, self.handles.of(edge) if edge else b"", *message]
-
-    def _disconnect(self, worker_id: bytes, reason: str) -> Action:
-        return self._to_worker(worker_id, b"", protocol.encode(protocol.Disconnect(reason=reason)))
-
-    def _error(self, edge: bytes, session_id: int, seq: int, code: ErrorCode, message: str) -> Action:
-        return self._to_edge(edge, protocol.encode(protocol.Error(session=session_id, seq=seq, code=code,
-                                                                  message=message)))
 
     def _bad_request(self, peer: Peer, session_id: int, message: str, now: float) -> list[Action]:
         """BAD_REQUEST, counted always, answered while the edge's budget lasts (a flood gets silence)."""

@@ -24,8 +24,10 @@ from specrelay.common.pump import Pump, wake_sent
 from specrelay.common.errors import FatalError
 from specrelay.common.membudget import MemoryBudget
 
-from .routing import BACKEND, FRONTEND, HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, Action, Router
-from .table import Limits
+from .liveness import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS
+from .quotas import Limits
+from .routing import Router
+from .table import BACKEND, FRONTEND, Action
 
 DEFAULT_LINGER_MS = 200
 GAUGES = ("sessions_open", "live_workers", "live_edges", "loop_lag_s")

@@ -1,17 +1,28 @@
-"""The broker's tables: live workers, open sessions with their requests in flight, and counters.
+"""The broker's tables: live workers, edge connections, open sessions with their requests in flight, counters,
+and `Tables`, which holds them with the edits that keep them consistent and addresses every action.
 
-Plain data with the few rules that belong to one record; the routing decisions live in `routing.Router`.
+Records carry the few rules that belong to one record. The failure rule builds on `Tables` in
+`liveness.Liveness`, the routing decisions on that in `routing.Router`; quotas are `quotas.Quotas`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import os
 from dataclasses import dataclass, field
 
+from specrelay.common import protocol
+from specrelay.common.errors import ErrorCode
 from specrelay.common.protocol import MsgType, SessionKey
 from specrelay.common.ratelimit import TokenBucket
+
+from .quotas import Limits, Quotas
+
+FRONTEND = "frontend"
+BACKEND = "backend"
+Action = tuple[str, list[bytes]]  # (socket name, frames) for the shell to send
 
 
 NOMINAL_SESSIONS = 1024  # a worker's session count for load estimates when it declares none (or more)
@@ -99,44 +110,6 @@ class Session:
 
 
 @dataclass
-class Limits:
-    """What one client (an edge key; without keys, one edge connection) may hold at once, and how long an edge
-    may stay silent before its sessions are closed for it."""
-
-    max_sessions_per_client: int = 256
-    max_in_flight_per_client: int = 1024
-    max_prompt_tokens_per_client: int = 1 << 20
-    max_in_flight_per_session: int = 64
-    edge_ttl: float = 10.0             # seconds without a message (edges heartbeat every second)
-    bad_replies_per_s: float = 50.0    # BAD_REQUEST answers per edge per second; past it they are only counted
-
-    def __post_init__(self) -> None:
-        if min(self.max_sessions_per_client, self.max_in_flight_per_client, self.max_prompt_tokens_per_client,
-               self.max_in_flight_per_session) < 1 or self.edge_ttl <= 0 or self.bad_replies_per_s < 0:
-            raise ValueError("broker limits must be >= 1, edge_ttl > 0 and bad_replies_per_s >= 0")
-
-
-@dataclass
-class Usage:
-    """What one client holds now."""
-
-    sessions: int = 0
-    in_flight: int = 0
-    tokens: int = 0
-
-    def refusal(self, lim: Limits, *, new_session: bool, extra_tokens: int) -> str | None:
-        """Why this client may not open (or grow) a session now, or None."""
-        if new_session and self.sessions >= lim.max_sessions_per_client:
-            reason = f"this client already holds {self.sessions} sessions (limit {lim.max_sessions_per_client})"
-        elif self.tokens + extra_tokens > lim.max_prompt_tokens_per_client:
-            reason = (f"this client's open sessions would hold {self.tokens + extra_tokens} prompt tokens "
-                      f"(limit {lim.max_prompt_tokens_per_client})")
-        else:
-            return None
-        return reason + "; close sessions or retry later"
-
-
-@dataclass
 class Peer:
     """An edge connection on the frontend: its routing id, the key it authenticated with (None without CURVE),
     when it expires without a message, and a token bucket for answering its bad requests."""
@@ -171,7 +144,7 @@ class Stats:
     workers_lost: int = 0
     foreign_replies: int = 0          # worker replies for sessions that worker does not hold, dropped
     rejected_opens: int = 0           # OPENs a worker refused: the session was never booked, freed again
-    quota_refusals: int = 0           # requests refused by a per-client limit (UNAVAILABLE)
+    quota_refusals: int = 0           # requests refused by a quota (quotas.Limits; UNAVAILABLE)
     edges_expired: int = 0            # edges silent past edge_ttl: their sessions closed for them
     bad_requests_unanswered: int = 0  # past an edge's BAD_REQUEST budget: counted, not answered
     internal_errors: int = 0          # bugs caught by the shell; the message was dropped
@@ -186,21 +159,74 @@ class Stats:
 class EdgeHandles:
     """What workers see instead of an edge's routing id: a keyed 16-byte hash (the key drawn at start), so no
     worker learns the ids the frontend generates (`0x00` + a counter no peer may know). Maps a handle back to
-    the routing id for the edges added and not yet removed."""
+    the routing id for the edges added and not yet removed, and keeps their handles (a keyed hash costs about
+    a microsecond, more than the rest of a request's routing)."""
 
     def __init__(self) -> None:
         self._key = os.urandom(32)
-        self._edges: dict[bytes, bytes] = {}
+        self._edges: dict[bytes, bytes] = {}    # handle -> routing id, for the live edges
+        self._handles: dict[bytes, bytes] = {}  # routing id -> handle, the same edges
 
     def of(self, edge: bytes) -> bytes:
-        return hashlib.blake2b(edge, key=self._key, digest_size=16).digest()
+        handle = self._handles.get(edge)
+        return handle if handle is not None else self._hash(edge)
 
     def add(self, edge: bytes) -> None:
-        self._edges[self.of(edge)] = edge
+        handle = self._handles[edge] = self._hash(edge)
+        self._edges[handle] = edge
 
     def remove(self, edge: bytes) -> None:
-        self._edges.pop(self.of(edge), None)
+        self._edges.pop(self._handles.pop(edge, None) or self._hash(edge), None)
 
     def edge(self, handle: bytes) -> bytes:
         """The routing id behind `handle`; b"" for a handle of no live edge."""
         return self._edges.get(handle, b"")
+
+    def _hash(self, edge: bytes) -> bytes:
+        return hashlib.blake2b(edge, key=self._key, digest_size=16).digest()
+
+class Tables:
+    """The broker's state: live workers, edge connections and open sessions, each client's quota, counters. Its
+    edits keep the tables agreeing with each other; every action leaves through `_to_edge` / `_to_worker`."""
+
+    def __init__(self, limits: Limits | None = None) -> None:
+        self.workers: dict[bytes, Worker] = {}
+        self.peers: dict[bytes, Peer] = {}
+        self.sessions: dict[SessionKey, Session] = {}  # (edge_id, the edge's session id) -> session
+        self.quotas = Quotas(limits)
+        self.limits = self.quotas.limits
+        self.stats = Stats()
+        self.handles = EdgeHandles()  # what workers see for each edge in `peers`
+        self._serials = itertools.count()  # workers' registration order
+
+    def _forget(self, key: SessionKey) -> Session:
+        """Drop a session and give its quota back."""
+        session = self.sessions.pop(key)
+        worker = self.workers.get(session.worker)
+        if worker is not None:
+            worker.sessions.discard(key)
+        peer = self.peers.get(key[0])
+        if peer is not None:
+            peer.sessions.discard(key)
+        self.quotas.closed(session.client, session.tokens, len(session.in_flight))
+        self._gauges()
+        return session
+
+    def _gauges(self) -> None:
+        self.stats.sessions_open = len(self.sessions)
+        self.stats.live_workers = len(self.workers)
+
+    def _to_edge(self, edge: bytes, message: list[bytes]) -> Action:
+        self.stats.frontend_out += 1
+        return FRONTEND, [edge, *message]
+
+    def _to_worker(self, worker_id: bytes, edge: bytes, message: list[bytes]) -> Action:
+        self.stats.backend_out += 1
+        return BACKEND, [worker_id, self.handles.of(edge) if edge else b"", *message]
+
+    def _disconnect(self, worker_id: bytes, reason: str) -> Action:
+        return self._to_worker(worker_id, b"", protocol.encode(protocol.Disconnect(reason=reason)))
+
+    def _error(self, edge: bytes, session_id: int, seq: int, code: ErrorCode, message: str) -> Action:
+        return self._to_edge(edge, protocol.encode(protocol.Error(session=session_id, seq=seq, code=code,
+                                                                  message=message)))

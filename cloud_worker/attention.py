@@ -17,11 +17,13 @@ Two numerics:
 - fast (default): `scaled_dot_product_attention` per session. A session's attention never sees another
   session, but the linear layers' results may depend on how many rows the batch has (BLAS picks kernels by
   shape), so logits can differ in the last bits with batch composition.
-- deterministic (batch-invariant): every matrix product has a fixed shape whatever the batch: the linear
-  layers run on tiles of `TILE` rows, attention on `QUERY_TILE`-row query tiles against `block`-sized key
-  blocks whose partial sums are added in a fixed pairwise order. A token's logits then depend only on its own
-  session's tokens — not on the other sessions in the batch, nor on how its context was split into forward
-  passes (chunked prefill, a re-prefill after failover) — so seeded sampling repeats exactly.
+- deterministic (batch-invariant, cloud_worker/detattn.py): every matrix product has a fixed shape whatever the
+  batch. A token's logits then depend only on its own session's tokens — not on the other sessions in the
+  batch, nor on how its context was split into forward passes (chunked prefill, a re-prefill after failover) —
+  so seeded sampling repeats exactly.
+
+Token trees (cloud_worker/treeattn.py): a row with `parents` ends in a tree's nodes; each node is stored in the
+span's next slot but stands at position past + depth, and attends to the history and its own ancestors only.
 
 The model keeps working for everyone else: the registered function hands any call made outside
 `forward_packed` (another thread, `generate`, a plain forward) to the implementation the model had.
@@ -41,22 +43,24 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from ..common.errors import FatalError
+from . import detattn
 from .kvcache import KVStore, Span
+from .treeattn import TreeLayout
 
 PREFIX = "specrelay_"
-TILE = 16                      # rows per matrix product of a linear layer in deterministic mode
-QUERY_TILE = 8                 # query rows per attention product in deterministic mode
 _NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)  # a 4-D mask makes transformers skip building one
 _local = threading.local()
 
 
 @dataclass
 class Row:
-    """One session in a packed forward: its new token ids, and how many trailing positions need logits."""
+    """One session in a packed forward: its new token ids, how many trailing positions need logits, and for a
+    token tree the parent of each of its last len(parents) ids (-1: the id before them; cloud_worker/treeattn.py)."""
 
     key: object
     ids: Sequence[int]
     keep: int = 0
+    parents: Sequence[int] = ()
 
 
 @dataclass
@@ -83,6 +87,7 @@ class _RowPlan:
     keys: torch.Tensor | None = None    # fast: [layers, h, length, d], a view of the span
     values: torch.Tensor | None = None
     masks: dict = field(default_factory=dict)  # window -> mask, the same for every layer with that window
+    tree: TreeLayout | None = None             # a token tree's positions and mask
 
     @property
     def past(self) -> int:
@@ -174,15 +179,19 @@ def _plan(store: KVStore, rows: list[Row], spans: list[Span], deterministic: boo
     offset = torch.tensor([store.row_offset(s) for s in spans])         # [R]
     owner = torch.repeat_interleave(torch.arange(len(rows)), n)         # [T] row of each new token
     first = torch.cumsum(n, 0) - n                                      # [R] its first token in the packed row
-    positions = past[owner] + torch.arange(len(owner)) - first[owner]   # [T]
-    # row in store.data of (layer 0, keys, head j, position p) = offset + j * capacity + p
+    slots = past[owner] + torch.arange(len(owner)) - first[owner]       # [T] slot in its span
+    positions = slots.clone()                                            # [T]: a tree node's is past + depth
+    # row in store.data of (layer 0, keys, head j, slot s) = offset + j * capacity + s
     cap = capacity[owner]
-    write_base = offset[owner] + torch.arange(h)[:, None] * cap + positions  # [h, T]
+    write_base = offset[owner] + torch.arange(h)[:, None] * cap + slots  # [h, T]
     plans = []
-    for span, q0, k in zip(spans, first.tolist(), n.tolist()):
+    for row, span, q0, k in zip(rows, spans, first.tolist(), n.tolist()):
         length = span.length + k
         kv = span.kv[:, :, :, :length]
-        plans.append(_RowPlan(span, q0, k, length, kv[:, 0], kv[:, 1]))
+        tree = TreeLayout.of(row.parents, k, span.length) if row.parents else None
+        if tree is not None:
+            positions[q0:q0 + k] = tree.pos
+        plans.append(_RowPlan(span, q0, k, length, kv[:, 0], kv[:, 1], tree=tree))
     plan = _Plan(store, plans, write_base.to(device), (h * cap).to(device), deterministic)
     return plan, positions.to(device)
 
@@ -196,8 +205,9 @@ def _attention(plan: _Plan, module, query, key, value, scaling=None, **kwargs):
     _write(plan, layer, key[0], value[0])
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if plan.deterministic:
-        outs = [_attend_deterministic(query[0, :, r.q0:r.q0 + r.n], r.span.kv[layer], r, scale, plan.store.block,
-                                      features) for r in plan.rows]  # each [Hq, n, d]
+        outs = [(detattn.attend if r.tree is None else detattn.attend_tree)(
+            query[0, :, r.q0:r.q0 + r.n], r.span.kv[layer], r, scale, plan.store.block, features)
+            for r in plan.rows]  # each [Hq, n, d]
         out = torch.cat(outs, 1)[None]
     else:
         out = torch.cat([_attend_fast(query[:, :, r.q0:r.q0 + r.n], layer, r, scale, features)
@@ -231,7 +241,8 @@ def _attend_fast(q: torch.Tensor, layer: int, r: _RowPlan, scale: float, f: _Fea
     keys, values = r.keys[layer:layer + 1, :, first:], r.values[layer:layer + 1, :, first:]  # [1, h, L', d]
     if f.window not in r.masks:  # None when every key read is visible (one new token)
         positions = torch.arange(first, r.length, device=q.device)
-        r.masks[f.window] = None if r.n == 1 else _visible(r, f.window, positions)
+        r.masks[f.window] = (None if r.n == 1 else _visible(r, f.window, positions) if r.tree is None
+                             else r.tree.fast_mask(r.past, first, f.window, q.device))
     mask = r.masks[f.window]
     _, hq, n, d = q.shape
     g = hq // keys.shape[1]
@@ -255,100 +266,13 @@ def _attend_fast(q: torch.Tensor, layer: int, r: _RowPlan, scale: float, f: _Fea
     return (probs @ values).reshape(1, hq, n, d)
 
 
-def _block_mask(r: _RowPlan, g: int, block: int, window: int | None, device) -> torch.Tensor:
-    """[tiles, 1, nb, QUERY_TILE, block] bool: True where key k (absolute) is visible to query row i, the rows
-    being the g*n (group, token) pairs padded to whole tiles: k <= past + i % n (and > past + i % n - window).
-    Blocks cover the span's whole capacity, so a block view of the span never needs a copy."""
-    rows = g * r.n
-    tiles = -(-rows // QUERY_TILE)
-    position = r.past + torch.arange(tiles * QUERY_TILE, device=device) % r.n  # padded rows: any valid one
-    position = position.view(tiles, 1, QUERY_TILE, 1)
-    nb = r.span.capacity // block
-    keys = torch.arange(nb * block, device=device).view(1, nb, 1, block)
-    visible = keys <= position
-    if window:
-        visible &= keys > position - window
-    return visible[:, None]
-
-
-def _attend_deterministic(q: torch.Tensor, kv: torch.Tensor, r: _RowPlan, scale: float,
-                          block: int, f: _Features) -> torch.Tensor:
-    """Batch-invariant attention, q [Hq, n, d] -> [Hq, n, d]. Every product has a fixed shape: a tile of
-    QUERY_TILE query rows against one key block, [QUERY_TILE, d] x [d, block] and [QUERY_TILE, block] x
-    [block, d]. Softmax takes an exact max; block partial sums (with the denominator as an extra column) are
-    added pairwise in a fixed order. A masked block contributes exact zeros, so extra blocks (a longer span)
-    never change a result, nor does the number of tiles or sessions in the forward. A sink joins the max and
-    adds exp(sink - max) to the denominator."""
-    hq, n, d = q.shape
-    _, h, cap, _ = kv.shape
-    g, nb, rows = hq // h, cap // block, hq // h * n
-    if f.window not in r.masks:
-        r.masks[f.window] = _block_mask(r, g, block, f.window, q.device)
-    masks = r.masks[f.window]
-    qp = q.new_zeros(h, masks.shape[0] * QUERY_TILE, d)
-    qp[:, :rows] = q.reshape(h, rows, d)      # query heads j*g..j*g+g-1 share K/V head j
-    sinks = None
-    if f.sinks is not None:                   # [h, tiles * QT, 1, 1]: the sink of each padded query row
-        sinks = qp.new_zeros(h, masks.shape[0] * QUERY_TILE)
-        sinks[:, :rows] = f.sinks.to(qp.dtype).view(h, g, 1).expand(h, g, n).reshape(h, rows)
-        sinks = sinks.view(h, -1, 1, 1)
-    keys = kv[0].reshape(h * nb, block, d)    # views: a span's blocks are contiguous per head
-    values = kv[1].reshape(h * nb, block, d)
-    outs = []
-    for t, mask in enumerate(masks):
-        tile = qp[:, t * QUERY_TILE:(t + 1) * QUERY_TILE].repeat_interleave(nb, 0)  # [h*nb, QT, d]
-        scores = (torch.bmm(tile, keys.transpose(1, 2)) * scale).view(h, nb, QUERY_TILE, block)
-        if f.softcap is not None:
-            scores = f.softcap * torch.tanh(scores / f.softcap)
-        scores = scores.masked_fill(~mask, float("-inf"))
-        top = scores.amax(dim=(1, 3), keepdim=True)              # exact, whatever the order
-        sink = None if sinks is None else sinks[:, t * QUERY_TILE:(t + 1) * QUERY_TILE].view(h, 1, QUERY_TILE, 1)
-        if sink is not None:
-            top = torch.maximum(top, sink)
-        e = torch.exp(scores - top).view(h * nb, QUERY_TILE, block)
-        part = torch.cat([torch.bmm(e, values), e.sum(-1, keepdim=True)], -1)  # [h*nb, QT, d+1]
-        total = _pairwise_sum(part.view(h, nb, QUERY_TILE, d + 1))  # [h, QT, d+1]
-        denominator = total[..., d:]
-        if sink is not None:
-            denominator = denominator + torch.exp(sink - top).view(h, QUERY_TILE, 1)
-        outs.append(total[..., :d] / denominator)
-    return torch.cat(outs, 1)[:, :rows].reshape(hq, n, d)
-
-
-def _pairwise_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over dim 1 as a balanced tree over a power-of-two count (zero-padded): the tree over fewer blocks
-    is a subtree of the one over more, so trailing zero blocks never change the sum."""
-    nb = x.shape[1]
-    width = 1 << (nb - 1).bit_length()
-    if width != nb:
-        x = torch.cat([x, x.new_zeros(x.shape[0], width - nb, *x.shape[2:])], 1)
-    while x.shape[1] > 1:
-        x = x[:, 0::2] + x[:, 1::2]
-    return x[:, 0]
-
-
 def _linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """nn.Linear.forward; inside a deterministic `forward_packed`, as products of fixed [TILE, in] x [in, out]
     shape (one batched matmul), so that a row's result does not depend on how many rows the batch has."""
     plan = getattr(_local, "plan", None)
     if plan is None or not plan.deterministic:
         return F.linear(x, self.weight, self.bias)
-    return _tiled_linear(x, self.weight, self.bias)
-
-
-def _tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1])  # [R, in]
-    r = rows.shape[0]
-    if r == 0:
-        return F.linear(x, weight, bias)
-    tiles = -(-r // TILE)
-    padded = rows.new_zeros(tiles * TILE, rows.shape[1])
-    padded[:r] = rows
-    w = weight.t().unsqueeze(0).expand(tiles, *weight.t().shape)  # [tiles, in, out], not copied
-    out = torch.bmm(padded.view(tiles, TILE, -1), w).view(tiles * TILE, -1)[:r]
-    if bias is not None:
-        out = out + bias
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return detattn.tiled_linear(x, self.weight, self.bias)
 
 
 # ---- the start-up self-check -----------------------------------------------------------------------------------
@@ -356,7 +280,7 @@ def _tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def self_check(model, store: KVStore, deterministic: bool, forward=forward_packed,
                path: str = "the cloud worker's packed forward over its KV store") -> None:
     """Raise FatalError (one line) unless ragged `forward`s over `store` (an empty scratch store of the worker's
-    kind), with a rollback, give the model's own logits (common/selfcheck.py)."""
+    kind), with a rollback, and (packed forward) a token tree, give the model's own logits (common/selfcheck.py)."""
     from ..common import selfcheck
 
     a, b = selfcheck.probe(model.get_output_embeddings().weight.shape[0])
@@ -374,3 +298,26 @@ def self_check(model, store: KVStore, deterministic: bool, forward=forward_packe
         return [torch.cat([a1, a2[:2], a3]), torch.cat([b1, b2, b3])]
 
     selfcheck.compare(model, path, probe_path)
+    if forward is forward_packed:
+        _tree_self_check(model, store, deterministic, a, b, path + " with a token tree")
+
+
+def _tree_self_check(model, store: KVStore, deterministic: bool, a: list[int], b: list[int], path: str) -> None:
+    """A tree row after 12 tokens of `a` (a branch along a, one along b), beside another session: each node's
+    logits must be the model's own after its root-to-node path (windows shrunk to 8, so the tree slides)."""
+    from ..common import selfcheck
+
+    tokens, parents = [a[12], b[0], a[13], b[1], a[14], b[2]], [-1, -1, 0, 1, 2, 3]
+    paths = [[]] + [[a[12], a[13], a[14]][:k] if i % 2 == 0 else b[:k] for i, k in enumerate((1, 1, 2, 2, 3, 3))]
+    try:
+        with selfcheck.shrunk_windows(model):
+            want = torch.stack([logits[-1] for logits in selfcheck.reference(model, [a[:12] + p for p in paths])])
+            for key in (0, 1):
+                store.reserve(key, 32)
+            forward_packed(model, store, [Row(0, a[:11])], deterministic=deterministic)
+            got = forward_packed(model, store, [Row(1, b[:5], 1), Row(0, a[11:12] + tokens, 7, parents)],
+                          deterministic=deterministic)[1]
+    except Exception as exc:
+        raise FatalError(f"{type(model).__name__}: {path} failed on the start-up self-check "
+                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc
+    selfcheck.require_close(model, path, [got], [want])

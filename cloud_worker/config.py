@@ -1,4 +1,5 @@
-"""A cloud worker's settings (validated once, here) and its counters."""
+"""A cloud worker's settings, validated once, here: the Verifier's, the Scheduler's, and the worker's, which
+holds both; and its counters."""
 
 from __future__ import annotations
 
@@ -8,46 +9,73 @@ from dataclasses import dataclass, field
 from ..common.metrics import Histogram, SpecDecodeCounters
 
 
-@dataclass
-class WorkerConfig:
-    """How a cloud worker batches, heartbeats and reports."""
+def _check(checks: list[tuple[bool, str]]) -> None:
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
 
-    max_batch: int = 32
-    max_wait_ms: float = 5.0             # longest wait to fill a batch, and only while others may still send
+
+@dataclass
+class VerifierConfig:
+    """The model side (cloud_worker/verifier.py): sessions, KV memory, numerics, eviction."""
+
     max_sessions: int = 1024
-    max_cache_bytes: int = 2 << 30       # the KV store's size (preallocated; see cloud_worker/kvcache.py)
+    max_cache_bytes: int = 2 << 30       # the KV store's size (preallocated; capped at max_sessions full contexts)
     deterministic: bool = False          # batch-invariant numerics: a session's logits never depend on its batch
-    prefill_tokens: int = 64             # prompt tokens prefilled per forward pass (chunked prefill)
     evict_idle_s: float = 60.0           # sessions silent this long may be evicted to admit a new one
+
+    def __post_init__(self) -> None:
+        _check(self._checks())
+
+    def _checks(self) -> list[tuple[bool, str]]:
+        return [(self.max_sessions >= 1, "max_sessions must be >= 1"),
+                (self.max_cache_bytes > 0, "max_cache_bytes must be > 0"),
+                (self.evict_idle_s >= 0, "evict_idle_s must be >= 0")]
+
+
+@dataclass
+class SchedulerConfig:
+    """What goes into each forward pass (cloud_worker/scheduler.py)."""
+
+    max_batch: int = 32                  # VERIFYs in one forward pass
+    max_wait_ms: float = 5.0             # longest wait to fill a batch, and only while others may still send
+    prefill_tokens: int = 64             # prompt tokens prefilled per forward pass (chunked prefill)
+    idle_after_s: float = 5.0            # a session silent this long is not waited for when batching
+
+    def __post_init__(self) -> None:
+        _check(self._checks())
+
+    def _checks(self) -> list[tuple[bool, str]]:
+        return [(self.max_batch >= 1, "max_batch must be >= 1"),
+                (0 <= self.max_wait_ms <= 1000, "max_wait_ms must be in [0, 1000]"),
+                (self.prefill_tokens >= 1, "prefill_tokens must be >= 1"),
+                (self.idle_after_s > 0, "idle_after_s must be > 0")]
+
+
+@dataclass
+class WorkerConfig(SchedulerConfig, VerifierConfig):
+    """A cloud worker's settings: the Verifier's and the Scheduler's (it is both configs), and how it heartbeats,
+    reconnects and reports. Every default is defined here once; the CLI's flags take theirs from these fields."""
+
     heartbeat_interval: float = 1.0
     heartbeat_liveness: int = 3          # broker silent this many intervals = dead: reconnect
     health_port: int | None = None       # HTTP /healthz /readyz /metrics (0 = any free port)
     health_host: str = "127.0.0.1"
     identity: bytes | None = None        # explicit DEALER identity (default: chosen by the broker's ROUTER)
     linger_ms: int = 200                 # bounded, so shutdown cannot hang on unsent frames
-    idle_after_s: float = 5.0            # a session silent this long is not waited for when batching
     reconnect_max_s: float = 32.0        # reconnect back-off doubles from heartbeat_interval up to this
     drain_timeout_s: float = 30.0        # on stop, how long the running batch may take to finish
 
     def __post_init__(self) -> None:
-        checks = [
-            (self.max_batch >= 1, "max_batch must be >= 1"),
-            (0 <= self.max_wait_ms <= 1000, "max_wait_ms must be in [0, 1000]"),
-            (self.max_sessions >= 1, "max_sessions must be >= 1"),
-            (self.max_cache_bytes > 0, "max_cache_bytes must be > 0"),
-            (self.prefill_tokens >= 1, "prefill_tokens must be >= 1"),
-            (self.evict_idle_s >= 0, "evict_idle_s must be >= 0"),
+        _check(VerifierConfig._checks(self) + SchedulerConfig._checks(self) + [
             (self.heartbeat_interval > 0, "heartbeat_interval must be > 0"),
             (self.heartbeat_liveness >= 1, "heartbeat_liveness must be >= 1"),
             (0 <= self.linger_ms <= 5000, "linger_ms must be in [0, 5000] so shutdown cannot hang"),
             (self.identity is None or (0 < len(self.identity) <= 255 and self.identity[0] != 0),
              "identity must be 1-255 bytes and not start with a zero byte (reserved by ZeroMQ)"),
-            (self.idle_after_s > 0 and self.reconnect_max_s > 0 and self.drain_timeout_s >= 0,
-             "idle_after_s and reconnect_max_s must be > 0, drain_timeout_s >= 0"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+            (self.reconnect_max_s > 0 and self.drain_timeout_s >= 0,
+             "reconnect_max_s must be > 0, drain_timeout_s >= 0"),
+        ])
 
     @property
     def broker_ttl(self) -> float:

@@ -8,7 +8,8 @@ consecutive slots from `start` (both multiples of `block`), laid out as
 of which positions [0, span.length) hold its cached K/V. A forward pass writes only the new positions, in
 place (`cloud_worker.attention`), and attention reads a session's K/V as a view of its span: nothing is
 stacked, concatenated or copied per step. Rolling back rejected draft positions is `truncate` (a length
-change); closing or evicting a session is `free`.
+change); a token tree's verdict keeps its accepted path (`keep`: the path's few positions move next to the
+committed history); closing or evicting a session is `free`.
 
 A span that must grow moves once to a larger range (capacity grows by half each time, so a session's moves
 copy O(its length) in total); when free space is fragmented the store compacts (moves spans towards the
@@ -61,7 +62,7 @@ class KVStore:
         self.spans: dict[object, Span] = {}
         self.reserved = 0  # slots held by spans: a counter, so other threads (heartbeats) read it safely
         self._top = 0      # every slot from here on is free
-        self.stats = {"moves": 0, "compactions": 0, "moved_tokens": 0}
+        self.stats = {"moves": 0, "compactions": 0, "moved_tokens": 0, "path_tokens": 0}
         # Deterministic attention reads whole key blocks past a span's length (masked: weight exactly 0), so a
         # new span's slots must hold finite values: zeros. Fast attention reads only [0, length): it can skip
         # the memset, a cost per OPEN that grows with the prompt, on the worker's event loop (issue 18).
@@ -139,6 +140,18 @@ class KVStore:
         """Forget positions >= length (rejected drafts): a length change, nothing is copied."""
         span = self.spans[key]
         span.length = min(span.length, max(0, length))
+
+    def keep(self, key: object, start: int, offsets) -> None:
+        """Keep positions start + offsets[i] at start + i (ascending offsets: a token tree's accepted path) and
+        forget every position past them: the path's K/V moves next to the committed history (at most
+        len(offsets) positions are copied, the history never); the rejected branches are dropped."""
+        moved = [(start + j, start + i) for i, j in enumerate(offsets) if j != i]
+        if moved:
+            span = self.spans[key]
+            source, target = (torch.tensor(side, device=span.kv.device) for side in zip(*moved))
+            span.kv.index_copy_(3, target, span.kv.index_select(3, source))  # index_select copies first
+            self.stats["path_tokens"] += len(moved)
+        self.truncate(key, start + len(offsets))
 
     def free(self, key: object) -> None:
         span = self.spans.pop(key, None)

@@ -1,10 +1,10 @@
 """The cloud's pure core: sessions with their KV, and batched verification (requests in, verdicts out).
 
 No sockets here: `cloud_worker.server` moves bytes to and from a `Verifier`. Sessions are keyed by
-`SessionKey` = (peer, session), so two edges may both number a session 1. One `verify` call runs ONE forward
-pass of the target over every request in the batch (`attention.forward_packed`: the new tokens of all
-sessions packed into one row, attention reading each session's K/V in place in the `KVStore`), plus at most
-`prefill_tokens` of prompts still being prefilled, then applies each session's acceptance rule
+`SessionKey` = (peer, session), so two edges may both number a session 1. One `verify` call runs one step that
+cloud_worker/scheduler.py chose: ONE forward pass of the target over every VERIFY in it and the prompt chunks of
+sessions still being prefilled (`attention.forward_packed`: the new tokens of all sessions packed into one row,
+attention reading each session's K/V in place in the `KVStore`), then each session's acceptance rule
 (common/verify.py).
 
 Limits: an OPEN longer than the model's context (`max_position_embeddings`) is a BAD_REQUEST naming it; one
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,12 +26,16 @@ import torch
 from ..common import protocol as P
 from ..common import resample, verify
 from ..common.errors import ContextFull, InvalidRequest, Overloaded, RequestError, UnknownSession
+from ..common.packing import from_f32
 from ..common.protocol import Mode, SessionKey, Strategy
 from ..common.ratelimit import TokenBucket
 from ..common.rng import Purpose, gumbel, uniform
 from ..common.runner import ModelRunner
 from ..common.sampling import SamplingParams, probs_from_logits
+from ..common.tree import TreeDraft
+from . import treeverify
 from .attention import Row, forward_packed, install, self_check
+from .config import VerifierConfig
 from .kvcache import KVFull, KVStore
 from .owncache import OwnCacheStore, announce_fallback, forward_own_cache
 
@@ -40,15 +44,6 @@ log = structlog.get_logger("specrelay.cloud")
 OPEN_HEADROOM = 64  # token slots reserved beyond the prompt, so the first steps need no move
 # RESAMPLEs per session: an honest edge sends at most SRDV_MAX_ROUNDS + 1 per rejected VERIFY (Pending.admit)
 RESAMPLE_RATE, RESAMPLE_BURST = 200.0, 4 * (resample.SRDV_MAX_ROUNDS + 1)
-
-
-@dataclass
-class VerifierConfig:
-    max_sessions: int = 1024
-    max_cache_bytes: int = 2 << 30  # the KV store's size (capped at max_sessions full-context sessions)
-    deterministic: bool = False     # batch-invariant numerics (attention.py): same logits in any batch
-    prefill_tokens: int = 64        # prompt tokens prefilled per forward pass, beside the batch's VERIFYs
-    evict_idle_s: float = 60.0      # sessions silent this long may be evicted to admit a new one
 
 
 @dataclass
@@ -64,7 +59,7 @@ class CloudSession:
     shared: torch.Tensor | None  # [V_target] bool, None = same vocabulary
     used: float = 0.0            # clock time of its last request
     last_seq: int = -1
-    last_draft: tuple[int, ...] = ()
+    last_draft: tuple = ()       # (draft, parents) of the last VERIFY
     last_reply: P.Verdict | None = None
     pending: resample.Pending | None = None  # a sampled rejection awaiting RESAMPLE
     bitmap: bytes = b""          # the OPEN's shared_vocab: the key of `shared` in Verifier._masks
@@ -78,13 +73,14 @@ class CloudSession:
 @dataclass
 class _Work:
     """One admitted VERIFY: its slot in the reply list, its session, the request, the draft that fits the
-    model's context, and q parsed once."""
+    model's context (a tree's nodes), q parsed once, and the token tree (None: a chain)."""
 
     slot: int
     session: CloudSession
     req: P.Verify
     draft: list[int]
     q: torch.Tensor | None  # [d] q(x_i), sample mode only
+    tree: TreeDraft | None = None
 
 
 class Verifier:
@@ -183,15 +179,6 @@ class Verifier:
     def cached(self, key: SessionKey) -> int:
         return self.store.span(key).length
 
-    def ready(self, key: SessionKey) -> bool:
-        """A VERIFY of this session may join a batch: what is not cached yet fits in one prefill chunk."""
-        s = self.sessions.get(key)
-        return s is None or len(s.tokens) - self.cached(key) <= self.config.prefill_tokens
-
-    @property
-    def prefill_pending(self) -> bool:
-        return any(not self.ready(key) for key in self.sessions)
-
     def _shared_mask(self, bitmap: bytes) -> torch.Tensor | None:
         """The OPEN's shared_vocab bitmap -> [V_target] bool mask (the cached one when a session holds it)."""
         if not bitmap:
@@ -249,12 +236,14 @@ class Verifier:
                          "needed); retry later")
 
     # ------------------------------------------------------------------ verification
-    def verify(self, requests: list[tuple[SessionKey, P.Verify]], prefill_tokens: int = 0) -> list[P.Verdict | P.Error]:
-        """A batch of VERIFY requests -> one VERDICT or ERROR each, in order, from one forward pass, which also
-        prefills up to `prefill_tokens` of sessions not ready yet. A session may appear once per batch."""
+    def verify(self, requests: list[tuple[SessionKey, P.Verify]],
+               prefill: Sequence[Row] = ()) -> list[P.Verdict | P.Error]:
+        """One step: VERIFY requests -> one VERDICT or ERROR each, in order, from one forward pass that also runs
+        `prefill`, chunks of contexts still being prefilled (scheduler.ChunkedPrefill). A session appears at most
+        once per step, in `requests` or in `prefill`."""
         replies: list[P.Verdict | P.Error | None] = [None] * len(requests)
         work: list[_Work] = []
-        busy = frozenset(key for key, _ in requests)
+        busy = frozenset(key for key, _ in requests) | {row.key for row in prefill}  # not evicted while they run
         for slot, (key, req) in enumerate(requests):
             try:
                 item = self._admit(slot, key, req, busy)
@@ -265,30 +254,14 @@ class Verifier:
                 replies[slot] = self.sessions[key].last_reply
             else:
                 work.append(item)
-        prefill = self._prefill_rows(prefill_tokens, exclude={w.session.key for w in work})
+        self.stats["prefill_tokens"] += sum(len(row.ids) for row in prefill)
         if work or prefill:
-            self._run(work, prefill, replies)
+            self._run(work, list(prefill), replies)
         return replies
 
-    def _prefill_rows(self, budget: int, exclude: set) -> list[Row]:
-        """Chunks of prompts not ready yet (oldest session first), `budget` tokens in all; each leaves at least
-        one token uncached, so the session's first VERIFY row computes the logits after its context."""
-        rows = []
-        for key, s in self.sessions.items():
-            if budget <= 0:
-                break
-            if key in exclude or self.ready(key):
-                continue
-            start = self.cached(key)
-            n = min(budget, len(s.tokens) - 1 - start)
-            rows.append(Row(key, s.tokens[start:start + n]))
-            budget -= n
-            self.stats["prefill_tokens"] += n
-        return rows
-
     def _run(self, work: list[_Work], prefill: list[Row], replies: list) -> None:
-        rows = [Row(w.session.key, w.session.tokens[self.cached(w.session.key):] + w.draft, keep=len(w.draft) + 1)
-                for w in work]
+        rows = [Row(w.session.key, w.session.tokens[self.cached(w.session.key):] + w.draft, keep=len(w.draft) + 1,
+                    parents=w.tree.tree.parents if w.tree else ()) for w in work]
         try:
             outputs = self._forward(self.runner.model, self.store, rows + prefill,
                                     deterministic=self.config.deterministic)
@@ -309,7 +282,7 @@ class Verifier:
         self.sessions.move_to_end(key)
         session.used = self.clock()
         if req.seq == session.last_seq and session.last_reply is not None:
-            if tuple(req.draft) != session.last_draft:
+            if (tuple(req.draft), tuple(req.parents)) != session.last_draft:
                 raise InvalidRequest(f"seq {req.seq} was already verified with a different draft", field="seq")
             return None
         if len(session.tokens) + len(req.tail) != req.pos:
@@ -320,12 +293,15 @@ class Verifier:
         if req.q and session.mode != Mode.SAMPLE:
             raise InvalidRequest(f"q travels only in SAMPLE mode; session {req.session} is {session.mode.name}",
                                  field="q")
-        q = P.from_f32(req.q, len(req.draft), "q") if session.mode == Mode.SAMPLE else None
+        q = from_f32(req.q, len(req.draft), "q") if session.mode == Mode.SAMPLE else None
         room = self.max_context - req.pos  # draft tokens that fit: positions pos-1+d <= max_context-1
         if room < 0:
             raise ContextFull(f"session {req.session} has {req.pos} tokens, past the target model's context "
                               f"of {self.max_context} (max_position_embeddings)", field="pos")
-        draft = list(req.draft[:room])
+        tree = treeverify.admit(req, session.mode, self.runner.vocab_size, room, self._forward is forward_packed)
+        draft = list(req.draft[:room]) if tree is None else list(tree.tree.tokens)
+        if q is not None:
+            q = q[:len(draft)] if tree is None else q[tree.kept]
         span = self.store.span(key)
         need = req.pos + len(draft)
         if need > span.capacity:
@@ -333,26 +309,33 @@ class Verifier:
             self.store.ensure(key, need)
         session.tokens.extend(req.tail)
         session.pending = None
-        return _Work(slot, session, req, draft, None if q is None else q[:len(draft)])
+        return _Work(slot, session, req, draft, q, tree)
 
     def _decide(self, w: _Work, logits: torch.Tensor) -> P.Verdict:
-        """logits [d+1, V]: target logits at the d+1 positions after pos-1. Commit; roll the rest back."""
+        """logits [d+1, V]: target logits at the d+1 positions after pos-1 (a tree: after the last committed
+        token and each node). Commit; roll the rest back."""
         s, req = w.session, w.req
-        outcome = self._outcome(s, req, w.draft, w.q, logits)
+        outcome = self._outcome(s, req, w.draft, w.q, logits, w.tree)
         n = outcome.n_accepted
-        self.store.truncate(s.key, len(s.tokens) + n)  # last committed token + accepted drafts stay cached
-        s.tokens.extend(w.draft[:n])
+        path = range(n) if w.tree is None else w.tree.tree.path(outcome.node)  # accepted drafts
+        self.store.keep(s.key, len(s.tokens), path)  # last committed token + the path stay cached; the rest goes
+        s.tokens.extend(w.draft[i] for i in path)
         if outcome.token is None:  # sampled rejection: the edge, holding q', finishes the draw
             verdict = resample.rejection_verdict(req.session, n, s.pending, s.strategy, s.shared, s.seed)
         else:
             s.tokens.append(outcome.token)
             verdict = P.Verdict(req.session, req.seq, n, outcome.token)
-        s.last_seq, s.last_draft, s.last_reply = req.seq, tuple(req.draft), verdict
+        if w.tree is not None:
+            verdict.node = w.tree.original(outcome.node)
+        s.last_seq, s.last_draft, s.last_reply = req.seq, (tuple(req.draft), tuple(req.parents)), verdict
         return verdict
 
     def _outcome(self, s: CloudSession, req: P.Verify, draft_ids: list[int], q: torch.Tensor | None,
-                 logits: torch.Tensor) -> verify.Outcome:
+                 logits: torch.Tensor, tree: TreeDraft | None = None) -> verify.Outcome | verify.TreeOutcome:
         """The mode's acceptance rule on logits [d+1, V], with the counter-based draws at positions pos..pos+d."""
+        if tree is not None:
+            outcome, s.pending = treeverify.decide(s, req.seq, req.pos, tree, q, logits)
+            return outcome
         draft = torch.tensor(draft_ids, dtype=torch.long)  # [d]
         pos, d = req.pos, len(draft_ids)
         if s.mode == Mode.GREEDY:

@@ -1,38 +1,32 @@
-"""The whole specrelay wire protocol: every message, field and limit, in one place.
+"""The whole specrelay wire protocol: every message, field, enum and limit, and what a router reads of them.
 
-A message is two ZeroMQ frames: a 2-byte header (protocol version, message type) and a MessagePack body
-encoded from a typed msgspec Struct (array_like: fields travel by position, no names; trailing defaults
-are omitted). No pickle anywhere. Probability arrays travel as little-endian float32 `bytes`.
+A message is two ZeroMQ frames: a 2-byte header (protocol version, message type) and a MessagePack body from a
+typed msgspec Struct (array_like: fields by position; trailing defaults omitted; no pickle). Probability arrays
+travel as little-endian float32 `bytes` (common/packing.py). Enums travel as small ints, decode only to a member.
 
-Socket topology (edge DEALER -> broker frontend ROUTER; broker backend ROUTER <- worker DEALER):
-  edge   -> broker : [header, body]                      OPEN, VERIFY, CLOSE, RESAMPLE, HEARTBEAT (liveness)
-  broker -> worker : [client_id, header, body]           the broker prepends the edge's handle (a keyed
-                                                         16-byte hash of its routing id, never the id)
-  worker -> broker : [client_id, header, body]           VERDICT/ERROR/RESAMPLED (client_id b"" for
-                                                         READY, HEARTBEAT, DISCONNECT)
-  broker -> edge   : [header, body]                      VERDICT, ERROR, RESAMPLED
-  client <-> edge  : [header, body]                      GENERATE, CANCEL / TOKENS, DONE, ERROR
-Every session-scoped body has `session` as its first field so the broker can route without decoding the
-rest (`SessionHeader`). A session id is chosen by the edge and unique per edge only: broker and workers key a
-session by `SessionKey` = (peer, session), so edges number their sessions 1, 2, ... and the id costs one byte
-in most messages. The broker never decodes tensors. Enumerations (mode, strategy, kind, code) travel as one
-small int each and decode only to a known member.
+  edge   -> broker : [header, body]             OPEN, VERIFY, CLOSE, RESAMPLE, HEARTBEAT (liveness)
+  broker -> worker : [client_id, header, body]  client_id: the edge's handle (a keyed hash of its routing id)
+  worker -> broker : [client_id, header, body]  VERDICT, ERROR, RESAMPLED (b"": READY, HEARTBEAT, DISCONNECT)
+  broker -> edge   : [header, body]             VERDICT, ERROR, RESAMPLED
+  client <-> edge  : [header, body]             GENERATE, CANCEL / TOKENS, DONE, ERROR
+Every session-scoped body has `session` first: the broker routes on `read_head` / `read_open`, never decoding the
+rest. A session id is the edge's own, unique per edge only: broker and workers key by `SessionKey`.
 """
 
 from __future__ import annotations
 
 import enum
-import math
-import re
 from typing import Annotated
 
 import msgspec
 
 from .errors import ErrorCode, InvalidRequest  # noqa: F401  (ErrorCode is part of the wire)
+from .packing import array_length, field_defaults, field_name, prefix_decoder
 
 PROTOCOL_VERSION = 2        # 2: enums on the wire (mode, resample, kind, code)
 MAX_CONTEXT = 32_768        # tokens in OPEN.tokens (prompt + history on re-prefill); a worker enforces its model's
-MAX_DRAFT = 64              # draft tokens in one VERIFY
+MAX_DRAFT = 64              # draft tokens (chain) or nodes (tree) in one VERIFY; so a tree's depth <= MAX_DRAFT too
+MAX_SPARSE = 16_384         # entries of a sparse QRow (a denser q travels dense: 4 bytes per target id)
 MAX_TAIL = 64               # committed tokens the cloud has not seen, carried by a VERIFY
 MAX_FRAME = 8 * 1024 * 1024  # MAXMSGSIZE on every socket (per frame)
 MAX_FRAMES = 4              # ZeroMQ's MAXMSGSIZE limits frames, not their number: we cap it ourselves
@@ -41,11 +35,11 @@ MAX_PROMPT_CHARS = 1_000_000
 U63 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_CONTEXT * 4)]
+NodeRef = Annotated[int, msgspec.Meta(ge=-1, lt=MAX_DRAFT)]  # a tree node's index; -1: the last committed token
 
 SessionKey = tuple[bytes, int]
 """(peer, session): the session is the edge's own number; the peer is the edge's connection: its routing id on
-the broker's frontend (the broker binds a routing id to the CURVE key it first spoke with), and on a worker the
-handle the broker sends in its place (`client_id`). Broker, Verifier and batcher key every session by it."""
+the broker's frontend (bound to the CURVE key it first spoke with), on a worker the handle sent in its place."""
 
 
 class MsgType(enum.IntEnum):
@@ -70,8 +64,8 @@ CLOUD_REPLIES = frozenset({MsgType.VERDICT, MsgType.RESAMPLED, MsgType.ERROR})  
 
 
 class Mode(enum.IntEnum):
-    """GREEDY: accept while draft == target argmax (temperature 0, and only then). SAMPLE: accept w.p.
-    min(1, p/q'), a rejection resolved by the `Resample` strategy. COUPLED: shared Gumbel noise, no q travels."""
+    """GREEDY: accept while draft == target argmax (temperature 0 only). SAMPLE: accept w.p. min(1, p/q'), a
+    rejection resolved by the `Resample` strategy. COUPLED: shared Gumbel noise, no q travels."""
 
     GREEDY = 0
     SAMPLE = 1
@@ -88,9 +82,8 @@ class Strategy(enum.IntEnum):
 
 
 class Objective(enum.IntEnum):
-    """What `--draft-len auto` optimises (edge_worker/draftlen.py, docs/draftlen.md): SPEED the session's tokens
-    per second; BALANCED the fewest cloud calls among lengths within a tolerance of the best speed; CLOUD the
-    fewest cloud calls drafting can give (the longest drafts that still pay)."""
+    """What `--draft-len auto` optimises (docs/draftlen.md): SPEED the session's tokens per second; BALANCED the
+    fewest cloud calls within a tolerance of the best speed; CLOUD the fewest cloud calls drafting can give."""
 
     SPEED = 0
     BALANCED = 1
@@ -108,38 +101,16 @@ DEFAULT_STRATEGY = Strategy.SRDV     # in SAMPLE mode when no strategy is named 
 DEFAULT_OBJECTIVE = Objective.BALANCED  # what auto optimises when nobody names it (docs/draftlen.md)
 
 
-def enum_value(kind: type[enum.IntEnum], value, field: str):
-    """A member of `kind` from a member, its int or its name in any case ('srdv' -> Strategy.SRDV); None stays
-    None. Anything else raises InvalidRequest naming the field and the choices (the Python API's boundary)."""
-    if value is None or isinstance(value, kind):
-        return value
-    try:
-        return kind[value.upper()] if isinstance(value, str) else kind(value)
-    except (KeyError, ValueError):
-        choices = ", ".join(m.name.lower() for m in kind)
-        raise InvalidRequest(f"{field} must be one of {choices}, got {value!r}", field=field) from None
-
-
 class Base(msgspec.Struct, array_like=True, omit_defaults=True, forbid_unknown_fields=False):
     pass
 
 
-class SessionHeader(Base):
-    """The first field of every session-scoped body; all the broker ever decodes."""
-
-    session: U63
-
-
 class Open(Base):
-    """Start (or re-prefill) a session on a worker.
-
-    session: id chosen by the edge, unique per edge; broker and workers key it by (peer, session).
-    tokens: the whole target-vocab context (prompt, plus the committed history when re-sending after
-    UNKNOWN_SESSION). temperature/top_k/top_p: the shared transform. seed: the counter-based RNG seed.
-    shared_vocab: the shared vocabulary V_c as a packed bitmap over the target ids (numpy packbits, little bit
-    order); b"" = same vocabulary (V_c = all). vocab_size: the target vocabulary size the edge's noise and q'
-    rows assume; the worker refuses a mismatch (0: unchecked).
-    """
+    """Start (or re-prefill) a session on a worker. session: chosen by the edge, unique per edge. tokens: the
+    whole target-vocab context (prompt, plus the committed history when re-sending after UNKNOWN_SESSION).
+    temperature/top_k/top_p: the shared transform. seed: the counter-based RNG seed. shared_vocab: V_c as a
+    packed bitmap over the target ids (numpy packbits, little bit order); b"" = same vocabulary (V_c = all).
+    vocab_size: the target vocabulary size the edge's noise and q' rows assume; a mismatch is refused (0: unchecked)."""
 
     session: U63
     tokens: Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_CONTEXT)]
@@ -153,11 +124,19 @@ class Open(Base):
     vocab_size: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
+class QRow(Base):
+    """q at a branching tree node (common/tree.py): float32 probs over all target ids, or over ascending `ids`."""
+
+    probs: bytes
+    ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_SPARSE)] = []
+
+
 class Verify(Base):
     """Score a draft block. pos: the edge's committed length (prompt included), so pos - len(tail) is
     what the cloud must already know. tail: committed tokens the cloud has not seen (a token the edge
     drew itself after a rejection). draft: x_1..x_d as target ids. q: float32 q(x_i) per draft token
-    (sample mode only)."""
+    (sample mode only). A token tree (common/tree.py): parents, per node its parent (-1: the last committed
+    token; [] = a chain), and in sample mode q_rows, the QRow of each node with 2+ children (root first)."""
 
     session: U63
     seq: U63
@@ -165,19 +144,19 @@ class Verify(Base):
     tail: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_TAIL)] = []
     draft: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_DRAFT)] = []
     q: Annotated[bytes, msgspec.Meta(max_length=4 * MAX_DRAFT)] = b""
+    parents: Annotated[list[NodeRef], msgspec.Meta(max_length=MAX_DRAFT)] = []
+    q_rows: Annotated[list[QRow], msgspec.Meta(max_length=MAX_DRAFT // 2)] = []
 
 
 HINT_EVERY = 4  # a worker attaches a LoadHint to a session's VERDICTs with seq % HINT_EVERY == 1 (1, 5, 9, ...)
 
 
 class LoadHint(Base):
-    """The worker's load when it verified a request, for the edge's goodput-driven draft length
-    (edge_worker/draftlen.py): batch = rows in the forward pass, width = the widest row's new tokens, forward_us =
-    its duration, queue_us = how long the request waited in the worker before it, tokens = all the tokens it ran
-    (what its duration grows with: every row's uncached context and draft, and prompt chunks), prefill = how many
-    of them were prompt chunks of sessions not verifying yet, busy = the share of the worker's recent wall time
-    spent in forward passes, per mille (its utilisation: the price of a cloud call). Seven small ints; sent on
-    every HINT_EVERY-th VERDICT only. The trailing ones are 0 from a worker older than them."""
+    """The worker's load when it verified a request, for the edge's draft length (edge_worker/draftlen.py):
+    batch = rows in the forward pass, width = the widest row's new tokens, forward_us = its duration, queue_us =
+    how long the request waited for it, tokens = all the tokens it ran (every row's uncached context and draft,
+    and prompt chunks), prefill = how many were prompt chunks, busy = the worker's recent share of wall time in
+    forward passes, per mille (the price of a cloud call). On every HINT_EVERY-th VERDICT only."""
 
     batch: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
     width: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
@@ -194,8 +173,9 @@ class Verdict(Base):
     draw order (repeats kept); cand_p: float32 p(z) once per distinct candidate, in order of first appearance.
     p: float32 target probabilities at the rejected position over the shared vocabulary (resample full | hr);
     theta_o: mass of p outside the shared vocabulary (hr). load: the worker's LoadHint (every HINT_EVERY-th
-    verdict). Fields are ordered so each verdict kind leaves the others' defaults off the end (a greedy verdict
-    is 4 numbers, an SR-DV one carries no empty p / theta_o, a verdict without a hint is unchanged)."""
+    verdict). node: a tree's deepest accepted node (-1: none; None for a chain). Fields are ordered so each verdict
+    kind leaves the others' defaults off the end (a greedy verdict is 4 numbers, an SR-DV one carries no empty
+    p / theta_o, a verdict without a hint is unchanged)."""
 
     session: U63
     seq: U63
@@ -206,11 +186,11 @@ class Verdict(Base):
     p: bytes = b""
     theta_o: float = 0.0
     load: LoadHint | None = None
+    node: NodeRef | None = None
 
 
 class Resample(Base):
-    """RESAMPLE, edge -> cloud after a rejection it could not resolve (see ResampleKind). Refers to the
-    rejection of the verdict with the same seq."""
+    """Edge -> cloud after a rejection it could not resolve (ResampleKind): the verdict's with the same seq."""
 
     session: U63
     seq: U63
@@ -246,8 +226,8 @@ class Error(Base):
 
 
 class Ready(Base):
-    """Worker -> broker on start: what it serves and how many sessions it takes. kv_capacity: token slots in its
-    KV store (0: not reported; then its heartbeats' kv_free means nothing)."""
+    """Worker -> broker on start: what it serves, how many sessions it takes, its KV store's token slots (0: not
+    reported; its heartbeats' kv_free then means nothing)."""
 
     model: str = ""
     vocab_size: int = 0
@@ -309,38 +289,23 @@ TYPE_OF: dict[type[Base], MsgType] = {cls: t for t, cls in MESSAGES.items()}
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders = {t: msgspec.msgpack.Decoder(cls) for t, cls in MESSAGES.items()}
-_session_decoder = msgspec.msgpack.Decoder(SessionHeader)
 
 
 def header(msg_type: MsgType) -> bytes:
     return bytes((PROTOCOL_VERSION, msg_type))
 
 
-def _defaults(cls: type[Base]) -> tuple:
-    info = msgspec.structs.fields(cls)
-    return tuple(f.default if f.default is not msgspec.NODEFAULT else f.default_factory() if
-                 f.default_factory is not msgspec.NODEFAULT else msgspec.NODEFAULT for f in info)
-
-
-_DEFAULTS = {cls: _defaults(cls) for cls in MESSAGES.values()}
-# float fields whose default is a whole number: (index, that number as an int). A default a later field forces
-# onto the wire travels as the int (1 byte, not msgpack's 9-byte float64); msgspec decodes it into the float.
-# A hinted VERDICT carries theta_o = 0.0 before its load hint: 8 of its 37 bytes.
-_WHOLE_FLOAT_DEFAULTS = {cls: [(i, int(d)) for i, d in enumerate(_DEFAULTS[cls]) if type(d) is float and d.is_integer()]
-                         for cls in MESSAGES.values()}
+_DEFAULTS = {cls: field_defaults(cls) for cls in MESSAGES.values()}
 
 
 def encode(msg: Base) -> list[bytes]:
     """Message -> [header, body] frames. Trailing fields equal to their defaults are left off the array
-    (msgspec's omit_defaults does not apply to array_like structs); the decoder fills them back in. A whole-number
-    float default that must stay (a later field is set) is sent as an int."""
+    (msgspec's omit_defaults does not apply to array_like structs); the decoder fills them back in."""
     values = list(msgspec.structs.astuple(msg))
     defaults = _DEFAULTS[type(msg)]
     while values and values[-1] == defaults[len(values) - 1]:
         values.pop()
-    for i, whole in _WHOLE_FLOAT_DEFAULTS[type(msg)]:
-        if i < len(values) and values[i] == whole and math.copysign(1.0, values[i]) > 0:
-            values[i] = whole
+    values = [0 if type(v) is float and v == 0 else v for v in values]  # 1 byte, not 9; read back as 0.0
     return [header(TYPE_OF[type(msg)]), _encoder.encode(values)]
 
 
@@ -365,30 +330,33 @@ def decode(frames: list[bytes], n_frames: int | None = None) -> Base:
     n = len(frames) if n_frames is None else n_frames
     if n != 2:
         raise InvalidRequest(f"a message is 2 frames (header, body), got {n}", field="frames")
-    msg_type = parse_header(frames[0])
+    return decode_body(parse_header(frames[0]), frames[1])
+
+
+def decode_body(msg_type: MsgType, body: bytes) -> Base:
+    """The body of a message whose header the caller has parsed already -> typed message (as `decode`)."""
     try:
-        return _decoders[msg_type].decode(frames[1])
+        return _decoders[msg_type].decode(body)
     except msgspec.ValidationError as exc:
-        name, field = MESSAGES[msg_type].__name__, _field_name(MESSAGES[msg_type], str(exc))
+        name, field = MESSAGES[msg_type].__name__, field_name(MESSAGES[msg_type], str(exc))
         raise InvalidRequest(f"{name}.{field}: {exc}", field=field) from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"{MESSAGES[msg_type].__name__} body is not valid MessagePack: {exc}",
                              field="body") from None
 
 
-def _field_name(cls: type[Base], error: str) -> str:
-    """msgspec reports array_like positions as `$[i]`; turn that into the field's name."""
-    m = re.search(r"\$\[(\d+)\]", error)
-    if not m:
-        return "body"
-    i = int(m.group(1))
-    return cls.__struct_fields__[i] if i < len(cls.__struct_fields__) else f"[{i}]"
+# ---- what a router reads: the leading fields of a body, never a tensor (the broker's whole view of a message)
+
+# (heads are the messages' own first fields, never re-declared)
+_SESSION_HEAD = prefix_decoder(Close, 1)  # every session-scoped body has `session` first
+_SEQ_HEADS = {t: prefix_decoder(MESSAGES[t], 2) for t in CLOUD_REPLIES | {MsgType.VERIFY, MsgType.RESAMPLE}}
+_OPEN_HEAD = prefix_decoder(Open, 2, tokens=msgspec.Raw)  # the token array undecoded: only its length is read
 
 
 def session_of(body: bytes) -> int:
     """The session id of a session-scoped body (its first field), without decoding the rest."""
     try:
-        return _session_decoder.decode(body).session
+        return _SESSION_HEAD.decode(body).session
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise InvalidRequest(f"cannot read the session id: {exc}", field="session") from None
 
@@ -402,25 +370,29 @@ def session_or_zero(frames: list[bytes], index: int) -> int:
         return 0
 
 
-def f32(values) -> bytes:
-    """float32 little-endian bytes of a 1-D tensor / sequence."""
-    import numpy as np
+def read_head(msg_type: MsgType, body: bytes) -> tuple[int, int]:
+    """(session, seq) of a session-scoped body, decoding nothing past them; seq is 0 for OPEN / CLOSE."""
+    decoder = _SEQ_HEADS.get(msg_type)
+    if decoder is None:
+        return session_of(body), 0
+    try:
+        head = decoder.decode(body)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        session_of(body)  # raises, naming the session, when that is the fault
+        raise InvalidRequest(f"{msg_type.name}.seq is missing or invalid: {exc}", field="seq") from None
+    return head.session, head.seq
 
-    if hasattr(values, "detach"):
-        values = values.detach().to("cpu").float().numpy()
-    return np.asarray(values, dtype="<f4").tobytes()
 
-
-def from_f32(data: bytes, expected: int | None = None, field: str = "p"):
-    """bytes -> float32 torch tensor [n]; checks the length (and, if given, the element count)."""
-    import numpy as np
-    import torch
-
-    if len(data) % 4:
-        raise InvalidRequest(f"{field} must be float32 bytes (length divisible by 4), got {len(data)}", field=field)
-    arr = np.frombuffer(data, dtype="<f4")
-    if expected is not None and arr.shape[0] != expected:
-        raise InvalidRequest(f"{field} has {arr.shape[0]} values, expected {expected}", field=field)
-    if not (np.isfinite(arr).all() and (arr >= 0).all()):
-        raise InvalidRequest(f"{field} must hold finite probabilities >= 0", field=field)
-    return torch.from_numpy(arr.copy())
+def read_open(body: bytes) -> tuple[int, int]:
+    """(session, number of prompt tokens) of an OPEN, the count read from the MessagePack array header (the
+    worker validates the ids)."""
+    try:
+        head = _OPEN_HEAD.decode(body)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        session_of(body)  # raises, naming the session, when that is the fault
+        raise InvalidRequest(f"OPEN.tokens is missing or invalid: {exc}", field="tokens") from None
+    n = array_length(head.tokens)  # -1: not an array
+    if not 1 <= n <= MAX_CONTEXT:
+        raise InvalidRequest(f"OPEN.tokens must be an array of 1..{MAX_CONTEXT} token ids, got "
+                             f"{n if n >= 0 else 'no array'}", field="tokens")
+    return head.session, n

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from . import protocol as P
+from .packing import f32, from_f32
 from .errors import InvalidRequest
 from .protocol import ResampleKind, Strategy
 from .rng import Purpose, sample_index, uniform, uniforms
@@ -81,8 +82,8 @@ def _shared_ids(mask: torch.Tensor | None, v: int) -> torch.Tensor:  # -> [V_c] 
 
 def _hr_payload(p: torch.Tensor, mask: torch.Tensor | None) -> tuple[bytes, float]:  # p: [V_target]
     if mask is None:
-        return P.f32(p), 0.0
-    return P.f32(p[mask]), float(p.double()[~mask].sum())
+        return f32(p), 0.0
+    return f32(p[mask]), float(p.double()[~mask].sum())
 
 
 def _candidates(seed: int, position: int, p: torch.Tensor, round_: int, rejected: int) -> tuple[list[int], bytes]:
@@ -99,7 +100,7 @@ def _candidates(seed: int, position: int, p: torch.Tensor, round_: int, rejected
     if not envelope.sum() > 0:  # float round-off only: a rejection needs mass outside x
         envelope = p.double()
     z = _sample_many(envelope, u)
-    return z, P.f32(p[list(dict.fromkeys(z))])
+    return z, f32(p[list(dict.fromkeys(z))])
 
 
 def _sample_many(probs: torch.Tensor, u) -> list[int]:  # probs: [V] float64, u: [K] uniforms
@@ -122,7 +123,7 @@ def rejection_verdict(session: int, n_accepted: int, pending: Pending, strategy:
     shared: [V_target] bool mask of V_c, None for the same vocabulary."""
     v = P.Verdict(session, pending.seq, n_accepted)
     if strategy == Strategy.FULL:
-        v.p = P.f32(pending.p)
+        v.p = f32(pending.p)
     elif strategy == Strategy.HR:
         v.p, v.theta_o = _hr_payload(pending.p, shared)
     else:
@@ -169,7 +170,7 @@ class Rejection:
             return reply.token                                            # hr: the cloud's V_o draw
         if reply.candidates:
             distinct = list(dict.fromkeys(reply.candidates))
-            p_of = dict(zip(distinct, P.from_f32(reply.cand_p, len(distinct), "cand_p").double().tolist()))
+            p_of = dict(zip(distinct, from_f32(reply.cand_p, len(distinct), "cand_p").double().tolist()))
             token = self._try_candidates(reply.candidates, p_of)
             if token is not None:
                 return token
@@ -190,7 +191,7 @@ class Rejection:
 
     def _from_p(self, reply: P.Verdict | P.Resampled) -> int | P.Resample:
         ids = _shared_ids(None if self.strategy == Strategy.FULL else self.shared, self.q.shape[0])
-        p_c = P.from_f32(reply.p, len(ids), "p")
+        p_c = from_f32(reply.p, len(ids), "p")
         q_c = self.q[ids]
         theta_c = float((p_c.double() - q_c.double()).clamp(min=0).sum())
         theta_o = float(reply.theta_o)

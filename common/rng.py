@@ -28,6 +28,7 @@ class Purpose(enum.IntEnum):
     CANDIDATE_ACCEPT = 8  # SR-DV: edge accepts a candidate
     HYBRID = 9       # HR: edge picks shared-vocab residual vs server-only tokens
     SERVER_ONLY = 10  # HR: cloud samples p restricted to server-only tokens
+    TREE_DRAFT = 11  # edge draws a tree node's children from q without replacement (Gumbel-top-k, common/tree.py)
 
 
 def _splitmix64(x: int) -> int:
@@ -57,9 +58,10 @@ def uniforms(seed: int, position: int, purpose: int, n: int) -> torch.Tensor:  #
     return u.clamp_(min=1e-300, max=1.0 - 2**-53)
 
 
-def gumbel(seed: int, position: int, vocab_size: int) -> torch.Tensor:  # -> [vocab_size] float64
-    """Gumbel(0, 1) noise g_t(x) for every token id x at `position`, shared by edge and cloud."""
-    u = uniforms(seed, position, Purpose.GUMBEL, vocab_size)
+def gumbel(seed: int, position: int, vocab_size: int, purpose: int = Purpose.GUMBEL) -> torch.Tensor:  # -> [V] f64
+    """Gumbel(0, 1) noise g_t(x) for every token id x at `position`: the coupled mode's, shared by edge and cloud
+    (GUMBEL), or the edge's own for drawing tree children (TREE_DRAFT)."""
+    u = uniforms(seed, position, purpose, vocab_size)
     return -torch.log(-torch.log(u))
 
 

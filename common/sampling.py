@@ -1,17 +1,21 @@
 """Sampling parameters and the ONE logits -> probabilities transform used identically by edge and cloud.
 
 Speculative sampling is exact only when q (draft) and p (target) go through the same temperature /
-top-k / top-p transform, so both sides call `probs_from_logits` and nothing else.
+top-k / top-p transform, so both sides call `probs_from_logits` and nothing else. Importing this module loads no
+torch: the CLI checks a request's SamplingParams before any model loads.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import InvalidRequest
+
+if TYPE_CHECKING:
+    import torch
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -39,6 +43,8 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
 
     Greedy params give the one-hot of the argmax (first index on ties), so greedy is a special case of p.
     """
+    import torch  # loaded by then (the logits are a tensor): a dictionary look-up
+
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()

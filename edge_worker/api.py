@@ -12,7 +12,6 @@ silently ignored: the output is the target model's own.
 
 from __future__ import annotations
 
-import os
 import re
 import time
 import uuid
@@ -20,13 +19,15 @@ from dataclasses import dataclass
 
 import msgspec
 
-from ..common import protocol as P
 from ..common.errors import InvalidRequest
+from . import config
+from .config import EdgeConfig, SessionConfig
 
 COMPLETION_MAX_TOKENS = 16    # OpenAI's default for /v1/completions
+OPENAI_TEMPERATURE = 1.0      # OpenAI's default temperature (the CLI's is 0: greedy)
 CHAT_MAX_TOKENS = 1024        # the chat default: up to the target's context (OpenAI's), at most this
 MAX_STOPS = 4
-FIELD_NAMES = {"max_new_tokens": "max_tokens"}  # SessionConfig / GENERATE field -> the API's name
+FIELD_NAMES = {"max_new_tokens": "max_tokens"}  # SessionConfig field -> the API's name
 
 
 class APIError(Exception):
@@ -137,30 +138,23 @@ def stops(req: _Request) -> list[str]:
     return [s for s in ([req.stop] if isinstance(req.stop, str) else req.stop or []) if s]
 
 
-def generate_message(req: _Request, max_tokens: int) -> P.Generate:
-    """The request's sampling settings as a client GENERATE (checked field by field like one from the wire)."""
-    seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(7), "little")  # OpenAI: no seed = random
-    msg = P.Generate(0, "", max_tokens, float(1.0 if req.temperature is None else req.temperature), req.top_k or 0,
-                     float(1.0 if req.top_p is None else req.top_p), seed,
-                     -1 if req.draft_len is None else req.draft_len, _enum(P.Mode, req.mode, "mode"),
-                     _enum(P.Strategy, req.resample, "resample"), _enum(P.Objective, req.objective, "objective"))
+def session_config(req: _Request, max_tokens: int, edge: EdgeConfig) -> SessionConfig:
+    """The request's sampling settings -> its SessionConfig (config.session_config: the edge's defaults, the mode
+    rule), OpenAI's defaults where it names nothing (temperature 1, top_p 1, no seed = a random one); a refusal is
+    a 400 in the API's own names."""
     try:
-        P.decode(P.encode(msg))
-    except InvalidRequest as exc:
-        raise as_api_error(exc) from None
-    return msg
-
-
-def _enum(kind, value, field: str):
-    try:
-        return P.enum_value(kind, value, field)
+        return config.session_config(edge, max_new_tokens=max_tokens,
+                                     temperature=OPENAI_TEMPERATURE if req.temperature is None else req.temperature,
+                                     top_k=req.top_k or 0, top_p=1.0 if req.top_p is None else req.top_p,
+                                     seed=req.seed, draft_len=req.draft_len, mode=req.mode, resample=req.resample,
+                                     objective=req.objective)
     except InvalidRequest as exc:
         raise as_api_error(exc) from None
 
 
 def as_api_error(exc: InvalidRequest) -> APIError:
     field = FIELD_NAMES.get(exc.field, exc.field)
-    message = re.sub(r"^Generate\.|\s*- at `\$\[\d+\]`", "", str(exc))  # the API's names, not the wire's
+    message = re.sub(r"^[A-Z]\w*\.|\s*- at `\$\[\d+\]`", "", str(exc))  # the API's names, not the wire's
     for inner, outer in FIELD_NAMES.items():
         message = message.replace(inner, outer)
     return APIError(400, message, param=field)

@@ -19,8 +19,8 @@ import zmq.asyncio
 from ..common import auth, transport
 from ..common import protocol as P
 from ..common.errors import ErrorCode, FatalError, InvalidRequest, RequestError
-from ..common.sampling import SamplingParams
-from .session import SessionConfig
+from . import config as edge_config
+from .config import SessionConfig
 from .textstream import TextStream
 
 log = structlog.get_logger("specrelay.edge")
@@ -28,24 +28,19 @@ log = structlog.get_logger("specrelay.edge")
 Emit = Callable[[P.Base], Awaitable[None]]
 
 
-def default_mode(config, temperature: float, mode: P.Mode | None) -> P.Mode | None:
-    """The request's mode; if it names none, greedy at temperature 0 and the edge's sampling_mode above it."""
-    return mode if mode is not None or temperature == 0 else config.sampling_mode
-
-
 def session_config(edge, msg: P.Generate) -> SessionConfig:
-    """A client's GENERATE -> the session's settings (the edge's defaults fill what the client left out)."""
-    draft_len = edge.config.default_draft_len if msg.draft_len < 0 else msg.draft_len
-    return SessionConfig(max_new_tokens=msg.max_new_tokens, params=SamplingParams(msg.temperature, msg.top_k, msg.top_p),
-                         mode=default_mode(edge.config, msg.temperature, msg.mode), seed=msg.seed, draft_len=draft_len,
-                         resample=edge.config.default_resample if msg.resample is None else msg.resample,
-                         objective=edge.config.default_objective if msg.objective is None else msg.objective)
+    """A client's GENERATE -> the session's settings (config.session_config: the edge's defaults fill what the
+    client left out; draft_len -1 = the edge's default)."""
+    return edge_config.session_config(edge.config, max_new_tokens=msg.max_new_tokens, temperature=msg.temperature,
+                                      top_k=msg.top_k, top_p=msg.top_p, seed=msg.seed,
+                                      draft_len=None if msg.draft_len < 0 else msg.draft_len, mode=msg.mode,
+                                      resample=msg.resample, objective=msg.objective)
 
 
 async def handle_generate(edge, msg: P.Generate, emit: Emit) -> None:
     """One client request: TOKENS per committed chunk, then DONE; a failed request becomes one ERROR."""
     try:
-        config = session_config(edge, msg)
+        settings = session_config(edge, msg)
         loop = asyncio.get_running_loop()
         ids = await loop.run_in_executor(None, lambda: list(edge.tokenizer(msg.prompt).input_ids))
         text = TextStream(edge.tokenizer)
@@ -53,7 +48,7 @@ async def handle_generate(edge, msg: P.Generate, emit: Emit) -> None:
         async def on_tokens(new: list[int]) -> None:
             await emit(P.Tokens(msg.request, new, text.push(new)))
 
-        _, stats = await edge.generate(ids, config, on_tokens)
+        _, stats = await edge.generate(ids, settings, on_tokens)
         tail = text.flush()
         if tail:
             await emit(P.Tokens(msg.request, [], tail))

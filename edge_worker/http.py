@@ -34,8 +34,7 @@ from starlette.routing import Route
 from ..common import transport
 from ..common.errors import FatalError, InvalidRequest, RequestError
 from . import api, httpguard
-from .frontend import session_config
-from .httpguard import HttpLimits
+from .config import HttpLimits
 from .textstream import TextStream
 
 log = structlog.get_logger("specrelay.http")
@@ -161,8 +160,7 @@ class OpenAIApp:
             api.check(req, self.served_model)
             ids = await asyncio.to_thread(prompt_ids, self.edge.tokenizer, req)
             room = self.edge.context_limit - len(ids)  # the chat default is "up to the context"
-            config = session_config(self.edge, api.generate_message(req, max_tokens(req, room)))
-            config.resolved_mode()
+            config = api.session_config(req, max_tokens(req, room), self.edge.config)
             self.edge.check_fits(len(ids), config.max_new_tokens)
             ticket = self.share.admit(key, len(ids))
         except Exception as exc:

@@ -28,34 +28,10 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..common.errors import ConfigError
 from .api import APIError
+from .config import HttpLimits
 
 RETRY_AFTER_S = 1
 OPEN = ""  # the key of every request when no API keys are configured
-
-
-@dataclass
-class HttpLimits:
-    """What one edge's HTTP API allows. max_body_bytes: the largest legal request (a prompt of
-    protocol.MAX_PROMPT_CHARS characters, JSON-escaped) fits. max_prompt_tokens: prompt tokens in flight, at most
-    the broker's --max-prompt-tokens-per-client for this edge's key (divided by the edges that share the key)."""
-
-    api_keys: tuple[str, ...] = ()
-    max_body_bytes: int = 8 << 20
-    max_body_bytes_in_flight: int = 64 << 20  # all bodies being read at once
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
-    max_connections: int = 512          # well below the default 1,024 open files (ZeroMQ and models need some)
-    max_concurrent: int = 64            # generations in flight (the broker's per-client session quota is 256)
-    max_prompt_tokens: int = 1 << 19    # prompt tokens in flight (the broker's per-client default is 1 << 20)
-
-    def __post_init__(self) -> None:
-        if any(not key or key != key.strip() for key in self.api_keys):
-            raise ValueError("an API key must be non-empty, without surrounding whitespace")
-        if min(self.max_body_bytes, self.max_body_bytes_in_flight, self.max_connections, self.max_concurrent,
-               self.max_prompt_tokens) < 1:
-            raise ValueError("HTTP limits must be >= 1")
-        if not (self.header_timeout_s > 0 and self.body_timeout_s > 0):
-            raise ValueError("HTTP timeouts must be > 0")
 
 
 def load_api_keys(keys: list[str] | str | None, key_file: str | None) -> tuple[str, ...]:

@@ -19,9 +19,10 @@ from functools import partial
 
 from ..common import protocol as P
 from ..common.errors import ErrorCode, InternalError, InvalidRequest, from_wire
-from ..common.protocol import DEFAULT_OBJECTIVE, DEFAULT_SAMPLED_MODE, DEFAULT_STRATEGY, Mode, Objective, Strategy
+from ..common.packing import f32
+from ..common.protocol import Mode
 from ..common.resample import Rejection
-from ..common.sampling import SamplingParams
+from .config import SessionConfig
 from .draftlen import EdgeEstimates, FixedDraftLen, GoodputController
 from .drafter import DraftBlock, Drafter, DraftJob
 from .predraft import DraftChain
@@ -29,37 +30,6 @@ from .predraft import DraftChain
 
 class WorkerMisbehaved(InternalError):
     """A reply no honest worker sends (an id outside the vocabulary): counted, and the session re-OPENs."""
-
-
-@dataclass(frozen=True)
-class SessionConfig:
-    max_new_tokens: int = 64
-    params: SamplingParams = SamplingParams()
-    mode: Mode | None = None      # None = GREEDY at temperature 0, else DEFAULT_SAMPLED_MODE (names accepted)
-    seed: int = 0
-    draft_len: int | None = None  # None = auto
-    resample: Strategy = DEFAULT_STRATEGY
-    objective: Objective = DEFAULT_OBJECTIVE  # what `auto` optimises (edge_worker/draftlen.py)
-
-    def resolved_mode(self) -> Mode:
-        if self.params.greedy:
-            if self.mode not in (None, Mode.GREEDY):
-                raise InvalidRequest(f"mode {self.mode.name} needs temperature > 0", field="mode")
-            return Mode.GREEDY
-        if self.mode == Mode.GREEDY:
-            raise InvalidRequest("mode GREEDY needs temperature 0", field="mode")
-        return self.mode or DEFAULT_SAMPLED_MODE
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "resample", P.enum_value(Strategy, self.resample, "resample"))
-        object.__setattr__(self, "mode", P.enum_value(Mode, self.mode, "mode"))
-        object.__setattr__(self, "objective", P.enum_value(Objective, self.objective, "objective"))
-        if self.objective is None:
-            raise InvalidRequest("objective must be speed, balanced or cloud", field="objective")
-        if self.draft_len is not None and not 0 <= self.draft_len <= P.MAX_DRAFT:
-            raise InvalidRequest(f"draft_len must be in [0, {P.MAX_DRAFT}] or auto", field="draft_len")
-        if self.max_new_tokens < 1:
-            raise InvalidRequest("max_new_tokens must be >= 1", field="max_new_tokens")
 
 
 @dataclass
@@ -102,7 +72,7 @@ class EdgeSession:
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise InvalidRequest("the prompt must hold at least one token", field="prompt")
-        self.mode = self.config.resolved_mode()
+        self.mode = self.config.mode  # resolved by SessionConfig
         self.tokens = list(self.prompt_ids)      # committed: prompt + generated (target ids)
         self.generated: list[int] = []
         self.cloud_len = 0                       # how many of self.tokens the cloud holds
@@ -174,7 +144,7 @@ class EdgeSession:
         job = self._job
         self._chain = DraftChain(len(self.tokens), job.context, self._block, len(self._block.ids)) if job else None
         return P.Verify(self.sid, self.seq, len(self.tokens), self.tokens[self.cloud_len:], self._block.ids,
-                        P.f32(self._block.q_tok) if self.mode == Mode.SAMPLE else b"")
+                        f32(self._block.q_tok) if self.mode == Mode.SAMPLE else b"")
 
     # ---------------------------------------------------------------------------- pre-drafting
     def predraft_job(self) -> DraftJob | None:

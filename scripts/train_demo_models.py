@@ -363,7 +363,7 @@ def generation_acceptance(draft: str, n_prompts: int = 20, max_new: int = 64) ->
     from specrelay.common.runner import ModelRunner
     from specrelay.common.sampling import SamplingParams
     from specrelay.edge_worker.loading import load_drafter
-    from specrelay.edge_worker.session import SessionConfig
+    from specrelay.edge_worker.config import SessionConfig
     from specrelay.speculative import speculative_generate_batch
 
     target = ModelRunner.load(str(MODELS / "demo-target"))

@@ -1,5 +1,8 @@
 """`specrelay` command line: broker, cloud-worker, edge-worker, serve, generate, demo, bench.
 
+`--broker` (cloud-worker, edge-worker, generate) is repeatable and takes comma lists: several brokers
+(common/brokers.py); `--broker-key` names one key for all of them or one per broker.
+
 Every flag also reads SPECRELAY_<COMMAND>_<FLAG> / SPECRELAY_<FLAG> (specrelay/cliargs.py). A mistake ends in one
 line on stderr: exit 2 for a usage error (a flag, a file, a model directory, a device), 1 when something it needs
 is not there (the broker, a live worker), 130 on Ctrl-C; `--debug` shows the traceback instead. Building the
@@ -15,6 +18,7 @@ from . import __version__, cliargs, logs
 from .cliargs import Parser, UsageError
 from .cliflags import (bench_flags, broker_flags, cloud_worker_flags, demo_flags, edge_worker_flags, generate_flags,
                        keys_flags, serve_flags)
+from .preflight import check_edge_models, check_ports, client_curve
 
 SERVER_LOG_LEVEL, CLIENT_LOG_LEVEL = "info", "warning"
 EPILOG = """Every flag also reads an environment variable: SPECRELAY_<COMMAND>_<FLAG>, else SPECRELAY_<FLAG>
@@ -23,21 +27,6 @@ Exit codes: 0 ok, 1 failed (broker or worker unreachable, a generation failed), 
 
 
 # ------------------------------------------------------------------------------------------ servers
-
-def client_curve(args):
-    """--curve-secret / --broker-key -> the client side of CURVE, or None (both or neither)."""
-    if (args.curve_secret is None) != (args.broker_key is None):
-        raise UsageError("--curve-secret and --broker-key go together")
-    if args.curve_secret is None:
-        return None
-    from .common import auth
-    from .common.errors import FatalError
-
-    try:
-        return auth.client(args.curve_secret, args.broker_key)
-    except FatalError as exc:  # a key file that is not there or not a key: the flag is wrong
-        raise UsageError(f"--curve-secret / --broker-key: {exc}") from None
-
 
 def cmd_keys(args) -> int:
     from .common import auth
@@ -49,7 +38,7 @@ def cmd_keys(args) -> int:
 
 def cmd_broker(args) -> int:
     from .broker.server import serve
-    from .broker.table import Limits
+    from .broker.quotas import Limits
     from .runtime import run_async
 
     limits = Limits(max_sessions_per_client=args.max_sessions_per_client,
@@ -92,9 +81,9 @@ def cmd_edge_worker(args) -> int:
     ignore_sighup()
     curve = client_curve(args)
     set_threads()
-    from .edge_worker.loading import serve
+    from .edge_worker.config import EdgeConfig
     from .edge_worker.probe import warn_if_unreachable
-    from .edge_worker.server import EdgeConfig
+    from .edge_worker.server import serve
 
     async def main() -> None:
         warning = warn_if_unreachable(args.broker, args.connect_timeout, curve=curve)
@@ -115,47 +104,22 @@ def cmd_serve(args) -> int:
     from .common.modelsource import check_model
     from .runtime import run_async, set_threads
 
+    from .onebox import health_port, serve
+
     check_model(args.model, "--model")
     check_edge_models(args)
+    args.health_port = health_port(args)  # on by default, beside --http
     check_ports(args)
     set_threads()
-    from .onebox import serve
 
     run_async(serve(args, http_limits(args)))
     return 0
-
-
-def check_ports(args) -> None:
-    """An HTTP or health port that is taken fails now, not after the models have loaded."""
-    import socket
-
-    from .common.errors import ConfigError
-
-    wanted = [("--http", *args.http)] if getattr(args, "http", None) else []
-    wanted += [("--health-port", args.health_host, args.health_port)] if args.health_port else []
-    for flag, host, number in wanted:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind((host, number))
-            except OSError as exc:
-                raise ConfigError(f"{flag}: cannot listen on {host}:{number}: {exc.strerror or exc}") from None
 
 
 def http_limits(args):
     from .edge_worker.httpguard import limits_from_args
 
     return limits_from_args(args)
-
-
-def check_edge_models(args) -> None:
-    """The cheap checks before torch loads: the draft directory, the target tokenizer, the device."""
-    from .common.modelsource import check_device, check_model
-
-    check_model(args.draft_model, "--draft-model")
-    if args.target_tokenizer:
-        check_model(args.target_tokenizer, "--target-tokenizer", weights=False)
-    check_device(args.device)
 
 
 # ------------------------------------------------------------------------------------------ clients
@@ -242,12 +206,25 @@ def describe(exc: BaseException) -> tuple[int, str]:
 
     if isinstance(exc, (UsageError, ConfigError)):
         return 2, line(exc)
-    if isinstance(exc, InvalidRequest):  # a flag the sampling or session checks refused
-        flag = f"--{exc.field.replace('_', '-')}: " if exc.field else ""
-        return 2, flag + line(exc)
+    if isinstance(exc, InvalidRequest):  # a flag the session checks refused: said in the flags' words
+        return 2, line(flag_words(str(exc), exc.field))
     if isinstance(exc, (SpecRelayError, OSError)):
         return 1, line(exc)
     return 1, f"internal error: {type(exc).__name__}: {line(exc)} (run with --debug for the traceback)"
+
+
+def flag_words(text: str, field: str | None) -> str:
+    """A SessionConfig refusal in the flags' words: "mode greedy needs temperature 0" -> "--mode greedy needs
+    --temperature 0" (a refusal that names no setting gets its field's flag in front)."""
+    import dataclasses
+    import re
+
+    from .common.sampling import SamplingParams
+    from .edge_worker.config import SessionConfig
+
+    names = {f.name for cls in (SessionConfig, SamplingParams) for f in dataclasses.fields(cls)}
+    flagged = re.sub(r"\b[a-z][a-z_]*\b", lambda m: "--" + m[0].replace("_", "-") if m[0] in names else m[0], text)
+    return flagged if flagged != text or not field else f"--{field.replace('_', '-')}: {text}"
 
 
 if __name__ == "__main__":

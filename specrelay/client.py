@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 import structlog
 import zmq
@@ -24,6 +24,7 @@ import zmq.asyncio
 from . import defaults
 from .common import protocol as P
 from .common import transport
+from .common.packing import enum_value
 from .common.errors import FatalError, GenerationTimeout, InvalidRequest, from_wire
 from .edge_worker.frontend import handle_generate
 
@@ -95,18 +96,24 @@ class Client:
         self._edge_factory = None
 
     @classmethod
-    def local(cls, broker: str, draft_model: str, target_tokenizer: str | None = None, *, timeout: float = 60.0,
-              device: str = "cpu", dtype: str = "float32", config=None,
-              context: zmq.asyncio.Context | None = None) -> "Client":
-        """A client with an EdgeWorker embedded in this process (no local socket): one-process apps.
-        The draft model loads when the client starts."""
-        from .edge_worker.loading import load_edge
+    def local(cls, broker: str | Sequence[str], draft_model: str, target_tokenizer: str | None = None, *,
+              timeout: float = 60.0, device: str = "cpu", dtype: str = "float32", config=None,
+              context: zmq.asyncio.Context | None = None,
+              curve: transport.Curve | Sequence[transport.Curve] | None = None) -> "Client":
+        """A client with an EdgeWorker embedded in this process (no local socket): one-process apps. `broker`: an
+        endpoint, a comma list or a sequence (several brokers: each session goes to one, a lost one's sessions move
+        to another); `curve`: auth.client(SECRET, BROKER.key) for all of them, or one per broker. The draft model
+        loads when the client starts; a bad broker list is a ValueError here."""
+        from .common.brokers import broker_list
+        from .edge_worker.server import load_edge
 
-        client = cls(f"local edge worker (broker {broker})", timeout, context=context)
+        brokers = broker_list(broker, "broker")
+        client = cls(f"local edge worker (brokers {', '.join(brokers)})" if len(brokers) > 1 else
+                     f"local edge worker (broker {brokers[0]})", timeout, context=context)
 
         async def factory():
-            return await load_edge(broker, draft_model, target_tokenizer, device=device, dtype=dtype,
-                                   config=config, context=context)
+            return await load_edge(brokers, draft_model, target_tokenizer, device=device, dtype=dtype,
+                                   config=config, context=context, curve=curve)
 
         client._edge_factory = factory
         return client
@@ -184,15 +191,16 @@ class Client:
 
     def _start(self, prompt: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,
                draft_len: int | None, mode: str | None, resample: str | None, objective: str | None = None) -> _Call:
-        """mode: greedy | sample | coupled (None: greedy at temperature 0, else sample); resample: full | hr |
-        srdv (None: the edge's default); objective: what `draft_len=None` (auto) optimises, speed | balanced |
-        cloud (None: the edge's --objective; docs/draftlen.md)."""
+        """mode: greedy | sample | coupled (None: greedy at temperature 0, else the edge's sampling mode, coupled
+        by default); resample: full | hr | srdv (None: the edge's default); objective: what `draft_len=None` (auto)
+        optimises, speed | balanced | cloud (None: the edge's --objective; docs/draftlen.md). The edge builds the
+        session's settings from this GENERATE (edge_worker/config.py) and answers a refusal with an ERROR naming
+        the field."""
         if self._sock is None and self._edge is None:
             raise FatalError("the client is not started (use `async with Client(...)` or `await start()`)")
         msg = P.Generate(next(self._ids), prompt, max_new_tokens, float(temperature), top_k, float(top_p), seed,
-                         -1 if draft_len is None else draft_len, P.enum_value(P.Mode, mode, "mode"),
-                         P.enum_value(P.Strategy, resample, "resample"),
-                         P.enum_value(P.Objective, objective, "objective"))
+                         -1 if draft_len is None else draft_len, enum_value(P.Mode, mode, "mode"),
+                         enum_value(P.Strategy, resample, "resample"), enum_value(P.Objective, objective, "objective"))
         P.decode(P.encode(msg))  # checks every field's range here, naming the field (InvalidRequest)
         return _Call(self, msg)
 

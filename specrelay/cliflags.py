@@ -1,40 +1,56 @@
-"""Every flag of every `specrelay` command (argparse), with its default; `cli.py` wires them to the commands.
-Environment variables, one-line usage errors and help formatting come from `cliargs.py`."""
+"""Every flag of every `specrelay` command (argparse); `cli.py` wires them to the commands. An edge's defaults
+are read from its config dataclasses (edge_worker/config.py), so a flag and the library agree. Environment
+variables, one-line usage errors and help formatting come from `cliargs.py`."""
 
 from __future__ import annotations
 
 import argparse
 
 from . import cliargs, defaults
+from .common.brokers import MAX_BROKERS
+from .common.protocol import Mode, Objective, Strategy
+from .common.sampling import SamplingParams
+from .edge_worker.config import EdgeConfig, HttpLimits, SessionConfig
 from .paths import demo_model
 
-MODES = ("greedy", "sample", "coupled")
-STRATEGIES = ("full", "hr", "srdv")
-OBJECTIVES = ("speed", "balanced", "cloud")  # what --draft-len auto optimises (docs/draftlen.md)
+MODES = tuple(m.name.lower() for m in Mode)
+STRATEGIES = tuple(s.name.lower() for s in Strategy)
+OBJECTIVES = tuple(o.name.lower() for o in Objective)  # what --draft-len auto optimises (docs/draftlen.md)
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+BROKERS_MEAN = {  # what several --broker endpoints mean, per command
+    "backend": "several (repeat the flag, or a comma list): this worker registers with every one and serves them "
+               "all from one KV store",
+    "frontend": "several (repeat the flag, or a comma list): each session goes to one of them (a stable choice per "
+                "session), and a lost broker's sessions re-open on another with their committed context",
+}
+
+
 def add_broker(p, default: str, what: str) -> None:
-    p.add_argument("--broker", default=default, help=f"the broker's {what} endpoint")
+    p.add_argument("--broker", action=cliargs.Extend, type=cliargs.endpoint_list, default=default,
+                   limit=MAX_BROKERS, metavar="ENDPOINT", help=f"the broker's {what} endpoint; {BROKERS_MEAN[what]}")
     p.add_argument("--connect-timeout", type=cliargs.seconds, default=defaults.CONNECT_TIMEOUT_S,
-                   help="seconds to wait for the broker (and a live cloud worker) before saying so")
+                   help="seconds to wait for a broker (and a live cloud worker) before saying so")
 
 
 def add_client_keys(p) -> None:
     p.add_argument("--curve-secret", default=None, metavar="FILE",
                    help="this process's CURVE key pair (NAME.key_secret from `specrelay keys generate`)")
-    p.add_argument("--broker-key", default=None, metavar="FILE", help="the broker's public key (BROKER.key)")
+    p.add_argument("--broker-key", action=cliargs.Extend, type=cliargs.path_list, default=None, metavar="FILE",
+                   limit=MAX_BROKERS, help="the broker's public key (BROKER.key): one for every --broker, or one per "
+                   "--broker in the same order (repeat the flag, or a comma list)")
 
 
 def add_retry_budget(p) -> None:
-    p.add_argument("--retry-budget", type=cliargs.nonneg_float, default=30.0, metavar="SECONDS",
+    p.add_argument("--retry-budget", type=cliargs.nonneg_float, default=EdgeConfig.retry_budget_s, metavar="SECONDS",
                    help="how long a generation keeps retrying through consecutive failures (broker restart, "
                         "no live worker) before it fails")
 
 
-def add_health(p) -> None:
+def add_health(p, default: str = "off") -> None:
     p.add_argument("--health-port", type=cliargs.port, default=None,
-                   help="HTTP port for /healthz, /readyz and /metrics (0 = any free port)")
+                   help=f"HTTP port for /healthz, /readyz and /metrics (0 = any free port) [default: {default}]")
     p.add_argument("--health-host", default="127.0.0.1", help="address the health port binds (0.0.0.0 in a pod)")
 
 
@@ -47,9 +63,13 @@ def add_edge(p) -> None:
 
 
 def add_target(p) -> None:
+    from .cloud_worker.config import WorkerConfig as W  # the worker's defaults, defined once there
+
     p.add_argument("--model", default=demo_model("demo-target"), help="target model directory or hub id")
-    p.add_argument("--max-batch", type=cliargs.positive_int, default=32, help="VERIFYs verified in one forward")
-    p.add_argument("--max-wait-ms", type=cliargs.nonneg_float, default=5.0, help="longest wait to fill a batch")
+    p.add_argument("--max-batch", type=cliargs.positive_int, default=W.max_batch,
+                   help="VERIFYs verified in one forward")
+    p.add_argument("--max-wait-ms", type=cliargs.nonneg_float, default=W.max_wait_ms,
+                   help="longest wait to fill a batch")
 
 
 def add_http(p, default: str | None) -> None:
@@ -60,11 +80,11 @@ def add_http(p, default: str | None) -> None:
     p.add_argument("--api-key", action=cliargs.Append, default=None, metavar="KEY",
                    help="require `Authorization: Bearer KEY` on /v1/* (repeatable; each key gets a fair share)")
     p.add_argument("--api-key-file", default=None, metavar="PATH", help="API keys, one a line (# comments)")
-    p.add_argument("--max-concurrent-requests", type=cliargs.positive_int, default=64,
+    p.add_argument("--max-concurrent-requests", type=cliargs.positive_int, default=HttpLimits.max_concurrent,
                    help="HTTP generations in flight; more get 429 with Retry-After")
-    p.add_argument("--max-prompt-tokens-in-flight", type=cliargs.positive_int, default=1 << 19,
+    p.add_argument("--max-prompt-tokens-in-flight", type=cliargs.positive_int, default=HttpLimits.max_prompt_tokens,
                    help="prompt tokens of HTTP generations in flight (at most the broker's per-client quota)")
-    p.add_argument("--http-read-timeout", type=cliargs.seconds, default=10.0, metavar="SECONDS",
+    p.add_argument("--http-read-timeout", type=cliargs.seconds, default=HttpLimits.header_timeout_s, metavar="SECONDS",
                    help="a request's head must arrive within this, its body within 3x (slow clients are closed)")
     p.add_argument("--max-model-len", type=cliargs.positive_int, default=None,
                    help="the target's context; a longer request is refused before any work (default: the target "
@@ -72,31 +92,32 @@ def add_http(p, default: str | None) -> None:
 
 
 def add_objective(p) -> None:
-    p.add_argument("--objective", choices=OBJECTIVES, default="balanced",
+    p.add_argument("--objective", choices=OBJECTIVES, default=EdgeConfig.default_objective.name.lower(),
                    help="what --draft-len auto optimises: speed (the session's tokens/s), balanced (the fewest cloud "
                    "calls within 10%% of the best speed) or cloud (the least cloud time per token, whatever the "
                    "session's speed); docs/draftlen.md")
 
 
 def add_sampling(p) -> None:
-    from .common.protocol import DEFAULT_STRATEGY
-
-    p.add_argument("--max-new-tokens", type=cliargs.positive_int, default=64, help="tokens to generate per prompt")
-    p.add_argument("--temperature", type=cliargs.nonneg_float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=cliargs.count, default=0, help="0 = off")
-    p.add_argument("--top-p", type=cliargs.probability, default=1.0, help="1.0 = off")
-    p.add_argument("--seed", type=cliargs.count, default=0, help="seed of the counter-based sampler")
+    p.add_argument("--max-new-tokens", type=cliargs.positive_int, default=SessionConfig.max_new_tokens,
+                   help="tokens to generate per prompt")
+    p.add_argument("--temperature", type=cliargs.nonneg_float, default=SamplingParams.temperature, help="0 = greedy")
+    p.add_argument("--top-k", type=cliargs.count, default=SamplingParams.top_k, help="0 = off")
+    p.add_argument("--top-p", type=cliargs.probability, default=SamplingParams.top_p, help="1.0 = off")
+    p.add_argument("--seed", type=cliargs.count, default=SessionConfig.seed, help="seed of the counter-based sampler")
     p.add_argument("--draft-len", type=cliargs.draft_len, default="auto",
                    help="tokens drafted per cloud call, or auto (adaptive); 0 = target alone through the same path")
     add_objective(p)
     p.add_argument("--mode", choices=MODES, default=None,
                    help="greedy at temperature 0, else coupled (shared Gumbel noise: the fewest bytes); sample = "
                    "rejection sampling, its rejections resolved by --resample")
-    p.add_argument("--resample", choices=(*STRATEGIES, "coupled"), default=DEFAULT_STRATEGY.name.lower(),
+    p.add_argument("--resample", choices=(*STRATEGIES, "coupled"), default=EdgeConfig.default_resample.name.lower(),
                    help="what a rejection sends down in --mode sample: srdv (fewest bytes) | hr | full")
 
 
 def broker_flags(p) -> None:
+    from .broker.quotas import Limits  # the broker's defaults, defined once there
+
     p.add_argument("--frontend", default=defaults.BROKER_FRONTEND, help="endpoint edges connect to")
     p.add_argument("--backend", default=defaults.BROKER_BACKEND, help="endpoint cloud workers connect to")
     add_health(p)
@@ -109,21 +130,25 @@ def broker_flags(p) -> None:
     p.add_argument("--insecure", action="store_true", help="allow binding a non-loopback address without keys")
     p.add_argument("--max-rss-mb", type=float, default=1024, metavar="MiB", help="exit (code 75) for a restart once "
                    "resident memory passes this (one huge multipart message can grow it; 0: no limit)")
-    p.add_argument("--max-sessions-per-client", type=cliargs.positive_int, default=256,
+    p.add_argument("--max-sessions-per-client", type=cliargs.positive_int, default=Limits.max_sessions_per_client,
                    help="open sessions per edge key")
-    p.add_argument("--max-prompt-tokens-per-client", type=cliargs.positive_int, default=1 << 20,
+    p.add_argument("--max-prompt-tokens-per-client", type=cliargs.positive_int,
+                   default=Limits.max_prompt_tokens_per_client,
                    help="prompt tokens held by one edge key's open sessions")
-    p.add_argument("--edge-ttl", type=cliargs.seconds, default=10.0,
+    p.add_argument("--edge-ttl", type=cliargs.seconds, default=Limits.edge_ttl,
                    help="seconds an edge may stay silent before its sessions are closed for it")
 
 
 def cloud_worker_flags(p) -> None:
+    from .cloud_worker.config import WorkerConfig as W
+
     add_broker(p, defaults.BROKER_BACKEND, "backend")
     add_target(p)
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="target model weights")
-    p.add_argument("--kv-cache-mb", "--max-cache-mb", dest="max_cache_mb", type=cliargs.nonneg_float, default=2048,
-                   help="size of the preallocated KV store (capped at 1024 full-context sessions)")
+    p.add_argument("--kv-cache-mb", "--max-cache-mb", dest="max_cache_mb", type=cliargs.nonneg_float,
+                   default=W.max_cache_bytes // 2**20,
+                   help=f"size of the preallocated KV store (capped at {W.max_sessions} full-context sessions)")
     p.add_argument("--kv-cache-fraction", type=cliargs.nonneg_float, default=0.0,
                    help="cuda only: give the KV store this share (< 1) of the device memory free after loading "
                         "the model, instead of --kv-cache-mb")
@@ -131,7 +156,7 @@ def cloud_worker_flags(p) -> None:
                    help="batch-invariant numerics: a session's logits do not depend on the other sessions in its "
                         "batch or on prefill chunking, so seeded sampling repeats at any concurrency and after "
                         "failover (slower; see README)")
-    p.add_argument("--prefill-tokens", type=cliargs.positive_int, default=64,
+    p.add_argument("--prefill-tokens", type=cliargs.positive_int, default=W.prefill_tokens,
                    help="prompt tokens prefilled per forward pass, beside the running sessions' verification")
     add_health(p)
     add_client_keys(p)
@@ -157,7 +182,7 @@ def serve_flags(p) -> None:
     add_target(p)
     add_edge(p)
     add_http(p, defaults.HTTP)
-    add_health(p)
+    add_health(p, "the --http port + 1")
     add_objective(p)
 
 

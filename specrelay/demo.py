@@ -105,10 +105,8 @@ async def run_demo(frontend: str, draft: Path, prompts: list[str], max_new_token
                    temperature: float, resample: str | None = None, mode: str | None = None,
                    link_ms: float = 0.0, objective: str = "balanced") -> dict:
     from .common import protocol as P
-    from .common.sampling import SamplingParams
-    from .edge_worker.frontend import default_mode
-    from .edge_worker.loading import load_edge
-    from .edge_worker.session import SessionConfig
+    from .edge_worker.config import SessionConfig, session_config
+    from .edge_worker.server import load_edge
 
     with Progress(f"loading the draft model ({draft.name})"):
         import torch
@@ -116,9 +114,8 @@ async def run_demo(frontend: str, draft: Path, prompts: list[str], max_new_token
         torch.set_num_threads(THREADS)
         target_tokenizer = None if draft.name == "demo-draft" else str(draft.parent / "demo-target")
         edge = await load_edge(frontend, str(draft), target_tokenizer)
-    mode = default_mode(edge.config, temperature, P.enum_value(P.Mode, mode, "mode"))
-    config = SessionConfig(max_new_tokens=max_new_tokens, params=SamplingParams(temperature), seed=1, mode=mode,
-                           resample=resample or edge.config.default_resample, objective=objective)
+    config = session_config(edge.config, max_new_tokens=max_new_tokens, temperature=temperature, seed=1, mode=mode,
+                            resample=resample, objective=objective)
     async with edge:
         tok = edge.tokenizer
         ids = [tok(p).input_ids for p in prompts]
@@ -138,9 +135,9 @@ async def run_demo(frontend: str, draft: Path, prompts: list[str], max_new_token
                for p, (out, stats) in zip(prompts, spec)]
     return {"results": results, "speculative": totals(results, spec_wall),
             "target_alone": totals([{"stats": s} for _, s in alone], alone_wall),
-            "mode": mode.name.lower() if mode is not None else "greedy",
+            "mode": config.mode.name.lower(),
             # greedy and coupled outputs are target-alone's exactly; sample mode matches it in distribution only
-            "identical": [a for a, _ in alone] == [s for s, _ in spec] if mode != P.Mode.SAMPLE else None,
+            "identical": [a for a, _ in alone] == [s for s, _ in spec] if config.mode != P.Mode.SAMPLE else None,
             "objective": config.objective.name.lower(), "link": linked}
 
 

@@ -1,7 +1,8 @@
-"""`specrelay generate`: prompts through the broker with an in-process edge, results on stdout.
+"""`specrelay generate`: prompts through the broker(s) with an in-process edge, results on stdout.
 
-Everything that can be checked cheaply is checked before torch loads (the prompts file, the flags, the model
-directories, the device), then the broker and a live worker (within --connect-timeout): a mistake costs seconds.
+Everything that can be checked cheaply is checked before torch loads (the prompts file, the flags through the
+edge's own SessionConfig rules, the model directories, the device, the keys), then a broker with a live worker
+(any of them, with several --broker; within --connect-timeout): a mistake costs seconds.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 import warnings
 
 from .cliargs import UsageError
+from .preflight import check_edge_models, client_curve
 
 
 def read_prompts(args) -> list[str]:
@@ -38,54 +40,31 @@ def read_prompts(args) -> list[str]:
     return prompts
 
 
-def check_sampling(args) -> None:
-    """What the flag types cannot see alone (mode against temperature), without importing torch."""
-    mode = "coupled" if args.resample == "coupled" else args.mode
-    if mode == "greedy" and args.temperature > 0:
-        raise UsageError("--mode greedy needs --temperature 0")
-    if mode in ("sample", "coupled") and args.temperature == 0:
-        raise UsageError(f"--mode {mode} needs --temperature > 0")
-    if args.temperature > 100:
-        raise UsageError("--temperature must be in [0, 100]")
-
-
-def session_config(args, max_new_tokens: int | None = None):
-    """The sampling flags -> SessionConfig. `--resample coupled` (before --mode existed) still selects the
-    coupled mode, with a deprecation warning."""
-    from .common.protocol import Mode, Strategy
-    from .common.sampling import SamplingParams
-    from .edge_worker.frontend import default_mode
-    from .edge_worker.server import EdgeConfig
-    from .edge_worker.session import SessionConfig
+def session_config(args, edge):
+    """The sampling flags -> SessionConfig through the one door (edge_worker/config.py), before torch loads.
+    `--resample coupled` (before --mode existed) still selects the coupled mode, with a deprecation warning."""
+    from .edge_worker import config
 
     mode, resample = args.mode, args.resample
     if resample == "coupled":
         warnings.warn("--resample coupled is deprecated: use --mode coupled", DeprecationWarning, stacklevel=2)
         print("specrelay: --resample coupled is deprecated, use --mode coupled", file=sys.stderr)
         mode, resample = "coupled", "srdv"
-    config = SessionConfig(max_new_tokens=max_new_tokens or args.max_new_tokens,
-                           params=SamplingParams(args.temperature, args.top_k, args.top_p),
-                           mode=default_mode(EdgeConfig(), args.temperature, Mode[mode.upper()] if mode else None),
-                           seed=args.seed,
-                           draft_len=None if args.draft_len == "auto" else int(args.draft_len),
-                           resample=Strategy[resample.upper()], objective=args.objective)
-    config.resolved_mode()  # greedy vs temperature, checked now
-    return config
+    return config.session_config(edge, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                 draft_len="auto" if args.draft_len == "auto" else int(args.draft_len), mode=mode,
+                                 resample=resample, objective=args.objective)
 
 
-async def generate_all(args, prompts: list[str], emit) -> int:
-    """Generate every prompt (at most `--concurrency` at once); `emit(i, result)` runs for each prompt in input
-    order, as soon as it and all earlier ones are done. A failed prompt is a result with an `error` field.
-    Returns the number of failed prompts."""
-    from .cli import client_curve
+async def generate_all(args, prompts: list[str], edge_config, config, emit, curve=None) -> int:
+    """Generate every prompt with `config` (at most `--concurrency` at once); `emit(i, result)` runs for each
+    prompt in input order, as soon as it and all earlier ones are done. A failed prompt is a result with an
+    `error` field. Returns the number of failed prompts."""
     from .common.errors import AuthenticationFailed
-    from .edge_worker.loading import load_edge
-    from .edge_worker.server import EdgeConfig
+    from .edge_worker.server import load_edge
 
     edge = await load_edge(args.broker, args.draft_model, args.target_tokenizer, device=args.device,
-                           dtype=args.dtype, config=EdgeConfig(retry_budget_s=args.retry_budget),
-                           curve=client_curve(args))
-    config = session_config(args)
+                           dtype=args.dtype, config=edge_config, curve=curve)
     gate = asyncio.Semaphore(args.concurrency)
 
     async def one(prompt: str) -> dict:
@@ -127,25 +106,30 @@ def print_result(args, result: dict) -> None:
 
 
 def main(args) -> int:
-    from .cli import check_edge_models
-    from .edge_worker.probe import probe_broker
+    from .edge_worker.config import EdgeConfig
+    from .edge_worker.probe import probe_brokers
     from .runtime import run_async, set_threads
 
     prompts = read_prompts(args)
-    check_sampling(args)
+    edge_config = EdgeConfig(retry_budget_s=args.retry_budget)
+    config = session_config(args, edge_config)  # a refused flag ends here, before anything loads
     check_edge_models(args)
-
-    from .cli import client_curve
-
     curve = client_curve(args)
 
     async def run() -> int:
+        waited = []
+
         def on_wait(what: str) -> None:  # a broker or worker still starting: say so, once
+            waited.append(what)
             print(f"specrelay generate: {what} (up to {args.connect_timeout:g} s, --connect-timeout)",
                   file=sys.stderr, flush=True)
 
-        await probe_broker(args.broker, args.connect_timeout, curve=curve, on_wait=on_wait)
+        found = await probe_brokers(args.broker, args.connect_timeout, curve=curve, on_wait=on_wait)
+        if waited and len(args.broker) > 1:
+            print(f"specrelay generate: a cloud worker answers through the broker at {found}", file=sys.stderr,
+                  flush=True)
         set_threads()
-        return await generate_all(args, prompts, lambda i, result: print_result(args, result))
+        return await generate_all(args, prompts, edge_config, config, lambda i, result: print_result(args, result),
+                                  curve)
 
     return 1 if run_async(run()) else 0

@@ -1,6 +1,7 @@
 """`specrelay serve`: one box, one process. A broker, a cloud worker (target model) and an edge worker (draft
 model) on in-process ZeroMQ sockets, behind the OpenAI-compatible HTTP API: the quickest way to try a pair, and
-the same code path as the distributed deployment (only the endpoints are inproc://)."""
+the same code path as the distributed deployment (only the endpoints are inproc://). Its health port (/healthz,
+/readyz, /metrics) is on by default, beside the HTTP API's."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ async def serve(args, http_limits=None) -> None:
     from .broker.server import Broker
     from .cloud_worker.server import CloudWorker, WorkerConfig
     from .common.runner import ModelRunner
+    from .edge_worker.config import EdgeConfig
     from .edge_worker.http import HttpFrontend, HttpStats
-    from .edge_worker.loading import EdgeHealth, load_edge
-    from .edge_worker.server import EdgeConfig
+    from .edge_worker.server import EdgeHealth, load_edge
     from .runtime import serve_all
 
     ctx = zmq.asyncio.Context.instance()
@@ -28,8 +29,15 @@ async def serve(args, http_limits=None) -> None:
                            config=EdgeConfig(max_context=args.max_model_len or runner.max_context,
                                              default_objective=args.objective), context=ctx)
     stats = HttpStats()
-    services = [Broker(frontend, backend, context=ctx), worker, edge,
-                HttpFrontend(edge, *args.http, args.served_model_name, stats, http_limits)]
+    await serve_all(Broker(frontend, backend, context=ctx), worker, edge,
+                    HttpFrontend(edge, *args.http, args.served_model_name, stats, http_limits),
+                    EdgeHealth(edge, stats, args.health_host, health_port(args)))
+
+
+def health_port(args) -> int:
+    """--health-port, else the port after --http's (8001 beside the default 127.0.0.1:8000; any free port when
+    --http's is 0 or the last one)."""
     if args.health_port is not None:
-        services.append(EdgeHealth(edge, stats, args.health_host, args.health_port))
-    await serve_all(*services)
+        return args.health_port
+    http_port = args.http[1]
+    return http_port + 1 if 0 < http_port < 65535 else 0

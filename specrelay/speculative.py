@@ -13,15 +13,18 @@ from dataclasses import asdict
 
 import torch
 
-from .cloud_worker.verifier import Verifier, VerifierConfig
+from .cloud_worker.config import VerifierConfig
+from .cloud_worker.verifier import Verifier
 from .common import protocol as P
+from .common.packing import enum_value
 from .common.protocol import Mode
 from .common.rng import Purpose, gumbel, sample_index, uniform
 from .common.runner import Decoder, ModelRunner
 from .common.sampling import SamplingParams, probs_from_logits
+from .edge_worker.config import SessionConfig
 from .edge_worker.draftlen import EdgeEstimates
 from .edge_worker.drafter import Drafter
-from .edge_worker.session import EdgeSession, SessionConfig
+from .edge_worker.session import EdgeSession
 
 
 def speculative_generate(draft: ModelRunner | Drafter, target: ModelRunner | Verifier, prompt_ids: list[int],
@@ -41,7 +44,7 @@ def speculative_generate_batch(draft: ModelRunner | Drafter, target: ModelRunner
     verification round, exactly as an edge and a cloud worker batch them. `observe(request, reply)` sees every
     exchange (benchmarks classify rejections with it)."""
     verifier = target if isinstance(target, Verifier) else Verifier(
-        target, VerifierConfig(max_sessions=max(1024, len(prompts))))
+        target, VerifierConfig(max_sessions=max(VerifierConfig.max_sessions, len(prompts))))
     drafter = draft if isinstance(draft, Drafter) else Drafter(draft, verifier.runner.vocab_size)
     estimates = EdgeEstimates()  # shared, as on an edge; no timings in-process, so `auto` is deterministic
     sessions = [EdgeSession(list(p), c, drafter, sid=i + 1, estimates=estimates)
@@ -78,7 +81,7 @@ def target_generate(target: ModelRunner, prompt_ids: list[int], max_new_tokens: 
                     params: SamplingParams = SamplingParams(), mode: Mode = Mode.GREEDY, seed: int = 0) -> list[int]:
     """Target-alone decoding with the KV cache: greedy, `sample` (inverse CDF with Purpose.TARGET uniforms),
     or `coupled` (argmax(log p + g_t), the same noise the coupled speculative mode uses)."""
-    mode = P.enum_value(Mode, mode, "mode")
+    mode = enum_value(Mode, mode, "mode")
     decoder = Decoder(target)
     tokens, out = list(prompt_ids), []
     while len(out) < max_new_tokens:

@@ -14,7 +14,8 @@ from specrelay.cloud_worker import attention
 from specrelay.cloud_worker.attention import Row, forward_packed, install, self_check
 from specrelay.cloud_worker.kvcache import KVStore
 from specrelay.cloud_worker.owncache import OwnCacheStore
-from specrelay.cloud_worker.verifier import Verifier, VerifierConfig
+from specrelay.cloud_worker.config import VerifierConfig
+from specrelay.cloud_worker.verifier import Verifier
 from specrelay.common.errors import FatalError
 from specrelay.common.runner import KVShape, ModelRunner
 from specrelay.edge_worker import draftkv

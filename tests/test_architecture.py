@@ -3,6 +3,7 @@ map is a module a newcomer reads the whole tree to find."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -27,3 +28,98 @@ def test_the_map_names_no_module_that_is_gone():
     named = set(re.findall(r"`((?:broker|cloud_worker|edge_worker|common|specrelay)/[\w/]+\.py)`", text))
     gone = sorted(path for path in named if not (ROOT / path).exists())
     assert not gone, f"ARCHITECTURE.md names files that do not exist: {gone}"
+
+
+# ------------------------------------------------------------------------------------------ the import graph
+
+PACKAGES = {"specrelay": "specrelay", "specrelay.bench": "specrelay/bench", "specrelay.common": "common",
+            "specrelay.broker": "broker", "specrelay.edge_worker": "edge_worker",
+            "specrelay.cloud_worker": "cloud_worker"}  # pyproject.toml's package-dir
+PROCESS_PACKAGES = ("specrelay.broker", "specrelay.cloud_worker", "specrelay.edge_worker")
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 60
+
+
+def _sources() -> dict[str, Path]:
+    """Every module of the installed `specrelay` package by its dotted name (packages by their own name)."""
+    out = {}
+    for package, folder in PACKAGES.items():
+        for path in (ROOT / folder).glob("*.py"):
+            out[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+    return out
+
+
+def _imported(module: str, path: Path, names: set[str]) -> set[str]:
+    """The package's modules that `module` imports anywhere in its source: at module level, inside functions,
+    relative imports resolved; `from X import y` counts X.y when that is a module, else X."""
+    package = module if path.stem == "__init__" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+            source = ".".join(base + ([node.module] if node.module else []))
+            found |= {f"{source}.{alias.name}" if f"{source}.{alias.name}" in names else source
+                      for alias in node.names}
+    return {name for name in found if name in names and name != module}
+
+
+def _graph() -> dict[str, set[str]]:
+    sources = _sources()
+    return {module: _imported(module, path, set(sources)) for module, path in sources.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle (depth-first search, three colours), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: finished
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = 2
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_the_graph_sees_function_level_and_relative_imports():
+    graph = _graph()
+    assert "specrelay.edge_worker.server" in graph["specrelay.cli"]  # inside cmd_edge_worker, relative
+    assert "specrelay.common.protocol" in graph["specrelay.edge_worker.frontend"]  # `from ..common import protocol`
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycle_counting_imports_inside_functions():
+    cycle = _cycle(_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_common_imports_no_process_package():
+    wrong = sorted(f"{module} -> {target}" for module, targets in _graph().items()
+                   if module.startswith("specrelay.common") for target in targets
+                   if target.startswith(PROCESS_PACKAGES))
+    assert not wrong, f"common/ imports a process package: {wrong}"
+
+
+def test_no_module_past_400_lines_no_function_past_60():
+    too_long = []
+    for module, path in _sources().items():
+        text = path.read_text()
+        if (lines := len(text.splitlines())) > MAX_MODULE_LINES:
+            too_long.append(f"{module}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                    (length := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:
+                too_long.append(f"{module}.{node.name}: {length} lines")
+    assert not too_long, f"past {MAX_MODULE_LINES} lines a module or {MAX_FUNCTION_LINES} a function: {too_long}"

@@ -38,7 +38,7 @@ def test_sweep_smoke_writes_schema_valid_rows(tiny_pair, tmp_path):
     result = json.loads((out / "sweep.json").read_text())
     assert result["meta"]["command"].startswith("specrelay bench sweep") and result["rows"] == rows
     assert {p.name for p in out.glob("*.png")} >= {"sweep_tokens_per_s.png", "sweep_cloud_calls.png",
-                                                   "sweep_acceptance.png", "sweep_itl_cdf.png"}
+                                                   "sweep_acceptance.png", "sweep_tpot_cdf.png"}
     docs = tmp_path / "docs" / "benchmarks.md"
     render_docs(out, docs, tmp_path / "docs" / "bench")  # what `specrelay bench report` runs
     text = docs.read_text()

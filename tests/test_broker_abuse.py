@@ -6,8 +6,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from specrelay.broker.routing import BACKEND, FRONTEND, Router
-from specrelay.broker.table import Limits
+from specrelay.broker.quotas import Limits
+from specrelay.broker.routing import Router
+from specrelay.broker.table import BACKEND, FRONTEND
 from specrelay.common import protocol
 from specrelay.common.errors import ErrorCode
 from specrelay.common.protocol import MsgType
@@ -68,7 +69,7 @@ def test_a_refused_open_is_never_booked(router):
         assert frames[0] in (W1, W2)
         error = protocol.Error(session=sid, seq=0, code=ErrorCode.BAD_REQUEST, message="bad tokens")
         assert errors_to(worker_send(router, frames[0], error))[0].code == ErrorCode.BAD_REQUEST
-    assert router.stats.sessions_open == 0 and router.usage == {} and router.stats.rejected_opens == 1024
+    assert router.stats.sessions_open == 0 and router.quotas.usage == {} and router.stats.rejected_opens == 1024
     out = edge_send(router, open_(5000), edge=VICTIM)  # nobody is locked out
     assert out[0][0] == BACKEND
 
@@ -127,7 +128,7 @@ def test_a_worker_error_that_drops_the_session_frees_it(router):
     worker_send(router, W1, protocol.Verdict(1, 0, 0, 5))  # booked (a verdict for the pipelined VERIFY)
     edge_send(router, protocol.Verify(1, 2, 4, [], [4]))
     worker_send(router, W1, protocol.Error(1, 2, ErrorCode.UNKNOWN_SESSION, "evicted"))
-    assert router.sessions == {} and router.usage == {}
+    assert router.sessions == {} and router.quotas.usage == {}
 
 
 def test_gauges_return_to_zero(router):
@@ -136,7 +137,7 @@ def test_gauges_return_to_zero(router):
         edge_send(router, protocol.Verify(sid, 1, 3, [], [4]))
     router.tick(100.0)  # every worker and the edge expired
     s = router.stats
-    assert (s.sessions_open, s.live_workers, s.live_edges) == (0, 0, 0) and router.usage == {}
+    assert (s.sessions_open, s.live_workers, s.live_edges) == (0, 0, 0) and router.quotas.usage == {}
 
 
 def test_worker_load_reports_are_clamped_to_what_it_declared():

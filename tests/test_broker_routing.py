@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from specrelay.broker.routing import BACKEND, FRONTEND, HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, Router
-from specrelay.broker.table import Limits, Session
+from specrelay.broker.liveness import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS
+from specrelay.broker.quotas import Limits
+from specrelay.broker.routing import Router
+from specrelay.broker.table import BACKEND, FRONTEND, Session
 from specrelay.common import protocol
 from specrelay.common.errors import ErrorCode
 from specrelay.common.protocol import MsgType

@@ -52,8 +52,8 @@ def test_precedence_flag_then_command_variable_then_variable_then_default():
 def test_one_environment_file_serves_every_command():
     env = {"SPECRELAY_CLOUD_WORKER_BROKER": "tcp://b:5556", "SPECRELAY_EDGE_WORKER_BROKER": "tcp://b:5555",
            "SPECRELAY_BROKER_FRONTEND": "tcp://0.0.0.0:5555", "SPECRELAY_LOG_LEVEL": "warning"}
-    assert parse(["cloud-worker"], env).broker == "tcp://b:5556"
-    assert parse(["edge-worker"], env).broker == "tcp://b:5555"
+    assert parse(["cloud-worker"], env).broker == ("tcp://b:5556",)
+    assert parse(["edge-worker"], env).broker == ("tcp://b:5555",)
     assert parse(["broker"], env).frontend == "tcp://0.0.0.0:5555"
     assert parse(["broker"], env).log_level == "warning"
 
@@ -85,6 +85,17 @@ def test_environment_values_go_through_types_and_choices():
     assert "SPECRELAY_DTYPE" in usage_error(["cloud-worker"], {"SPECRELAY_DTYPE": "int4"})
     assert "SPECRELAY_JSON" in usage_error(["generate", "--prompt", "x"], {"SPECRELAY_JSON": "maybe"})
     assert "SPECRELAY_MAX_BATCH" in usage_error(["cloud-worker"], {"SPECRELAY_MAX_BATCH": "0"})
+
+
+def test_serve_has_a_health_port_by_default_the_others_only_when_asked():
+    from specrelay.onebox import health_port
+
+    assert health_port(parse(["serve"])) == 8001  # beside the default --http 127.0.0.1:8000
+    assert health_port(parse(["serve", "--http", "127.0.0.1:9000"])) == 9001
+    assert health_port(parse(["serve", "--http", "127.0.0.1:0"])) == 0  # any free port, as the API's
+    assert health_port(parse(["serve", "--health-port", "7000"])) == 7000
+    for command in (["broker"], ["cloud-worker"], ["edge-worker"]):
+        assert parse(command).health_port is None
 
 
 def test_exclusive_flags_from_the_environment():

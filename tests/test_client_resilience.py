@@ -20,6 +20,7 @@ import zmq
 from specrelay.cluster import free_port
 from specrelay.common import protocol as P
 from specrelay.common.errors import ErrorCode
+from specrelay.common.packing import f32
 from specrelay.common.resample import Rejection
 from specrelay.common.sampling import SamplingParams
 from specrelay.edge_worker.drafter import Drafter
@@ -48,7 +49,7 @@ def test_ids_a_worker_sends_outside_the_vocabulary_are_a_retryable_error(tiny_ru
     if reply == "next_token":
         bad = P.Verdict(4, request.seq, 0, v + 3)
     else:
-        bad = P.Verdict(4, request.seq, 0, -1, candidates=[1, v], cand_p=P.f32(torch.ones(2) / 2))
+        bad = P.Verdict(4, request.seq, 0, -1, candidates=[1, v], cand_p=f32(torch.ones(2) / 2))
     if reply == "resampled":  # a rejection pending on the edge, then a RESAMPLED with a bad token
         session._rejection = Rejection(torch.zeros(v), None, 1, 5, request.seq, 4, P.Strategy.SRDV)
         bad = P.Resampled(4, request.seq, token=v + 1)

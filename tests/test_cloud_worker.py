@@ -1,5 +1,5 @@
 """The cloud worker over real sockets on 127.0.0.1 random ports: the test plays the broker with a ROUTER (and
-the edges behind it by client id), so nothing here depends on the broker package. Plus the pure Batcher rules."""
+the edges behind it by client id), so nothing here depends on the broker package. Plus the pure Scheduler rules."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import socket
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import msgspec
@@ -16,7 +17,8 @@ import torch
 import zmq
 import zmq.asyncio
 
-from specrelay.cloud_worker.batcher import Batcher, Item
+from specrelay.cloud_worker.config import SchedulerConfig
+from specrelay.cloud_worker.scheduler import ChunkedPrefill, Item, Plan, Scheduler
 from specrelay.cloud_worker.server import CloudWorker, WorkerConfig, serve
 from specrelay.cloud_worker.verifier import Verifier
 from specrelay.common import protocol as P
@@ -578,60 +580,113 @@ async def test_systemd_notify(fake_broker, start_worker, monkeypatch):
         os.unlink(path)
 
 
-# ------------------------------------------------------------------------------------ the Batcher, pure
+# ---------------------------------------------------------------------------------- the Scheduler, pure
 
-def item(sid: int, msg: P.Base, t: float = 0.0) -> Item:
-    return Item((b"c", sid), msg, t)
+class Contexts:
+    """The Verifier as the Scheduler reads it: open sessions (oldest first) with their contexts, and how many
+    tokens of each the KV store holds. `cached` maps a session id to that count (default 0)."""
+
+    def __init__(self, lengths: dict[int, int] | None = None, cached: dict[int, int] | None = None) -> None:
+        self.sessions = {(b"c", sid): types.SimpleNamespace(tokens=list(range(n)))
+                         for sid, n in (lengths or {}).items()}
+        self.held = {(b"c", sid): n for sid, n in (cached or {}).items()}
+
+    def cached(self, key) -> int:
+        return self.held.get(key, 0)
+
+    def control(self, handled: list):
+        """A `control` that records each message and applies a CLOSE, as the worker does."""
+        def apply(it: Item) -> None:
+            handled.append(it.msg)
+            if isinstance(it.msg, P.Close):
+                self.sessions.pop(it.key, None)
+        return apply
 
 
-def test_batcher_waits_only_for_other_active_sessions():
-    b = Batcher(max_batch=8, max_wait_s=0.002, idle_after_s=5.0)
-    b.push(item(1, P.Verify(1, 1, 3), t=10.0))
-    batch: list[Item] = []
-    assert b.take(batch, control=lambda it: None) is False and len(batch) == 1
-    k1, k2, k3 = (b"c", 1), (b"c", 2), (b"c", 3)
-    assert b.wait_budget(batch, 10.0, is_open={k1}) == 0.0             # one active session: go at once
-    b.last_seen[k2] = 9.0                                              # another session spoke a second ago
-    assert b.wait_budget(batch, 10.0005, is_open={k1, k2}) == pytest.approx(0.0015)
-    assert b.wait_budget(batch, 10.003, is_open={k1, k2}) == 0.0       # max_wait since the oldest request
-    assert b.wait_budget(batch, 10.0005, is_open={k1}) == 0.0          # session 2 closed (or evicted)
-    b.last_seen[k3] = 0.0
-    assert b.wait_budget(batch, 10.0005, is_open={k1, k3}) == 0.0      # session 3 idle for 10 s
+def item(sid: int, msg: P.Base, t: float = 0.0, conn: int = 0) -> Item:
+    return Item((b"c", sid), msg, t, conn)
 
 
-def test_batcher_keeps_each_sessions_order_and_the_batch_cap():
-    b = Batcher(max_batch=2, max_wait_s=0.002, idle_after_s=5.0)
+def scheduler(contexts: Contexts | None = None, **config) -> Scheduler:
+    return Scheduler(SchedulerConfig(**{"max_batch": 8, "max_wait_ms": 2.0, **config}), contexts or Contexts())
+
+
+def test_scheduler_waits_only_for_other_active_sessions():
+    def planned(open_ids, seen: dict[int, float], now: float):
+        s = scheduler(Contexts({sid: 3 for sid in open_ids}, {sid: 2 for sid in open_ids}))
+        s.push(item(1, P.Verify(1, 1, 3), t=10.0))
+        s.last_seen.update({(b"c", sid): t for sid, t in seen.items()})
+        return s.plan(now, control=lambda it: None)
+
+    assert [i.key[1] for i in planned({1}, {}, 10.0).step.verifies] == [1]      # one active session: go at once
+    assert planned({1, 2}, {2: 9.0}, 10.0005).wait == pytest.approx(0.0015)    # another spoke a second ago
+    assert planned({1, 2}, {2: 9.0}, 10.003).step is not None                  # max_wait since the oldest VERIFY
+    assert planned({1}, {2: 9.0}, 10.0005).step is not None                    # session 2 closed (or evicted)
+    assert planned({1, 3}, {3: 0.0}, 10.0005).step is not None                 # session 3 idle for 10 s
+    assert scheduler().plan(0.0, control=lambda it: None) == Plan()            # nothing queued: wait for it
+
+
+def test_scheduler_keeps_each_sessions_order_and_the_batch_cap():
+    s = scheduler(max_batch=2)
     for it in [item(1, P.Open(1, [1])), item(1, P.Verify(1, 1, 1)), item(2, P.Verify(2, 1, 1)),
-               item(1, P.Close(1)), item(3, P.Verify(3, 1, 1))]:
-        b.push(it)
+               item(1, P.Close(1)), item(3, P.Verify(3, 1, 1)), item(3, P.Verify(3, 2, 1))]:
+        s.push(it)
     control: list[P.Base] = []
-    batch: list[Item] = []
-    assert b.take(batch, lambda it: control.append(it.msg)) is False
-    assert [type(m) for m in control] == [P.Open] and [it.key[1] for it in batch] == [1, 2]  # cap reached
-    batch = []
-    assert b.take(batch, lambda it: control.append(it.msg)) is False
-    assert isinstance(control[-1], P.Close) and [it.key[1] for it in batch] == [3]
-    b.push(item(3, P.Verify(3, 2, 1)))
-    assert b.take(batch, lambda it: None) is True  # session 3 is already in the batch: wait for it
+    step = s.plan(0.0, lambda it: control.append(it.msg)).step
+    assert [type(m) for m in control] == [P.Open] and [it.key[1] for it in step.verifies] == [1, 2]  # the cap
+    step = s.plan(0.0, lambda it: control.append(it.msg)).step  # session 3's second VERIFY waits for its first
+    assert isinstance(control[-1], P.Close) and [it.key[1] for it in step.verifies] == [3] and len(s) == 1
+    assert step.requests == [((b"c", 3), P.Verify(3, 1, 1))] and step.prefill == []
 
 
-def test_batcher_holds_a_session_that_is_not_ready_without_blocking_others():
-    b = Batcher(max_batch=8, max_wait_s=0.002, idle_after_s=5.0)
+def test_scheduler_holds_a_session_that_is_not_ready_without_blocking_others():
+    contexts = Contexts({1: 900, 4: 900, 2: 3, 3: 3})  # sessions 1 and 4 are still to be prefilled
+    s = scheduler(contexts)
     for it in [item(1, P.Verify(1, 1, 900)), item(2, P.Verify(2, 1, 3)), item(4, P.Verify(4, 1, 900)),
                item(4, P.Open(4, [1])), item(3, P.Open(3, [1])), item(3, P.Verify(3, 1, 1)), item(1, P.Close(1))]:
-        b.push(it)
+        s.push(it)
     control: list[P.Base] = []
-    batch: list[Item] = []
-    not_ready = {(b"c", 1), (b"c", 4)}
-    assert b.take(batch, lambda it: control.append(it.msg), ready=lambda key: key not in not_ready) is False
+    step = s.plan(0.0, contexts.control(control)).step  # a prompt is prefilled: the step goes at once
     # session 4's OPEN waits behind its VERIFY; session 1's CLOSE drops its held VERIFY and goes at once (the edge
     # gave up: the worker must not keep prefilling for it)
-    assert [it.key[1] for it in batch] == [2, 3] and [type(m) for m in control] == [P.Open, P.Close]
-    assert [(it.key[1], type(it.msg)) for it in b.queue] == [(4, P.Verify), (4, P.Open)]  # held, in order
-    not_ready.clear()
-    batch = []
-    assert b.take(batch, lambda it: control.append(it.msg)) is True  # session 4's OPEN waits for its VERIFY
-    assert [it.key[1] for it in batch] == [4] and len(b.queue) == 1
+    assert [it.key[1] for it in step.verifies] == [2, 3] and [type(m) for m in control] == [P.Open, P.Close]
+    assert [(row.key, len(row.ids)) for row in step.prefill] == [((b"c", 4), 64)]  # prefill_tokens: 64
+    assert [(it.key[1], type(it.msg)) for it in s.queue] == [(4, P.Verify), (4, P.Open)]  # held, in order
+    contexts.held[(b"c", 4)] = 899
+    step = s.plan(0.0, contexts.control(control)).step  # session 4's OPEN waits for its VERIFY
+    assert [it.key[1] for it in step.verifies] == [4] and step.prefill == [] and len(s.queue) == 1
+
+
+def test_chunked_prefill_takes_the_oldest_contexts_first_and_never_caches_the_last_token():
+    contexts = Contexts({1: 65, 2: 200, 3: 64}, {2: 10})
+    chunks = ChunkedPrefill(contexts, 64)
+    assert not chunks.ready((b"c", 1)) and not chunks.ready((b"c", 2)) and chunks.ready((b"c", 3))
+    assert [(row.key[1], row.ids) for row in chunks.rows()] == [(1, list(range(64)))]  # token 64 stays uncached
+    contexts.held[(b"c", 1)] = 64
+    assert [(row.key[1], row.ids) for row in chunks.rows()] == [(2, list(range(10, 74)))]
+    assert ChunkedPrefill(contexts, 100).rows(exclude={(b"c", 2)}) == [] and chunks.pending
+
+
+def test_scheduler_drops_the_requests_of_a_lost_connection_only():
+    """Each request carries its broker connection: dropping one leaves the others' (one worker, several brokers)."""
+    s = scheduler(max_batch=1)
+    for it in [item(1, P.Verify(1, 1, 1), conn=1), item(2, P.Verify(2, 1, 1), conn=2),
+               item(3, P.Open(3, [1]), conn=1), item(4, P.Close(4), conn=2)]:
+        s.push(it)
+    s.last_seen[(b"c", 5)] = 0.0
+    assert s._take(lambda it: None) == (False, False) and [i.key[1] for i in s.batch] == [1]  # forming
+    stale = s.drop({1})
+    assert [i.key[1] for i in stale] == [1, 3] and s.batch == [] and [i.key[1] for i in s.queue] == [2, 4]
+    assert set(s.last_seen) == {(b"c", 2), (b"c", 4), (b"c", 5)}
+
+
+def test_scheduler_yields_after_64_control_messages():
+    s = scheduler()
+    for sid in range(1, 71):
+        s.push(item(sid, P.Open(sid, [1])))
+    handled: list[P.Base] = []
+    assert s.plan(0.0, handled.append) == Plan(yield_first=True) and len(handled) == 64 and len(s) == 6
+    assert s.plan(0.0, handled.append) == Plan() and len(handled) == 70
 
 
 async def test_a_worker_with_no_broker_says_it_is_waiting_for_it(zctx, tiny_runners):

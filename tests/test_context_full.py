@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specrelay.cluster import LocalCluster
-from specrelay.edge_worker.loading import load_edge
+from specrelay.edge_worker.server import load_edge
 from specrelay.edge_worker.server import EdgeConfig
 from specrelay.edge_worker.session import SessionConfig
 

@@ -108,12 +108,12 @@ def test_coupled_verify_accepts_while_noisy_argmax_agrees():
 def test_sampling_defaults_to_the_coupled_mode(tiny_runners):
     """One source of defaults: at temperature > 0 a session that names no mode is COUPLED, at 0 GREEDY."""
     from specrelay.common.protocol import DEFAULT_SAMPLED_MODE
-    from specrelay.edge_worker.session import SessionConfig
+    from specrelay.edge_worker.config import SessionConfig
 
     assert DEFAULT_SAMPLED_MODE == Mode.COUPLED
-    assert SessionConfig(params=SamplingParams(0.7)).resolved_mode() == Mode.COUPLED
-    assert SessionConfig(params=SamplingParams(0.7), mode="sample").resolved_mode() == Mode.SAMPLE
-    assert SessionConfig().resolved_mode() == Mode.GREEDY
+    assert SessionConfig(params=SamplingParams(0.7)).mode == Mode.COUPLED
+    assert SessionConfig(params=SamplingParams(0.7), mode="sample").mode == Mode.SAMPLE
+    assert SessionConfig().mode == Mode.GREEDY
 
 
 def test_top_k_top_p_transform():

@@ -21,7 +21,7 @@ from specrelay.common.errors import GenerationTimeout, InvalidRequest, RequestEr
 from specrelay.common.sampling import SamplingParams
 from specrelay.edge_worker.drafter import Drafter
 from specrelay.common.errors import ErrorCode
-from specrelay.edge_worker.loading import serve
+from specrelay.edge_worker.server import serve
 from specrelay.edge_worker.server import EdgeConfig, EdgeWorker
 from specrelay.edge_worker.session import SessionConfig
 from specrelay.edge_worker.textstream import TextStream

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from specrelay.broker.routing import Router
 from specrelay.broker.server import Broker
-from specrelay.broker.table import Limits
+from specrelay.broker.quotas import Limits
 from specrelay.cloud_worker.server import CloudWorker, WorkerConfig
 from specrelay.common import protocol as P
 from specrelay.common import transport
@@ -48,7 +48,7 @@ def check_invariants(router: Router) -> None:
     for (edge, sid), session in router.sessions.items():
         assert (edge, sid) in router.workers[session.worker].sessions
         assert (edge, sid) in router.peers[edge].sessions
-    for client, usage in router.usage.items():
+    for client, usage in router.quotas.usage.items():
         mine = [s for s in router.sessions.values() if s.client == client]
         assert usage.sessions == len(mine) > 0
         assert usage.in_flight == sum(len(s.in_flight) for s in mine) >= 0

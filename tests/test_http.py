@@ -175,6 +175,15 @@ def test_malformed_json_is_a_400(stack):
     assert info.value.code == 400 and "error" in json.loads(info.value.read())
 
 
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def raw_request(base: str, body: dict) -> socket.socket:
     """A POST on a raw socket (so the test can drop the connection whenever it likes)."""
     host, port = base.removeprefix("http://").split(":")
@@ -238,15 +247,17 @@ def test_disconnect_frees_the_cloud_session(stack, long_prompt, stream):
 @pytest.mark.timeout(180)
 def test_specrelay_serve_one_box(tiny_pair, reference, tiny_runners):
     """`specrelay serve`: broker, cloud worker and edge in one process behind the same API and guards (API key,
-    context); SIGTERM stops it."""
+    context), its health port on by default beside the API's; SIGTERM stops it."""
     target, draft = tiny_pair
-    port = free_port()
+    port = next(p for p in iter(free_port, None) if _bindable(p + 1))  # the default health port: --http's + 1
     proc = subprocess.Popen([sys.executable, "-m", "specrelay.cli", "serve", "--model", str(target), "--draft-model",
                              str(draft), "--http", f"127.0.0.1:{port}", "--served-model-name", MODEL],
                             env=dict(os.environ, SPECRELAY_THREADS="1", SPECRELAY_API_KEY="serve-key"),
                             stderr=subprocess.PIPE, text=True)
     try:
         wait_http(f"http://127.0.0.1:{port}/health", proc)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port + 1}/readyz", timeout=10) as ready:
+            assert ready.status == 200
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="serve-key", max_retries=0,
                                timeout=60)
         prompt = "def add(a, b):\n"

@@ -9,7 +9,9 @@ import torch
 
 from specrelay.cloud_worker.attention import Row, forward_packed, install
 from specrelay.cloud_worker.kvcache import KVFull, KVShape, KVStore
-from specrelay.cloud_worker.verifier import Verifier, VerifierConfig
+from specrelay.cloud_worker.config import VerifierConfig
+from specrelay.cloud_worker.scheduler import ChunkedPrefill
+from specrelay.cloud_worker.verifier import Verifier
 from specrelay.common import protocol as P
 from specrelay.common import verify
 from specrelay.common.errors import ErrorCode, InvalidRequest, RequestError
@@ -268,14 +270,15 @@ def test_admission_by_memory_and_eviction_of_idle_sessions(tiny_runners):
 
 def test_long_prompts_are_prefilled_in_chunks_beside_other_sessions(tiny_runners):
     target, _ = tiny_runners
-    v = Verifier(target, VerifierConfig(prefill_tokens=16))
+    v = Verifier(target)
+    chunks = ChunkedPrefill(v, 16)
     long_ids, short_ids = [5 + i % 50 for i in range(70)], [5, 6, 7]
     v.open((b"e", 1), P.Open(1, long_ids))
     v.open((b"e", 2), P.Open(2, short_ids))
-    assert not v.ready((b"e", 1)) and v.ready((b"e", 2)) and v.prefill_pending
+    assert not chunks.ready((b"e", 1)) and chunks.ready((b"e", 2)) and chunks.pending
     steps = 0
-    while not v.ready((b"e", 1)):
-        verdict = v.verify([((b"e", 2), P.Verify(2, steps + 1, len(short_ids), [], []))], prefill_tokens=16)[0]
+    while not chunks.ready((b"e", 1)):
+        verdict = v.verify([((b"e", 2), P.Verify(2, steps + 1, len(short_ids), [], []))], chunks.rows())[0]
         short_ids.append(verdict.next_token)
         steps += 1
     assert steps == 4 and v.stats["prefill_tokens"] == 4 * 16  # 70 tokens: 54 left over 16 -> ready
@@ -294,10 +297,11 @@ def test_deterministic_output_survives_a_failover_at_any_verify(tiny_runners):
     key = (b"e", 1)
 
     def fresh_worker(session: EdgeSession) -> Verifier:
-        verifier = Verifier(target, VerifierConfig(deterministic=True, prefill_tokens=8))
+        verifier = Verifier(target, VerifierConfig(deterministic=True))
         verifier.open(key, session.open_message())
-        while not verifier.ready(key):
-            verifier.verify([], prefill_tokens=8)
+        chunks = ChunkedPrefill(verifier, 8)
+        while not chunks.ready(key):
+            verifier.verify([], chunks.rows())
         return verifier
 
     def run(fail_at: int | None) -> tuple[list[int], torch.Tensor]:

@@ -13,7 +13,7 @@ from specrelay.common.metrics import Utilisation
 from specrelay.common.protocol import LoadHint, Objective
 from specrelay.edge_worker import api
 from specrelay.edge_worker.draftlen import BUSY_FULL, SATURATED, TOLERANCE, best_length, tolerance
-from specrelay.edge_worker.session import SessionConfig
+from specrelay.edge_worker.config import EdgeConfig, SessionConfig
 
 from test_draftlen import goodput, trained
 
@@ -121,10 +121,10 @@ def test_objective_reaches_the_session_config():
         SessionConfig(objective="fastest")
     assert err.value.field == "objective"
     req = msgspec.json.decode(b'{"model": "m", "prompt": "x", "objective": "speed"}', type=api.CompletionRequest)
-    assert api.generate_message(req, 8).objective == Objective.SPEED
+    assert api.session_config(req, 8, EdgeConfig()).objective == Objective.SPEED
     with pytest.raises(api.APIError):
-        api.generate_message(msgspec.json.decode(b'{"model": "m", "prompt": "x", "objective": "max"}',
-                                                 type=api.CompletionRequest), 8)
+        api.session_config(msgspec.json.decode(b'{"model": "m", "prompt": "x", "objective": "max"}',
+                                               type=api.CompletionRequest), 8, EdgeConfig())
 
 
 def test_cli_objective_flag_everywhere():

@@ -13,7 +13,7 @@ import zmq
 
 from specrelay.cluster import LocalCluster
 from specrelay.common.membudget import EXIT_MEMORY, MemoryBudget, rss_mb
-from specrelay.edge_worker.loading import load_edge
+from specrelay.edge_worker.server import load_edge
 from specrelay.edge_worker.server import EdgeConfig
 from specrelay.edge_worker.session import SessionConfig
 

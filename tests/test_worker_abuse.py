@@ -9,9 +9,11 @@ import asyncio
 import pytest
 import torch
 
-from specrelay.cloud_worker.verifier import Verifier, VerifierConfig
+from specrelay.cloud_worker.config import VerifierConfig
+from specrelay.cloud_worker.verifier import Verifier
 from specrelay.common import protocol as P
 from specrelay.common.errors import ErrorCode, InvalidRequest
+from specrelay.common.packing import f32
 from specrelay.common.protocol import Mode, ResampleKind, Strategy
 from specrelay.common.resample import SRDV_MAX_ROUNDS, Pending, serve_resample
 from specrelay.edge_worker.drafter import Drafter
@@ -88,7 +90,7 @@ async def rejected_verdict(broker: FakeBroker, client: bytes, sid: int, ids: lis
     with probability p(x); OPEN again with the next seed until one is rejected."""
     for seed in range(50):
         await broker.send(client, P.Open(sid, ids, Mode.SAMPLE, 1.0, seed=seed, resample=Strategy.SRDV))
-        await broker.send(client, P.Verify(sid, 1, len(ids), [], [7], P.f32(torch.ones(1))))
+        await broker.send(client, P.Verify(sid, 1, len(ids), [], [7], f32(torch.ones(1))))
         verdict = await broker.reply(client)
         if verdict.next_token < 0:
             return verdict
@@ -149,7 +151,7 @@ async def test_server_only_on_an_all_shared_session_gets_a_counted_bad_request(f
     shared = b"\xff" * ((target.vocab_size + 7) // 8)
     for seed in range(50):
         await broker.send(b"e", P.Open(3, ids, Mode.SAMPLE, 1.0, seed=seed, resample=Strategy.HR, shared_vocab=shared))
-        await broker.send(b"e", P.Verify(3, 1, len(ids), [], [7], P.f32(torch.ones(1))))
+        await broker.send(b"e", P.Verify(3, 1, len(ids), [], [7], f32(torch.ones(1))))
         if (await broker.reply(b"e")).next_token < 0:
             break
     await broker.send(b"e", P.Resample(3, 1, ResampleKind.SERVER_ONLY))

@@ -149,8 +149,8 @@ def references(models: dict, targets: list[str], prompts: list[str], n: int) -> 
 
 async def load_pair(pair: Pair, models: dict, frontend: str):
     """The pair's edge (not started), or the exception its start-up raised (the draft's self-check among them)."""
-    from ..edge_worker.loading import load_edge
-    from ..edge_worker.server import EdgeConfig
+    from ..edge_worker.config import EdgeConfig
+    from ..edge_worker.server import load_edge
 
     target_tok = str(models[pair.target.model_type, False]) if pair.cross_vocab else None
     try:
@@ -162,7 +162,7 @@ async def load_pair(pair: Pair, models: dict, frontend: str):
 
 async def run_pair(pair: Pair, edge, refs: list[tuple], n: int) -> dict:
     """Generate greedily through the edge for every reference prompt; the row of the result table."""
-    from ..edge_worker.session import SessionConfig
+    from ..edge_worker.config import SessionConfig
 
     row = dict(pair=pair.name, target=pair.target.model_type, draft=pair.draft.model_type,
                cross_vocab=pair.cross_vocab, exact=False, error="", accepted=0, drafted=0)

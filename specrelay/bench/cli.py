@@ -53,8 +53,22 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="specrelay bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="name", required=True)
+    _sweep_flags(sub.add_parser("sweep", help="tokens/s, cloud calls and acceptance per draft length, per emulated "
+                                "link"))
+    _stress_flags(sub.add_parser("stress", help="edge-worker, broker and cloud-worker processes under load for a "
+                                 "duration"))
+    _report_flags(sub.add_parser("report", help="render docs/benchmarks.md (tables + plots) from the JSON in --out"))
+    sub.add_parser("schema", help="print the JSON schema of sweep rows and stress results")
+    _legacy_parsers(sub)
+    for name, (module, _) in EXTERNAL.items():  # listed for --help; main() hands their arguments to the module
+        sub.add_parser(name, help=f"{module} (specrelay bench {name} --help)")
+    p = sub.add_parser("all", help="every benchmark in specrelay.bench.legacy, default settings")
+    _models(p)
+    _output(p)
+    return ap
 
-    p = sub.add_parser("sweep", help="tokens/s, cloud calls and acceptance per draft length, per emulated link")
+
+def _sweep_flags(p: argparse.ArgumentParser) -> None:
     _models(p)
     _output(p)
     p.add_argument("--link", action="append", default=None, metavar="RTT[,RATE]",
@@ -77,7 +91,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--xv", action="store_true", help="the cross-vocabulary pair (demo-draft-xv)")
 
-    p = sub.add_parser("stress", help="edge-worker, broker and cloud-worker processes under load for a duration")
+
+def _stress_flags(p: argparse.ArgumentParser) -> None:
     _models(p)
     _output(p)
     p.add_argument("--edges", type=int, default=4)
@@ -97,16 +112,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-every", type=float, default=2.0, help="seconds between RSS samples")
     p.add_argument("--xv", action="store_true", help="the cross-vocabulary pair (demo-draft-xv)")
 
-    p = sub.add_parser("report", help="render docs/benchmarks.md (tables + plots) from the JSON in --out")
+
+def _report_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=DEFAULT_OUT)
     p.add_argument("--docs", default="docs/benchmarks.md", help="markdown file to write")
     p.add_argument("--images", default="docs/bench", help="directory the plots are copied to")
     p.add_argument("--merge", action="store_true", help="keep the sections of --docs that no result in --out "
                    "replaces (regenerate only what was rerun)")
 
-    sub.add_parser("schema", help="print the JSON schema of sweep rows and stress results")
 
+def _legacy_parsers(sub) -> None:
+    """One subcommand per benchmark of specrelay.bench.legacy."""
     from .legacy import LEGACY
+
     xv = {"xvocab", "srdv_k"}
     for name in LEGACY:
         p = sub.add_parser(name, help=f"the {name} benchmark (see specrelay.bench.legacy)")
@@ -119,12 +137,6 @@ def parser() -> argparse.ArgumentParser:
             p.add_argument("--concurrency", type=int, default=8, help="sessions in flight at once")
             p.add_argument("--xv", action="store_true", help="the cross-vocabulary pair (demo-draft-xv)")
             p.add_argument("--link", default="0", metavar="RTT", help="emulated edge<->broker link (default 0)")
-    for name, (module, _) in EXTERNAL.items():  # listed for --help; main() hands their arguments to the module
-        sub.add_parser(name, help=f"{module} (specrelay bench {name} --help)")
-    p = sub.add_parser("all", help="every benchmark in specrelay.bench.legacy, default settings")
-    _models(p)
-    _output(p)
-    return ap
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "threads", None):
         import torch
 
-        from ..edge_worker.loading import GIL_SWITCH_S
+        from ..edge_worker.server import GIL_SWITCH_S
         torch.set_num_threads(args.threads)  # the in-process edge shares the cores with the workers
         sys.setswitchinterval(GIL_SWITCH_S)  # as in an edge-worker process
     if args.name == "schema":
@@ -180,12 +192,8 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
         rows = result.get("rows", [result.get("summary", {})])
         for row in rows:
             print(json.dumps(row) if args.json else report.row_line(row), flush=True)
-        summary = sys.stderr if args.json else sys.stdout  # --json: stdout holds the rows only
-        for cell, v in result.get("bars", {}).get("auto_vs_best_fixed", {}).items():
-            print(f"auto vs best fixed, {cell}: {v['auto']} vs {v['best_fixed']} tok/s "
-                  f"(d = {v['best_fixed_draft_len']}) = {v['ratio']}x; calls/token {v['cloud_calls_per_token']} "
-                  f"vs {v['best_fixed_cloud_calls_per_token']}", file=summary, flush=True)
-        print(f"bars: {json.dumps(result.get('bars', {}))}", file=sys.stderr)
+        bars = report.bar_lines(result["bars"]) if args.name == "sweep" else [json.dumps(result.get("bars", {}))]
+        print("bars:", *bars, sep="\n  ", file=sys.stderr)
         return 0  # the run worked; whether a bar is met is in the result
     for name in LEGACY if args.name == "all" else [args.name]:
         print(f"== {name}", file=sys.stderr)

@@ -86,8 +86,8 @@ class HealthWatch:
 
 async def legit(frontend: str, draft: str, prompts: list[str], max_new: int) -> tuple[list[list[int]], list[float]]:
     """Greedy generations of every prompt at once; returns the outputs and the gaps between committed chunks."""
-    from ..edge_worker.loading import load_edge
-    from ..edge_worker.session import SessionConfig
+    from ..edge_worker.config import SessionConfig
+    from ..edge_worker.server import load_edge
 
     gaps: list[float] = []
     async with await load_edge(frontend, draft) as edge:

@@ -7,6 +7,8 @@
                                               # 900-token prompt arrives (chunked vs not); a too-long prompt
     python -m specrelay.bench.kv determinism   # seeded sampling at concurrency 1, 8, 16 and after failover
     python -m specrelay.bench.kv concurrency   # 16 sessions vs 1 on one worker vs the in-process lockstep
+    python -m specrelay.bench.kv tree          # a token tree's verification step vs a chain's of as many
+                                              # tokens, both numerics (what a tree node costs the cloud)
     python -m specrelay.bench.kv all
 
 Results go to ./bench_results/kv_<name>.json (--out to change). Everything runs on 127.0.0.1.
@@ -33,7 +35,9 @@ def bench_step(args) -> dict:
     against the model's own forward over the same new tokens on a DynamicCache built from pre-stacked K/V."""
     import torch
 
-    from ..cloud_worker.verifier import OPEN_HEADROOM, Verifier, VerifierConfig
+    from ..cloud_worker.config import VerifierConfig
+    from ..cloud_worker.scheduler import ChunkedPrefill
+    from ..cloud_worker.verifier import OPEN_HEADROOM, Verifier
     from ..common.runner import ModelRunner
 
     torch.set_num_threads(args.threads)
@@ -78,7 +82,7 @@ def _step_row(runner, verifiers: dict, ctx: int, batch: int, reps: int) -> dict:
         v.reset()
         for key, x in zip(keys, ids):
             v.open(key, P.Open(key[1], x))
-        v.verify([], prefill_tokens=batch * ctx)  # each context cached but its last token
+        v.verify([], ChunkedPrefill(v, batch * ctx).rows())  # each context cached but its last token
     spans = [verifiers[False].store.span(k) for k in keys]
     layers = [(torch.stack([s.kv[li, 0, :, :ctx - 1] for s in spans]), torch.stack([s.kv[li, 1, :, :ctx - 1]
                                                                                      for s in spans]))
@@ -110,21 +114,79 @@ def _step_row(runner, verifiers: dict, ctx: int, batch: int, reps: int) -> dict:
         for kv, (_, new_kv) in zip(per_row, outs):
             append_kv(kv, new_kv, keep=1)
 
-    fns = {"forward": model_forward, "verifier": verifier_step(verifiers[False]),
-           "deterministic": verifier_step(verifiers[True]), "main_path": main_path}
-    times = {name: [] for name in fns}
-    for rep in range(reps + 1):
-        for name, fn in fns.items():  # interleaved, so load changes hit every column alike
-            t0 = time.perf_counter()
-            fn()
-            if rep:  # the first round warms up
-                times[name].append(time.perf_counter() - t0)
-    ms = {name: statistics.median(t) * 1000 for name, t in times.items()}
+    ms = _median_ms({"forward": model_forward, "verifier": verifier_step(verifiers[False]),
+                     "deterministic": verifier_step(verifiers[True]), "main_path": main_path}, reps)
     return {"context": ctx, "batch": batch, "forward_ms": round(ms["forward"], 2),
             "verifier_ms": round(ms["verifier"], 2), "ratio": round(ms["verifier"] / ms["forward"], 3),
             "deterministic_ms": round(ms["deterministic"], 2),
             "deterministic_cost": round(ms["deterministic"] / ms["verifier"], 3),
             "main_path_ms": round(ms["main_path"], 2)}
+
+
+def _median_ms(fns: dict, reps: int) -> dict[str, float]:
+    """Median milliseconds of each function over `reps` rounds, interleaved (load changes hit every column
+    alike), after one warm-up round."""
+    times = {name: [] for name in fns}
+    for rep in range(reps + 1):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            if rep:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) * 1000 for name, t in times.items()}
+
+
+# ---------------------------------------------------------------------------------------------- tree
+
+def bench_tree(args) -> dict:
+    """One verification step of `batch` sessions at context 256: a chain of n draft tokens vs a tree of n nodes
+    (two children a node, breadth first), fast and deterministic numerics."""
+    import torch
+
+    from ..cloud_worker.verifier import Verifier, VerifierConfig
+    from ..common import protocol as P
+    from ..common.runner import ModelRunner
+
+    torch.set_num_threads(args.threads)
+    runner = ModelRunner.load(args.model, args.device)
+    ctx, gen, rows, out = 256, torch.Generator().manual_seed(22), [], []
+    for nodes in (4, 8, 16, 32, 64):
+        for batch in (1, 4):
+            ids = [torch.randint(1, runner.vocab_size, (ctx,), generator=gen).tolist() for _ in range(batch)]
+            draft = torch.randint(1, runner.vocab_size, (nodes,), generator=gen).tolist()
+            tree = [-1 if i < 2 else (i - 2) // 2 for i in range(nodes)]
+            fns = {}
+            for det in (False, True):
+                v = Verifier(runner, VerifierConfig(max_sessions=8, deterministic=det))
+                for i, x in enumerate(ids):
+                    v.open((b"bench", i), P.Open(i, x))
+                for name, parents in (("chain", []), ("tree", tree)):
+                    fns[(det, name)] = _step_fn(v, ids, draft, parents)
+            ms = _median_ms(fns, args.reps)
+            r = {"nodes": nodes, "batch": batch} | {f"{'det_' if det else ''}{name}_ms": round(t, 2)
+                                                    for (det, name), t in ms.items()}
+            out.append(r)
+            rows.append([nodes, batch, r["chain_ms"], r["tree_ms"], round(r["tree_ms"] / r["chain_ms"], 2),
+                         r["det_chain_ms"], r["det_tree_ms"], round(r["det_tree_ms"] / r["det_chain_ms"], 2)])
+    print(text_table(["nodes", "batch", "chain ms", "tree ms", "tree/chain", "det. chain ms", "det. tree ms",
+                      "det. tree/chain"], rows))
+    return {"model": args.model, "threads": args.threads, "context": ctx, "reps": args.reps, "rows": out}
+
+
+def _step_fn(v, ids: list[list[int]], draft: list[int], parents: list[int]):
+    """One VERIFY per session (the same draft), then every session back to its state before it."""
+    from ..common import protocol as P
+
+    keys = [(b"bench", i) for i in range(len(ids))]
+    v.verify([], prefill_tokens=sum(map(len, ids)))  # each context cached but its last token
+
+    def run():
+        v.verify([(k, P.Verify(k[1], 1, len(x), [], draft, b"", parents)) for k, x in zip(keys, ids)])
+        for k, x in zip(keys, ids):
+            s = v.sessions[k]
+            s.tokens, s.last_seq, s.last_reply = list(x), -1, None
+            v.store.truncate(k, len(x) - 1)
+    return run
 
 
 # ------------------------------------------------------------------------------------------- prefill
@@ -247,7 +309,7 @@ async def _too_long(call, tok, texts: list[str]) -> dict:
 
 
 BENCHES = {"step": bench_step, "prefill": bench_prefill, "determinism": bench_determinism,
-           "concurrency": bench_concurrency}
+           "concurrency": bench_concurrency, "tree": bench_tree}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,7 +56,7 @@ async def _generate(frontend: str, args, texts: list[str], concurrency: int, mod
     import signal
 
     from ..common.sampling import SamplingParams
-    from ..edge_worker.session import SessionConfig
+    from ..edge_worker.config import SessionConfig
 
     config = SessionConfig(max_new_tokens=args.max_new_tokens, params=SamplingParams(0.8), seed=7, mode=mode)
     total = [0]
@@ -76,7 +76,7 @@ async def _run_edge(frontend: str, draft: str, texts: list[str], concurrency: in
                     warm_up: bool = False) -> tuple[list, float]:
     """Generate every text through the broker with an in-process edge, `concurrency` at a time:
     ([(ids, stats)], wall seconds)."""
-    from ..edge_worker.loading import load_edge
+    from ..edge_worker.server import load_edge
 
     gate = asyncio.Semaphore(concurrency)
 
@@ -103,7 +103,7 @@ def bench_concurrency(args) -> dict:
     from ..common.runner import ModelRunner
     from ..common.sampling import SamplingParams
     from ..edge_worker.drafter import Drafter
-    from ..edge_worker.session import SessionConfig
+    from ..edge_worker.config import SessionConfig
     from ..speculative import speculative_generate_batch
 
     torch.set_num_threads(args.threads)
@@ -136,7 +136,7 @@ def bench_concurrency(args) -> dict:
 
 async def _greedy(frontend: str, draft: str, texts: list[str], concurrency: int, tokens: int) -> float:
     from ..common.sampling import SamplingParams
-    from ..edge_worker.session import SessionConfig
+    from ..edge_worker.config import SessionConfig
 
     config = SessionConfig(max_new_tokens=tokens, params=SamplingParams(0.0))
     res, wall = await _run_edge(frontend, draft, texts, concurrency, config, warm_up=True)

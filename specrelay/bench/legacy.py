@@ -158,7 +158,7 @@ def bench_srdv_k(args) -> dict:
     from ..common.runner import ModelRunner
     from ..common.sampling import SamplingParams
     from ..edge_worker.loading import load_drafter
-    from ..edge_worker.session import SessionConfig
+    from ..edge_worker.config import SessionConfig
     from ..speculative import speculative_generate_batch
 
     target = ModelRunner.load(args.target)
@@ -179,10 +179,17 @@ def bench_srdv_k(args) -> dict:
     return {"temperature": 1.0, "prompts": len(ids), "protocol_default_K": default, "by_K": rows}
 
 
+def two_branches(d: int) -> list[int]:
+    """parents of a d-node tree: two chains from the root, nodes alternating between them (0, 1, then 2 under 0,
+    3 under 1, ...)."""
+    return [-1, -1][:d] + list(range(max(0, d - 2)))
+
+
 def bench_wire(args) -> dict:
     """Bytes on the wire (header + body frames) of each message, for d = 4 and d = 8 draft tokens.
     Realistic field values: a small per-edge session id (37), token ids near 8000, position 300."""
     from ..common import protocol as P
+    from ..common.packing import f32
 
     sid, ids = 37, lambda n: [8000 + i for i in range(n)]
     size = lambda m: sum(map(len, P.encode(m)))
@@ -190,19 +197,26 @@ def bench_wire(args) -> dict:
     for d in (4, 8):
         rows[f"d={d}"] = {
             "VERIFY greedy/coupled": size(P.Verify(sid, 57, 300, [], ids(d))),
-            "VERIFY sample (q per token)": size(P.Verify(sid, 57, 300, [], ids(d), P.f32([0.5] * d))),
-            "VERIFY sample + 1 tail token": size(P.Verify(sid, 57, 300, [8001], ids(d), P.f32([0.5] * d))),
+            "VERIFY sample (q per token)": size(P.Verify(sid, 57, 300, [], ids(d), f32([0.5] * d))),
+            "VERIFY sample + 1 tail token": size(P.Verify(sid, 57, 300, [8001], ids(d), f32([0.5] * d))),
+            "VERIFY greedy/coupled tree (2 branches at the root)": size(P.Verify(sid, 57, 300, [], ids(d), b"",
+                                                                               two_branches(d))),
+            "VERIFY sample tree, root's q row sparse (top-40)": size(P.Verify(
+                sid, 57, 300, [], ids(d), f32([0.5] * d), two_branches(d), [P.QRow(f32([0.025] * 40), ids(40))])),
+            "VERIFY sample tree, root's q row dense (8192 floats)": size(P.Verify(
+                sid, 57, 300, [], ids(d), f32([0.5] * d), two_branches(d), [P.QRow(f32([1 / 8192] * 8192))])),
         }
     rows["any d"] = {
         "OPEN (100-token prompt)": size(P.Open(sid, ids(100), P.Mode.GREEDY)),
         "OPEN (sample, cross-vocab bitmap 8192)": size(P.Open(sid, ids(100), P.Mode.SAMPLE, 1.0, 0, 1.0, 7,
                                                               P.Strategy.HR, b"\xff" * 1024, 8192)),
         "VERDICT (accepted + next token)": size(P.Verdict(sid, 57, 3, 8001)),
+        "VERDICT of a tree (+ the deepest accepted node)": size(P.Verdict(sid, 57, 3, 8001, node=5)),
         f"VERDICT + load hint (1 in {P.HINT_EVERY})": size(P.Verdict(sid, 57, 3, 8001,
                                                                      load=P.LoadHint(16, 5, 41000, 3000, 80))),
-        "VERDICT srdv (4 candidates)": size(P.Verdict(sid, 57, 1, -1, candidates=ids(4), cand_p=P.f32([0.1] * 4))),
-        "VERDICT hr (p on V_c: 2950 floats + θ_o)": size(P.Verdict(sid, 57, 1, -1, p=P.f32([0.0] * 2950), theta_o=0.1)),
-        "VERDICT full (8192 floats)": size(P.Verdict(sid, 57, 1, -1, p=P.f32([0.0] * 8192))),
+        "VERDICT srdv (4 candidates)": size(P.Verdict(sid, 57, 1, -1, candidates=ids(4), cand_p=f32([0.1] * 4))),
+        "VERDICT hr (p on V_c: 2950 floats + θ_o)": size(P.Verdict(sid, 57, 1, -1, p=f32([0.0] * 2950), theta_o=0.1)),
+        "VERDICT full (8192 floats)": size(P.Verdict(sid, 57, 1, -1, p=f32([0.0] * 8192))),
         "RESAMPLE": size(P.Resample(sid, 57, P.ResampleKind.SERVER_ONLY)),
         "RESAMPLED": size(P.Resampled(sid, 57, 8001)),
         "CLOSE": size(P.Close(sid)), "ERROR": size(P.Error(sid, 57, P.ErrorCode.UNKNOWN_SESSION,

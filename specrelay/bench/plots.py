@@ -17,7 +17,7 @@ def _pyplot():
 
 def draw(out: Path, name: str, result: dict) -> list[Path]:
     bench = result.get("bench")
-    makers = {"sweep": [tokens_per_s, cloud_calls, acceptance, itl_cdf], "stress": [rss, itl_cdf],
+    makers = {"sweep": [tokens_per_s, cloud_calls, acceptance, tpot_cdf], "stress": [rss, itl_cdf],
               "xvocab": [bits_per_token]}.get(bench, [])
     if not makers:
         return []
@@ -49,30 +49,44 @@ def _series(rows: list[dict]) -> dict[str, list[dict]]:
 
 def _short(row: dict) -> str:
     rate = f", {row['link_rate_mbit']:g} Mbit/s" if row.get("link_rate_mbit") else ""
-    return f"RTT {row['link_rtt_ms']:g} ms{rate}, {row['sessions']} sessions"
+    sessions = row["sessions"]
+    return f"RTT {row['link_rtt_ms']:g} ms{rate}, {sessions} session{'' if sessions == 1 else 's'}"
 
 
-def _fixed_and_auto(group: list[dict]) -> tuple[list[dict], dict | None]:
+def _fixed_and_auto(group: list[dict]) -> tuple[list[dict], list[dict]]:
     fixed = sorted((r for r in group if r["draft_len"] != "auto"), key=lambda r: r["draft_len"])
-    return fixed, next((r for r in group if r["draft_len"] == "auto"), None)
+    return fixed, [r for r in group if r["draft_len"] == "auto"]
+
+
+def _configuration(row: dict) -> str:
+    """A row's configuration as a category: target alone, d=N, or auto (objective)."""
+    if row["draft_len"] == 0:
+        return "target alone"
+    if row["draft_len"] == "auto":
+        return f"auto ({row['objective']})" if row.get("objective") else "auto"
+    return f"d={row['draft_len']}"
 
 
 def tokens_per_s(ax, result: dict) -> str:
-    for label, group in _series(result["rows"]).items():
-        fixed, auto = _fixed_and_auto(group)
-        line, = ax.plot([r["draft_len"] for r in fixed], [r["tokens_per_s"] for r in fixed], "o-", label=label)
-        if auto:
-            ax.plot([auto["mean_draft_len"]], [auto["tokens_per_s"]], "*", ms=14, color=line.get_color(),
-                    label=f"auto (at its mean d), {label}")
-    ax.set(xlabel="draft length d", ylabel="generated tokens / s", title="Throughput vs draft length")
+    """One bar per configuration (a category: no line between them), one colour per link and pre-drafting."""
+    series = _series(result["rows"])
+    fixed_and_auto = [_fixed_and_auto(group) for group in series.values()]
+    categories = list(dict.fromkeys(_configuration(r) for fixed, autos in fixed_and_auto for r in fixed + autos))
+    width = 0.8 / max(1, len(series))
+    for i, (label, (fixed, autos)) in enumerate(zip(series, fixed_and_auto)):
+        rows = {_configuration(r): r for r in fixed + autos}
+        xs = [x + (i - (len(series) - 1) / 2) * width for x, c in enumerate(categories) if c in rows]
+        ax.bar(xs, [rows[c]["tokens_per_s"] for c in categories if c in rows], width, label=label)
+    ax.set_xticks(range(len(categories)), categories, fontsize=8)
+    ax.set(xlabel="configuration", ylabel="generated tokens / s", title="Throughput by configuration")
     ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
+    ax.grid(alpha=0.3, axis="y")
     return "tokens_per_s"
 
 
 def cloud_calls(ax, result: dict) -> str:
     for label, group in _series(result["rows"]).items():
-        fixed, auto = _fixed_and_auto(group)
+        fixed, autos = _fixed_and_auto(group)
         line, = ax.plot([r["draft_len"] for r in fixed], [r["cloud_calls_per_token"] for r in fixed], "o",
                         label=f"measured, {label}")
         widest = max(fixed, key=lambda r: len(r["acceptance_per_position"]))
@@ -80,9 +94,9 @@ def cloud_calls(ax, result: dict) -> str:
         ds = list(range(top + 1))
         ax.plot(ds, [1 / expected_tokens(a, d) for d in ds], "-", color=line.get_color(), alpha=0.6,
                 label=f"theory 1/E(d) at measured a_j, {label}")
-        if auto:
+        for auto in autos:
             ax.plot([auto["mean_draft_len"]], [auto["cloud_calls_per_token"]], "*", ms=14, color=line.get_color(),
-                    label="auto (at its mean d)")
+                    label=f"{_configuration(auto)} at its mean d, {label}")
     ax.set(xlabel="draft length d", ylabel="cloud calls / generated token", title="Cloud calls per token")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
@@ -101,17 +115,31 @@ def acceptance(ax, result: dict) -> str:
     return "acceptance"
 
 
-def itl_cdf(ax, result: dict) -> str:
+def _cdf(ax, samples_by_label: dict[str, list[float]]) -> None:
     import numpy as np
 
-    for label, samples in result.get("itl_ms_samples", {}).items():
+    for label, samples in samples_by_label.items():
         if samples:
             xs = np.sort(np.asarray(samples))
-            ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=label)
-    ax.set(xlabel="inter-token latency (ms between commits)", ylabel="CDF", xscale="symlog",
-           title="Inter-token latency")
+            ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), drawstyle="steps-post", label=label)
     ax.legend(fontsize=6)
     ax.grid(alpha=0.3)
+
+
+def tpot_cdf(ax, result: dict) -> str:
+    """Time per output token of each generation, as vLLM reports it: (e2e - TTFT) / (tokens - 1). Unlike the gap
+    between commits it does not grow when speculation commits several tokens at once."""
+    _cdf(ax, result.get("tpot_ms_samples", {}))
+    ax.set(xlabel="time per output token (TPOT) = (e2e - TTFT) / (tokens - 1), ms", ylabel="CDF of generations",
+           title="Time per output token")
+    return "tpot_cdf"
+
+
+def itl_cdf(ax, result: dict) -> str:
+    """The gaps between the commits a stream sees (one commit carries every token its round accepted)."""
+    _cdf(ax, result.get("itl_ms_samples", {}))
+    ax.set(xlabel="ms between commits (a commit carries a whole round's tokens)", ylabel="CDF", xscale="symlog",
+           title="Gaps between streamed commits")
     return "itl_cdf"
 
 

@@ -15,7 +15,7 @@ SWEEP_COLUMNS = [("link", "link"), ("draft_len", "d"), ("objective", "objective"
                  ("theoretical_cloud_calls_per_token", "theory"), ("calls_vs_theory", "ratio"),
                  ("acceptance_rate", "acceptance"), ("mean_draft_len", "mean d"),
                  ("predraft_tokens_fraction", "pre-drafted"), ("rtt_ms_measured", "RTT ms"),
-                 ("itl_ms_p50", "ITL p50 ms"), ("itl_ms_p99", "ITL p99 ms"),
+                 ("tpot_ms", "TPOT ms"), ("itl_ms_p50", "commit gap p50 ms"), ("itl_ms_p99", "commit gap p99 ms"),
                  ("outputs_identical_to_target_alone", "= target alone"), ("errors", "errors")]
 ORDER = ["sweep", "stress", "calls", "concurrency", "hf", "xvocab", "srdv_k", "wire", "draft_step"]
 
@@ -48,7 +48,7 @@ def table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
 def _flat(data: dict, prefix: str = "") -> list[tuple[str, object]]:
     out = []
     for key, value in data.items():
-        if key in ("meta", "bench", "itl_ms_samples", "rss_samples"):
+        if key in ("meta", "bench", "itl_ms_samples", "tpot_ms_samples", "rss_samples"):
             continue
         if isinstance(value, dict):
             out += _flat(value, f"{prefix}{key}.")
@@ -61,18 +61,68 @@ def markdown(name: str, result: dict) -> str:
     """The tables of one result."""
     bench = result.get("bench", name)
     if bench == "sweep":
-        lines = [table(result["rows"], SWEEP_COLUMNS), "", "Bars (this run):", "",
-                 "```", json.dumps(result.get("bars", {}), indent=1), "```"]
-        return "\n".join(lines)
+        bars = [f"- {line}" for line in bar_lines(result.get("bars", {}))]
+        return "\n".join([table(result["rows"], SWEEP_COLUMNS), "", "Bars (this run):", "", *bars])
     if bench == "stress":
-        from .stress import markdown as stress_markdown
-        return stress_markdown(result)
+        return _stress_markdown(result)
     rows = [{"field": k, "value": v} for k, v in _flat({k: v for k, v in result.items() if k != "rows"})]
     text = table(rows, [("field", "field"), ("value", "value")])
     listed = result.get("rows")
     if isinstance(listed, list) and listed and all(isinstance(r, dict) for r in listed):  # one table row each
         text += "\n\n" + table(listed, [(k, k) for k in listed[0]])
     return text
+
+
+def bar_lines(bars: dict) -> list[str]:
+    """A sweep's bars in words: each figure, the bar it is held to, met or not, and what it means (a bar this
+    does not know is printed as its JSON)."""
+    lines = []
+    for key, value in bars.items():
+        try:
+            lines += _BAR_WORDS[key](bars) if key in _BAR_WORDS else [f"{key}: {json.dumps(value)}"]
+        except (KeyError, TypeError, ValueError):
+            lines.append(f"{key}: {json.dumps(value)}")
+    return lines
+
+
+def _calls_words(bars: dict) -> list[str]:
+    ratio = bars["calls_vs_theory_max"]
+    return [] if ratio is None else [
+        f"cloud calls per token vs theory: at most {ratio:.3f}x the calls E(d) predicts at the measured acceptance "
+        f"(bar <= 1.02x: {_met(bars['calls_le_1.02x_theory'])}; above 1, rounds committed fewer tokens than "
+        "their acceptance predicts: generations cut at max_new_tokens or EOS, retries, or auto's varying d)"]
+
+
+def _auto_words(bars: dict) -> list[str]:
+    return [f"auto vs the best fixed length, {where}: {a['ratio']:.3f}x d={a['best_fixed_draft_len']} (bar >= 0.97x: "
+            f"{_met(a['auto_ge_0.97x_best'])}), {a['speedup_vs_target_alone']:.2f}x the target alone (bar >= 1x: "
+            f"{_met(a['auto_ge_target_alone'])}), {a['cloud_calls_per_token']} cloud calls per token (best fixed: "
+            f"{a['best_fixed_cloud_calls_per_token']})" for where, a in bars["auto_vs_best_fixed"].items()]
+
+
+def _predraft_words(bars: dict) -> list[str]:
+    return [f"pre-drafting, {where}: {g['gain']:+.1%} tokens/s (bar >= +5%: {_met(g['ge_5pct'])}), outputs "
+            f"{'identical' if g['outputs_identical'] else 'DIFFERENT'} to the target alone's"
+            for where, g in bars["predraft_gain"].items()]
+
+
+_BAR_WORDS = {"calls_vs_theory_max": _calls_words, "calls_le_1.02x_theory": lambda _: [],
+              "auto_vs_best_fixed": _auto_words, "predraft_gain": _predraft_words}
+
+
+def _met(ok) -> str:
+    return "met" if ok else "not met"
+
+
+def _stress_markdown(result: dict) -> str:
+    """A stress run: its summary, the RSS of each process, its bars."""
+    s = result["summary"]
+    keys = [k for k in s if k != "rss"]
+    lines = [table([{"field": k, "value": s[k]} for k in keys], [("field", "field"), ("value", "value")]), "",
+             table([{"process": p, **v} for p, v in s["rss"].items()],
+                   [("process", "process"), ("warm_mb", "RSS after warm-up MB"), ("end_mb", "RSS at end MB"),
+                    ("max_mb", "max MB"), ("growth", "growth")]), "", f"Bars: {result['bars']}"]
+    return "\n".join(lines)
 
 
 def write_outputs(out_dir: str | Path, name: str, result: dict, plots: bool = True) -> list[Path]:

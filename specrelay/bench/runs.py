@@ -61,6 +61,13 @@ class SessionRun:
         times = [t for t, _ in self.commits]
         return [(b - a) * 1e3 for a, b in zip(times, times[1:])]
 
+    def tpot_ms(self) -> float | None:
+        """Time per output token after the first, as vLLM reports it: (e2e - TTFT) / (tokens - 1), from the first
+        and the last commit. Unlike the gaps between commits, it does not grow when a commit carries more tokens."""
+        if len(self.ids) < 2 or not self.commits:
+            return None
+        return (self.commits[-1][0] - self.commits[0][0]) * 1e3 / (len(self.ids) - 1)
+
 
 async def run_sessions(edge, texts: list[str], config, concurrency: int, progress=None) -> tuple[list[SessionRun], float]:
     """Generate every text with at most `concurrency` sessions in flight; returns (runs in input order, wall s).
@@ -92,8 +99,8 @@ async def run_edge(frontend: str, draft: str, texts: list[str], concurrency: int
                    **cfg) -> tuple[list[tuple[list[int], dict]], float]:
     """Generate `texts` through the broker with an in-process edge; returns per-prompt (ids, stats), wall."""
     from ..common.sampling import SamplingParams
-    from ..edge_worker.loading import load_edge
-    from ..edge_worker.session import SessionConfig
+    from ..edge_worker.config import SessionConfig
+    from ..edge_worker.server import load_edge
 
     config = SessionConfig(params=SamplingParams(cfg.pop("temperature", 0.0)), **cfg)
     async with await load_edge(frontend, draft, target_tok) as edge:

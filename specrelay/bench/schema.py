@@ -35,9 +35,11 @@ SWEEP_ROW: dict[str, tuple[tuple[type, ...], str]] = {
     "mean_draft_len": (NUM, "drafted tokens per VERIFY"),
     "draft_len_histogram": ((dict,), "VERIFY rounds by draft length"),
     "predraft_tokens_fraction": (NUM, "share of draft tokens taken from a pre-drafted chain"),
-    "itl_ms_p50": (OPT_NUM, "inter-token latency (time between commits a stream sees), median, ms"),
+    "itl_ms_p50": (OPT_NUM, "time between the commits a stream sees, median, ms (a commit holds every token its "
+                            "round accepted, so speculation lengthens it: compare tpot_ms)"),
     "itl_ms_p99": (OPT_NUM, "the same, 99th percentile"),
-    "tpot_ms": (OPT_NUM, "time per output token after the first, mean over sessions, ms"),
+    "tpot_ms": (OPT_NUM, "time per output token after the first, (e2e - TTFT) / (tokens - 1) as vLLM reports it, "
+                         "mean over generations, ms"),
     "cpu_ms_per_token": (NUM, "CPU ms per generated token, every process (edge, broker, workers, relay): the "
                               "cost a shared machine's load does not distort"),
     "edge_cpu_ms_per_token": (NUM, "of which the edge (drafting, event loop)"),

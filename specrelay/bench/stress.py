@@ -250,15 +250,3 @@ def rss_growth(samples: dict[str, list], warmup: float) -> dict:
         out[name] = {"warm_mb": round(warm, 1), "end_mb": round(end, 1), "max_mb": round(max(after), 1),
                      "growth": round(end / warm - 1, 4)}
     return out
-
-
-def markdown(result: dict) -> str:
-    from .report import table
-
-    s = result["summary"]
-    keys = [k for k in s if k != "rss"]
-    lines = [table([{"field": k, "value": s[k]} for k in keys], [("field", "field"), ("value", "value")]), "",
-             table([{"process": p, **v} for p, v in s["rss"].items()],
-                   [("process", "process"), ("warm_mb", "RSS after warm-up MB"), ("end_mb", "RSS at end MB"),
-                    ("max_mb", "max MB"), ("growth", "growth")]), "", f"Bars: {result['bars']}"]
-    return "\n".join(lines)

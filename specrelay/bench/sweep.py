@@ -105,7 +105,7 @@ def run(args) -> dict:
     lens = parse_lens(args.draft_lens, args.objectives)
     texts = load_prompts(args.prompts, args.num_prompts or max(8, 2 * args.sessions))
     configs = [(d, p) for d in lens for p in _predraft_modes(args.predraft, d)]
-    rows, itl = [], {}
+    rows, itl, tpot = [], {}, {}
     cluster = LocalCluster(args.target, workers=args.workers, max_batch=args.max_batch, threads=args.threads)
     cpus = split_cpus(not args.no_pin)
     with started(cluster, args.draft, args.target_tokenizer) as loaded:
@@ -122,15 +122,16 @@ def run(args) -> dict:
             for (d, predraft), tally in tallies.items():
                 row = make_row(args, link, described, probe, d, predraft, tally, tallies[(0, False)], len(texts))
                 rows.append(row)
-                itl[f"{link.label} d={d}{'' if predraft else ' no-predraft'}"] = sorted(
-                    round(g, 2) for r in tally.sessions for g in r.gaps_ms())
+                label = f"{link.label} d={d}{'' if predraft else ' no-predraft'}"
+                itl[label] = sorted(round(g, 2) for r in tally.sessions for g in r.gaps_ms())
+                tpot[label] = sorted(round(t, 2) for r in tally.sessions if (t := r.tpot_ms()) is not None)
     bars = evaluate(rows)
     return {"config": {"links": [x.label for x in links], "draft_lens": lens, "sessions": args.sessions,
                        "prompts": len(texts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeat,
                        "predraft": args.predraft, "workers": args.workers, "temperature": args.temperature,
                        "cpu_pinning": None if cpus is None else {"edge": sorted(cpus[0]), "cloud": sorted(cpus[1])},
                        "mode": args.mode or ("greedy" if args.temperature == 0 else "sample")},
-            "rows": rows, "bars": bars, "itl_ms_samples": itl}
+            "rows": rows, "bars": bars, "itl_ms_samples": itl, "tpot_ms_samples": tpot}
 
 
 @contextmanager
@@ -182,7 +183,8 @@ async def _sweep_link(args, endpoint: str, worker_ports: list[int], pids: list[i
 
     from tqdm.auto import tqdm
 
-    from ..edge_worker.server import EdgeConfig, EdgeWorker
+    from ..edge_worker.config import EdgeConfig
+    from ..edge_worker.server import EdgeWorker
 
     tallies = {c: Tally() for c in configs}
     slices = [texts[i:i + args.sessions] for i in range(0, len(texts), args.sessions)]
@@ -213,7 +215,7 @@ def _edge_key(d, predraft: bool) -> tuple[str, bool]:
 
 def _session_config(args, d):
     from ..common.sampling import SamplingParams
-    from ..edge_worker.session import SessionConfig
+    from ..edge_worker.config import SessionConfig
 
     return SessionConfig(max_new_tokens=args.max_new_tokens, params=SamplingParams(args.temperature),
                          mode=args.mode, seed=args.seed, draft_len=None if is_auto(d) else d,
@@ -240,7 +242,7 @@ def make_row(args, link: LinkSpec, described: str, probe: dict, d, predraft: boo
     tps, base_tps = tally.tokens_per_s, base.tokens_per_s
     reference = {r.prompt: r.ids for r in base.sessions}
     gaps = [g for r in ok for g in r.gaps_ms()]
-    tpot = [(r.commits[-1][0] - r.commits[0][0]) * 1e3 / (len(r.ids) - 1) for r in ok if len(r.ids) > 1]
+    tpot = [t for r in ok if (t := r.tpot_ms()) is not None]
     return {
         "draft_len": AUTO if is_auto(d) else d, "objective": objective_of(d), "predraft": predraft, "link": described, "link_rtt_ms": round(link.rtt_s * 1e3, 3),
         "link_rate_mbit": None if link.rate_bps is None else link.rate_bps / 1e6, **probe,

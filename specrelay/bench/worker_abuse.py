@@ -65,13 +65,14 @@ async def _rejections(sock, sessions: int, prompt: list[int]) -> list[int]:
     import torch
 
     from ..common import protocol as P
+    from ..common.packing import f32
 
     rejected = []
     for sid in range(1, sessions + 1):
         for seed in range(100):
             await sock.send_multipart(P.encode(P.Open(sid, prompt, P.Mode.SAMPLE, 1.0, seed=seed,
                                                       resample=P.Strategy.SRDV)))
-            await sock.send_multipart(P.encode(P.Verify(sid, 1, len(prompt), [], [7], P.f32(torch.ones(1)))))
+            await sock.send_multipart(P.encode(P.Verify(sid, 1, len(prompt), [], [7], f32(torch.ones(1)))))
             reply = P.decode(await sock.recv_multipart())
             if isinstance(reply, P.Verdict) and reply.next_token < 0:
                 rejected.append(sid)
@@ -149,8 +150,8 @@ def long_prompts(tokenizer, prompts: list[str], n: int, tokens: int) -> list[lis
 
 def run_prefill(args) -> dict:
     from ..cluster import LocalCluster
-    from ..edge_worker.loading import load_edge
-    from ..edge_worker.session import SessionConfig
+    from ..edge_worker.config import SessionConfig
+    from ..edge_worker.server import load_edge
 
     with LocalCluster(args.target, threads=1, extra_worker_args=("--prefill-tokens", "4")) as cluster:
         async def generate() -> tuple[list, float]:

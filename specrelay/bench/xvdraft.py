@@ -60,7 +60,7 @@ def run(args) -> dict:
     from ..common.runner import ModelRunner
     from ..common.sampling import SamplingParams
     from ..edge_worker.loading import load_drafter
-    from ..edge_worker.session import SessionConfig
+    from ..edge_worker.config import SessionConfig
     from ..edge_worker.vocab import token_bytes
     from ..speculative import speculative_generate_batch, target_generate
 

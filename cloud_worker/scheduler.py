@@ -1,0 +1,219 @@
+"""The cloud worker's scheduler: alone decides which VERIFYs and which prompt chunks go into the next forward pass.
+
+Pure (no sockets, no asyncio; the clock is an argument), like vLLM's `Scheduler`. `CloudWorker` pushes every
+decoded edge message here and asks `plan(now, control)` what to do next. The `Plan` says: run this `Step` (the
+VERIFYs and the prefill chunks of one forward, handed whole to `Verifier.verify`); or give the event loop a turn;
+or wait for a request, at most so long. OPEN / CLOSE / RESAMPLE (and ready-made ERROR replies) go to `control`
+as they come up, so each is applied before the steps that follow it.
+
+Rules:
+- A session's messages are handled in arrival order. A second message of a session that is already in the step
+  waits for the next one (it depends on the first one's outcome), and so does a VERIFY of a session that is not
+  ready (below), with every later message of that session; other sessions' messages behind them go ahead. A
+  CLOSE is the exception: it drops its session's held messages and goes at once, so a worker never keeps
+  prefilling for an edge that gave up.
+- At most `max_batch` VERIFYs per step, and at most `max_control` other messages handled per plan (then the
+  plan yields to the event loop, so heartbeats and /healthz keep time under a flood of control messages).
+- Chunked prefill: a session is ready when what of its context the KV store does not hold fits in
+  `prefill_tokens`. Each step carries up to `prefill_tokens` of the contexts not ready (oldest session first),
+  each chunk leaving one token uncached, so the session's first VERIFY row computes the logits after its
+  context. While a prompt is being prefilled a step goes at once, with the VERIFYs that are ready.
+- Waiting for more VERIFYs is worth it only while some other recently active session may still send one; with a
+  single active session a step goes at once. Never longer than `max_wait_ms` after the oldest VERIFY.
+- Each request carries the broker connection it came in on (`Item.conn`): `drop(conns)` forgets the requests of
+  connections that are gone and nothing of the others, so one worker may serve several.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Collection, Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..common import protocol as P
+from ..common.protocol import SessionKey
+from .attention import Row
+from .config import SchedulerConfig
+
+MAX_CONTROL = 64  # control messages handled per plan before the event loop gets a turn
+
+
+@dataclass
+class Item:
+    """One edge message: its session key (peer, session), the decoded message, when, and on which broker
+    connection. Every rule here that says "session" means the key: an edge's session id is unique per edge only."""
+
+    key: SessionKey
+    msg: P.Base          # Open | Verify | Close | Resample, or a ready-made Error reply
+    arrived: float       # monotonic seconds
+    conn: Hashable = 0   # the broker connection it came in on; its replies go back on that one only
+
+    @property
+    def peer(self) -> bytes:
+        return self.key[0]
+
+    @property
+    def is_verify(self) -> bool:
+        return isinstance(self.msg, P.Verify)
+
+
+@dataclass
+class Step:
+    """One forward pass: VERIFYs (at most one per session) and prompt chunks of sessions not ready yet."""
+
+    verifies: list[Item] = field(default_factory=list)
+    prefill: list[Row] = field(default_factory=list)
+
+    @property
+    def requests(self) -> list[tuple[SessionKey, P.Verify]]:
+        return [(item.key, item.msg) for item in self.verifies]
+
+
+@dataclass
+class Plan:
+    """What the shell does next: run `step`; else, if `yield_first`, give the event loop one turn and plan again;
+    else wait until a request arrives, at most `wait` seconds (None: no limit), and plan again."""
+
+    step: Step | None = None
+    wait: float | None = None
+    yield_first: bool = False
+
+
+class Contexts(Protocol):
+    """What the scheduler reads of the Verifier: the open sessions, least recently used first, each with its
+    context `tokens`; and how many tokens of a session's context the KV store holds."""
+
+    sessions: Mapping[SessionKey, Any]
+
+    def cached(self, key: SessionKey) -> int: ...
+
+
+class ChunkedPrefill:
+    """Which contexts are still being prefilled, `tokens` per forward pass, and their next chunks."""
+
+    def __init__(self, contexts: Contexts, tokens: int) -> None:
+        self.contexts, self.tokens = contexts, tokens
+
+    def ready(self, key: SessionKey) -> bool:
+        """A VERIFY of this session may join a step: what is not cached yet fits in one chunk."""
+        s = self.contexts.sessions.get(key)
+        return s is None or len(s.tokens) - self.contexts.cached(key) <= self.tokens
+
+    @property
+    def pending(self) -> bool:
+        return any(not self.ready(key) for key in self.contexts.sessions)
+
+    def rows(self, exclude: Collection[SessionKey] = ()) -> list[Row]:
+        """Chunks of the contexts not ready (oldest session first), `tokens` in all; each leaves at least one
+        token uncached, so the session's first VERIFY row computes the logits after its context."""
+        rows, budget = [], self.tokens
+        for key, s in self.contexts.sessions.items():
+            if budget <= 0:
+                break
+            if key in exclude or self.ready(key):
+                continue
+            start = self.contexts.cached(key)
+            n = min(budget, len(s.tokens) - 1 - start)
+            rows.append(Row(key, s.tokens[start:start + n]))
+            budget -= n
+        return rows
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, contexts: Contexts, max_control: int = MAX_CONTROL) -> None:
+        self.max_batch, self.max_wait_s = config.max_batch, config.max_wait_ms / 1000
+        self.idle_after_s, self.max_control = config.idle_after_s, max_control
+        self.contexts = contexts
+        self.prefill = ChunkedPrefill(contexts, config.prefill_tokens)
+        self.queue: deque[Item] = deque()
+        self.batch: list[Item] = []                    # the VERIFYs of the step being formed
+        self.last_seen: dict[SessionKey, float] = {}   # session -> arrival of its latest message
+
+    def __len__(self) -> int:
+        """Requests waiting: queued, or in the step being formed."""
+        return len(self.queue) + len(self.batch)
+
+    def push(self, item: Item) -> None:
+        self.queue.append(item)
+        if not isinstance(item.msg, P.Error):  # a malformed message proves nothing about a session
+            self.last_seen[item.key] = item.arrived
+            if len(self.last_seen) > 2 * len(self.contexts.sessions) + 1024:  # keys a peer chose: bounded
+                self._prune(item.arrived)
+
+    def plan(self, now: float, control: Callable[[Item], None]) -> Plan:
+        """Take queued messages (control ones to `control`), then: the step, a turn for the loop, or a wait."""
+        waits_for_step, flooded = self._take(control)
+        if waits_for_step:
+            return self._step()  # the next message depends on this step's outcome
+        if flooded:
+            return Plan(yield_first=True)
+        if self.prefill.pending:
+            return self._step()  # a prompt is being prefilled: a step now, with the VERIFYs that are ready
+        if not self.batch:
+            return Plan()
+        budget = self._wait_budget(now)
+        return Plan(wait=budget) if budget > 0 else self._step()
+
+    def drop(self, conns: Collection[Hashable]) -> list[Item]:
+        """Remove (and return) the requests, queued or in the forming step, that came in on `conns`: broker
+        connections that are gone. Requests of other connections stay."""
+        stale = [item for item in (*self.batch, *self.queue) if item.conn in conns]
+        if stale:
+            self.queue = deque(item for item in self.queue if item.conn not in conns)
+            self.batch = [item for item in self.batch if item.conn not in conns]
+        for item in stale:
+            self.last_seen.pop(item.key, None)
+        return stale
+
+    def _step(self) -> Plan:
+        batch, self.batch = self.batch, []
+        return Plan(Step(batch, self.prefill.rows(exclude={item.key for item in batch})))
+
+    def _take(self, control: Callable[[Item], None]) -> tuple[bool, bool]:
+        """Move queued VERIFYs into the forming step and pass every other message to `control`, in arrival order
+        per session; messages of a session whose earlier message must wait stay queued, in order. Returns
+        (a queued message waits for this step, `max_control` messages were handled with more queued)."""
+        in_batch = {item.key for item in self.batch}
+        held: set[SessionKey] = set()
+        kept: deque[Item] = deque()
+        waits_for_step = False
+        handled = 0
+        while self.queue and len(self.batch) < self.max_batch and handled < self.max_control:
+            item = self.queue.popleft()
+            if isinstance(item.msg, P.Close) and item.key in held and item.key not in in_batch:
+                kept = deque(i for i in kept if i.key != item.key)  # the edge gave up: its held work goes
+                held.discard(item.key)
+            if item.key in in_batch or item.key in held or (item.is_verify and not self.prefill.ready(item.key)):
+                waits_for_step = waits_for_step or item.key in in_batch
+                held.add(item.key)
+                kept.append(item)
+            elif item.is_verify:
+                self.batch.append(item)
+                in_batch.add(item.key)
+            else:
+                control(item)
+                handled += 1
+                if isinstance(item.msg, P.Close):
+                    self.last_seen.pop(item.key, None)
+        flooded = handled >= self.max_control and bool(self.queue)
+        self.queue.extendleft(reversed(kept))
+        return waits_for_step, flooded
+
+    def _wait_budget(self, now: float) -> float:
+        """Seconds worth waiting for more VERIFYs before running the forming step (0: run it now)."""
+        if not self.batch or len(self.batch) >= self.max_batch:
+            return 0.0
+        left = self.batch[0].arrived + self.max_wait_s - now
+        if left <= 0:
+            return 0.0
+        self._prune(now)
+        in_batch = {item.key for item in self.batch}
+        # sessions that could plausibly send a VERIFY soon: open here, recently active, not already batched
+        others = sum(1 for key in self.last_seen if key not in in_batch)
+        return left if others else 0.0
+
+    def _prune(self, now: float) -> None:
+        is_open = self.contexts.sessions
+        for key in [k for k, t in self.last_seen.items() if now - t > self.idle_after_s or k not in is_open]:
+            del self.last_seen[key]

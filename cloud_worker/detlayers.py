@@ -13,8 +13,8 @@ Two things make a CPU layer depend on the row count, and each has its fix here:
   different formulas (SiLU, sigmoid, GELU, softplus, Mish, ELU, GLU; rsqrt in 16 bits): an element's result
   depends on where the tensor ends. They are computed here from functions whose tail runs the vector code too
   (exp, erf, tanh, log1p, sqrt), and exact arithmetic, in float32.
-Leaf modules (activations, routers; norms in 16 bits) run under the torch function mode `_FixedShape` that does
-both; the experts' gates too. Outside a deterministic forward every patched module runs its own forward, unchanged.
+Leaf modules (activations, routers; norms in 16 bits) and the blocks that hold experts (Qwen2-MoE's sigmoid
+shared-expert gate) run under the torch function mode `_FixedShape` that does both; the experts' gates too. Outside a deterministic forward every patched module runs its own forward, unchanged.
 
 `untiled` names a module with weights of 3 or more dimensions that is not an experts class handled here:
 deterministic numerics cannot promise batch invariance for it, and the worker refuses it at start-up.
@@ -41,6 +41,9 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     r = rows.shape[0]
     if r == 0:
         return F.linear(x, weight, bias)
+    if weight.shape[0] == 1:  # one output (a gate): a single tile would take a matrix-vector kernel; add a zero one
+        bias = None if bias is None else torch.cat([bias, bias.new_zeros(1)])
+        return tiled_linear(x, torch.cat([weight, weight.new_zeros(weight.shape)]), bias)[..., :1]
     tiles = -(-r // TILE)
     padded = rows.new_zeros(tiles * TILE, rows.shape[1])
     padded[:r] = rows
@@ -75,8 +78,9 @@ def _deterministic_forward(module: nn.Module) -> Callable | None:
     own = list(module.parameters(recurse=False))
     if isinstance(module, nn.Embedding) or (own and all(p.dim() == 1 and p.dtype.itemsize >= 4 for p in own)):
         return None  # a gather; a 32-bit norm (mean, rsqrt: their tails run the vector code)
-    if next(module.children(), None) is None or any(p.dim() == 2 for p in own):
-        return _fixed_shape(module.forward)  # activations, 16-bit norms, routers
+    children = list(module.children())
+    if not children or any(p.dim() == 2 for p in own) or any(_is_experts(c) for c in children):
+        return _fixed_shape(module.forward)  # activations, 16-bit norms, routers, MoE blocks (a shared gate)
     return None
 
 
@@ -128,7 +132,7 @@ def _glu(x, dim=-1):
 _SIGMOID = _f32(lambda x: 1 / (1 + torch.exp(-x)))
 _ELEMENTWISE = {
     F.silu: _f32(lambda x, inplace=False: x / (1 + torch.exp(-x))),
-    torch.sigmoid: _SIGMOID, torch.Tensor.sigmoid: _SIGMOID, torch.special.expit: _SIGMOID,
+    torch.sigmoid: _SIGMOID, torch.Tensor.sigmoid: _SIGMOID, F.sigmoid: _SIGMOID, torch.special.expit: _SIGMOID,
     F.gelu: _f32(_gelu),
     F.softplus: _f32(_softplus),
     F.mish: _f32(lambda x, inplace=False: x * torch.tanh(_softplus(x))),

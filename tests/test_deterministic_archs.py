@@ -1,22 +1,30 @@
-"""`--deterministic` on every architecture of specrelay/archs.py: a session's logits are the same, bit for bit,
-verified alone, in ragged batches beside other sessions, and with its context split into other forward passes
-(GPT-2's Conv1D projections, mixture-of-experts experts and routers included); the start-up self-check passes
-there, and catches a model whose products are not fixed-shape (main's gpt2 and MoE models) in one line."""
+"""`--deterministic` on every architecture of specrelay/archs.py (and five more mixture-of-experts families): a
+session's logits are the same, bit for bit, verified alone, in ragged batches beside other sessions, and with its
+context split into other forward passes (GPT-2's Conv1D, experts, routers, activations whose CPU kernels end in
+a scalar tail); the start-up self-check passes there, and catches main's numerics (gpt2, the MoE models, llama
+at odd widths) in one line."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from specrelay.archs import ARCHS, config_for
+from specrelay.archs import ARCHS, Arch, config_for
 from specrelay.cloud_worker import detlayers
 from specrelay.cloud_worker.attention import Row, forward_packed, install, self_check
 from specrelay.cloud_worker.kvcache import KVShape, KVStore
 from specrelay.common.errors import FatalError
 
 PACKED = [a for a in ARCHS if "no AttentionInterface" not in a.feature]  # the others refuse --deterministic
+EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+MORE_MOE = [Arch("qwen2_moe", extra={**EXPERTS, "shared_expert_intermediate_size": 64}),  # a sigmoid-gated
+            Arch("olmoe", extra=EXPERTS), Arch("granitemoe", extra={"num_local_experts": 4, "num_experts_per_tok": 2}),
+            Arch("phimoe", extra={"num_local_experts": 4, "num_experts_per_tok": 2}),        # shared expert
+            Arch("glm4_moe", extra={"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                    "n_group": 1, "topk_group": 1, "first_k_dense_replace": 0})]  # sigmoid router
 BY_TYPE = {a.model_type: a for a in ARCHS}
 VOCAB = 300
 
@@ -62,7 +70,7 @@ def sequences() -> dict:
 
 
 @pytest.mark.parametrize("odd", [False, True], ids=["tiny-widths", "odd-widths"])
-@pytest.mark.parametrize("arch", PACKED, ids=[a.model_type for a in PACKED])
+@pytest.mark.parametrize("arch", PACKED + MORE_MOE, ids=[a.model_type for a in PACKED + MORE_MOE])
 def test_deterministic_logits_do_not_depend_on_batch_or_chunking(arch, odd):
     model = tiny(arch, odd=odd)
     assert install(model)
@@ -85,7 +93,8 @@ def test_the_demo_target_is_batch_invariant(demo_runners, threads):
     try:
         torch.set_num_threads(threads)
         alone = logits_of(model, seqs, "me", [90], [])
-        for chunks, others in [([1, 2, 3], []), ([5], ["x", "zzz"]), ([17, 1], ["zzz"])]:
+        # few forwards with 2 threads: on this shared 2-core machine their synchronisation is slow
+        for chunks, others in [([64, 1], ["zzz"])] + [([7, 30], ["x"]), ([1, 2, 3], [])] * (threads == 1):
             assert torch.equal(logits_of(model, seqs, "me", chunks, others), alone), (chunks, others)
     finally:
         torch.set_num_threads(1)
@@ -98,6 +107,18 @@ def test_deterministic_bfloat16_is_batch_invariant(name):
     seqs = sequences()
     alone = logits_of(model, seqs, "me", [40], [])
     assert torch.equal(logits_of(model, seqs, "me", [1, 2, 3], ["x", "zzz"]), alone)
+
+
+def test_tiled_products_do_not_depend_on_the_row_count():
+    """Including a one-output gate (Qwen2-MoE's shared-expert gate), which a single tile would send to a
+    matrix-vector kernel."""
+    gen = torch.Generator().manual_seed(5)
+    for inputs, outputs in [(64, 1), (688, 1), (64, 2), (100, 17), (256, 688), (688, 256), (64, 300)]:
+        weight, bias = torch.randn(outputs, inputs, generator=gen), torch.randn(outputs, generator=gen)
+        x = torch.randn(100, inputs, generator=gen)
+        full = detlayers.tiled_linear(x, weight, bias)
+        assert all(torch.equal(detlayers.tiled_linear(x[:n], weight, bias), full[:n]) for n in range(1, 100, 3))
+        assert torch.allclose(full, F.linear(x, weight, bias), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

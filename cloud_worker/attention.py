@@ -19,9 +19,9 @@ Two numerics:
   shape), so logits can differ in the last bits with batch composition.
 - deterministic (batch-invariant; attention in cloud_worker/detattn.py, the other layers in
   cloud_worker/detlayers.py): every matrix product has a fixed shape whatever the batch, and no element-wise
-  function's result depends on where its tensor ends. A token's logits then depend only on its own session's tokens — not on the other sessions in the
-  batch, nor on how its context was split into forward passes (chunked prefill, a re-prefill after failover) —
-  so seeded sampling repeats exactly.
+  function's result depends on where its tensor ends. A token's logits then depend only on its own session's
+  tokens — not on the other sessions in the batch, nor on how its context was split into forward passes
+  (chunked prefill, a re-prefill after failover) — so seeded sampling repeats exactly.
 
 Token trees (cloud_worker/treeattn.py): a row with `parents` ends in a tree's nodes; each node is stored in the
 span's next slot but stands at position past + depth, and attends to the history and its own ancestors only.

@@ -14,7 +14,8 @@ Two things make a CPU layer depend on the row count, and each has its fix here:
   depends on where the tensor ends. They are computed here from functions whose tail runs the vector code too
   (exp, erf, tanh, log1p, sqrt), and exact arithmetic, in float32.
 Leaf modules (activations, routers; norms in 16 bits) and the blocks that hold experts (Qwen2-MoE's sigmoid
-shared-expert gate) run under the torch function mode `_FixedShape` that does both; the experts' gates too. Outside a deterministic forward every patched module runs its own forward, unchanged.
+shared-expert gate) run under the torch function mode `_FixedShape` that does both; the experts' gates too.
+Outside a deterministic forward every patched module runs its own forward, unchanged.
 
 `untiled` names a module with weights of 3 or more dimensions that is not an experts class handled here:
 deterministic numerics cannot promise batch invariance for it, and the worker refuses it at start-up.

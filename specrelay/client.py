@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 import structlog
 import zmq
@@ -96,18 +96,24 @@ class Client:
         self._edge_factory = None
 
     @classmethod
-    def local(cls, broker: str, draft_model: str, target_tokenizer: str | None = None, *, timeout: float = 60.0,
-              device: str = "cpu", dtype: str = "float32", config=None,
-              context: zmq.asyncio.Context | None = None) -> "Client":
-        """A client with an EdgeWorker embedded in this process (no local socket): one-process apps.
-        The draft model loads when the client starts."""
+    def local(cls, broker: str | Sequence[str], draft_model: str, target_tokenizer: str | None = None, *,
+              timeout: float = 60.0, device: str = "cpu", dtype: str = "float32", config=None,
+              context: zmq.asyncio.Context | None = None,
+              curve: transport.Curve | Sequence[transport.Curve] | None = None) -> "Client":
+        """A client with an EdgeWorker embedded in this process (no local socket): one-process apps. `broker`: an
+        endpoint, a comma list or a sequence (several brokers: each session goes to one, a lost one's sessions move
+        to another); `curve`: auth.client(SECRET, BROKER.key) for all of them, or one per broker. The draft model
+        loads when the client starts; a bad broker list is a ValueError here."""
+        from .common.brokers import broker_list
         from .edge_worker.server import load_edge
 
-        client = cls(f"local edge worker (broker {broker})", timeout, context=context)
+        brokers = broker_list(broker, "broker")
+        client = cls(f"local edge worker (brokers {', '.join(brokers)})" if len(brokers) > 1 else
+                     f"local edge worker (broker {brokers[0]})", timeout, context=context)
 
         async def factory():
-            return await load_edge(broker, draft_model, target_tokenizer, device=device, dtype=dtype,
-                                   config=config, context=context)
+            return await load_edge(brokers, draft_model, target_tokenizer, device=device, dtype=dtype,
+                                   config=config, context=context, curve=curve)
 
         client._edge_factory = factory
         return client

@@ -157,9 +157,10 @@ class Client:
     # ------------------------------------------------------------------------------ requests
     async def generate(self, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                        top_p: float = 1.0, seed: int = 0, draft_len: int | None = None, mode: str | None = None,
-                       resample: str | None = None) -> Result:
+                       resample: str | None = None, objective: str | None = None) -> Result:
         """The whole completion of `prompt`: its text, target token ids and the edge's stats."""
-        call = self._start(prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_len, mode, resample)
+        call = self._start(prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_len, mode, resample,
+                           objective)
         pieces: list[str] = []
         ids: list[int] = []
         try:
@@ -174,9 +175,10 @@ class Client:
 
     async def stream(self, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                      top_p: float = 1.0, seed: int = 0, draft_len: int | None = None, mode: str | None = None,
-                     resample: str | None = None) -> AsyncIterator[str]:
+                     resample: str | None = None, objective: str | None = None) -> AsyncIterator[str]:
         """Text pieces as tokens are committed, in order; their concatenation is the completion's text."""
-        call = self._start(prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_len, mode, resample)
+        call = self._start(prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_len, mode, resample,
+                           objective)
         try:
             while True:
                 msg = await call.next()
@@ -188,15 +190,17 @@ class Client:
             call.finish()
 
     def _start(self, prompt: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,
-               draft_len: int | None, mode: str | None, resample: str | None) -> _Call:
+               draft_len: int | None, mode: str | None, resample: str | None, objective: str | None = None) -> _Call:
         """mode: greedy | sample | coupled (None: greedy at temperature 0, else the edge's sampling mode, coupled
-        by default); resample: full | hr | srdv (None: the edge's default). The edge builds the session's settings
-        from this GENERATE (edge_worker/config.py) and answers a refusal with an ERROR naming the field."""
+        by default); resample: full | hr | srdv (None: the edge's default); objective: what `draft_len=None` (auto)
+        optimises, speed | balanced | cloud (None: the edge's --objective; docs/draftlen.md). The edge builds the
+        session's settings from this GENERATE (edge_worker/config.py) and answers a refusal with an ERROR naming
+        the field."""
         if self._sock is None and self._edge is None:
             raise FatalError("the client is not started (use `async with Client(...)` or `await start()`)")
         msg = P.Generate(next(self._ids), prompt, max_new_tokens, float(temperature), top_k, float(top_p), seed,
                          -1 if draft_len is None else draft_len, enum_value(P.Mode, mode, "mode"),
-                         enum_value(P.Strategy, resample, "resample"))
+                         enum_value(P.Strategy, resample, "resample"), enum_value(P.Objective, objective, "objective"))
         P.decode(P.encode(msg))  # checks every field's range here, naming the field (InvalidRequest)
         return _Call(self, msg)
 

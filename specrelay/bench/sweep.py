@@ -252,6 +252,7 @@ def make_row(args, link: LinkSpec, described: str, probe: dict, d, predraft: boo
         "speedup_vs_target_alone": round(tps / base_tps, 3), "generated_tokens": tokens,
         "cloud_calls_per_token": round(calls, 4),
         "cloud_forward_passes_per_token": round(tally.cloud.get("forward_passes", 0.0) / tokens, 4),
+        "cloud_forward_ms_per_token": round(tally.cloud.get("forward_seconds", 0.0) * 1e3 / tokens, 3),
         "theoretical_cloud_calls_per_token": None if theo is None else round(theo, 4),
         "calls_vs_theory": None if not theo else round(calls / theo, 4),
         "acceptance_per_position": [round(x, 4) for x in a],

@@ -155,7 +155,7 @@ class Client:
             self._edge = None
 
     # ------------------------------------------------------------------------------ requests
-    async def generate(self, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+    async def generate(self, prompt: str, *, max_new_tokens: int = P.DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0, top_k: int = 0,
                        top_p: float = 1.0, seed: int = 0, draft_len: int | None = None, mode: str | None = None,
                        resample: str | None = None, objective: str | None = None) -> Result:
         """The whole completion of `prompt`: its text, target token ids and the edge's stats."""
@@ -173,7 +173,7 @@ class Client:
         finally:
             call.finish()
 
-    async def stream(self, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+    async def stream(self, prompt: str, *, max_new_tokens: int = P.DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0, top_k: int = 0,
                      top_p: float = 1.0, seed: int = 0, draft_len: int | None = None, mode: str | None = None,
                      resample: str | None = None, objective: str | None = None) -> AsyncIterator[str]:
         """Text pieces as tokens are committed, in order; their concatenation is the completion's text."""

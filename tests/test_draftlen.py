@@ -45,7 +45,7 @@ def goodput(a: list[float], d: int, t: float) -> float:
 
 def test_speed_picks_the_shortest_draft_within_1_percent_of_the_best_rate():
     ctl = trained(0.8, rtt=0.05, draft_per_token=0.002, forward=(0.01, 0.0005))
-    a = ctl.rates(33)
+    a = ctl.cautious_rates(33)  # what speed chooses on (its own estimate, bounded by the evidence)
     rates = [goodput(a, d, ctl.edge.round_time(d, 0.0)) for d in range(31)]
     chosen = ctl.choose(31)
     assert rates[chosen] >= 0.99 * max(rates) and all(r < 0.99 * max(rates) for r in rates[:chosen])
@@ -188,17 +188,52 @@ def test_chain_continuation_job_starts_after_the_chain():
 
 
 def test_controller_stuck_at_zero_explores_again():
-    from specrelay.edge_worker.draftlen import EXPLORE_AFTER
+    from specrelay.edge_worker.draftlen import PROBE_EVERY
+    from specrelay.edge_worker.estimators import EXPLORE_GRACE
 
     ctl = trained(0.0, rtt=0.02, draft_per_token=0.002, forward=(0.01, 0.0005))
     assert ctl.choose(64) == 0
-    for _ in range(EXPLORE_AFTER):
-        ctl.observe_block(0, 0)          # target-alone rounds teach nothing about acceptance
-    assert ctl.choose(64) == 1
+    for _ in range(PROBE_EVERY + EXPLORE_GRACE):
+        assert ctl.choose(64) == 0
+        ctl.observe_block(0, 0)          # target-alone rounds teach nothing about acceptance (no probe came)
+    assert ctl.choose(64) == 1           # the probe is overdue: one round drafts a token
     ctl.observe_block(1, 0)
-    assert ctl.choose(64) == 0
+    assert ctl.choose(64) == 0 and ctl.edge.zero.interval(PROBE_EVERY) == 2 * PROBE_EVERY  # d = 0 confirmed
+    for _ in range(2 * PROBE_EVERY):
+        assert not ctl.probes
+        ctl.observe_block(0, 0)
+    assert ctl.probes                    # due again, after the doubled interval
     ctl.observe_block(0, 0, bonus_match=False)  # a pre-drafted guess is an acceptance sample: no exploring needed
-    assert ctl.zero_rounds == 0
+    assert ctl.edge.zero.idle == 0 and ctl.edge.zero.interval(PROBE_EVERY) == 4 * PROBE_EVERY
+
+
+def test_reach_bound_is_a_lower_bound_that_tightens_with_evidence():
+    import math
+
+    from specrelay.edge_worker.estimators import conditional, reach_bound
+
+    rates = [0.8, 0.7, 0.6]
+    exact = [math.log(0.8), math.log(0.8 * 0.7), math.log(0.8 * 0.7 * 0.6)]
+    few, many = reach_bound(rates, [4, 4, 4], 1.0), reach_bound(rates, [400, 400, 400], 1.0)
+    assert all(f < m < e for f, m, e in zip(few, many, exact))
+    assert reach_bound(rates, [4, 4, 4], 0.0) == pytest.approx(exact)
+    assert conditional(exact) == pytest.approx(rates)
+    assert all(0.0 < a <= 1.0 for a in conditional(few))
+
+
+def test_a_lucky_session_does_not_outdraft_the_edge_until_its_own_counts_say_so():
+    import math
+
+    edge = trained(0.5, rtt=0.0, draft_per_token=0.002, forward=(0.01, 0.0005)).edge
+    lucky = GoodputController(edge, objective=Objective.SPEED)
+    lucky.observe_block(2, 2)            # two fully accepted blocks: its own estimate jumps
+    lucky.observe_block(2, 2)
+    reach = [math.prod(a[:3]) for a in (lucky.rates(4), lucky.cautious_rates(4), edge.prior_rates(4))]
+    own, cautious, pooled = reach  # the chance of reaching position 3
+    assert own > 1.3 * pooled and cautious == pytest.approx(pooled, rel=0.05)
+    unlucky = GoodputController(edge, objective=Objective.SPEED)
+    unlucky.observe_block(2, 0)          # bad luck shortens at once: never above the session's own estimate
+    assert unlucky.cautious_rates(4)[0] == pytest.approx(unlucky.rates(4)[0])
 
 
 # ------------------------------------------------------------------------------------------ pre-drafting's price

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..common.protocol import MAX_DRAFT, LoadHint, Objective
-from .estimators import CLIP, AcceptanceCounts, EWLine, EWMean, ZeroProbes, conditional, reach_bound
+from .estimators import CLIP, AcceptanceCounts, EWLine, EWMean, ZeroProbes, conditional, reach_bound, reachable
 
 AUTO_MAX = 32                # longest block auto will draft
 PRIOR_ACCEPT = 0.7           # acceptance assumed at a position nobody has measured yet
@@ -37,6 +37,8 @@ EDGE_DECAY = 0.995           # per round: the edge's pooled acceptance counts (m
 CLOUD_SLOPE_PRIOR = 0.02     # a forward pass's cost per token relative to its fixed cost, until measured
 TIME_DECAY = 0.98            # per round: the edge's timings (memory ~50 rounds of all its sessions)
 EXPLORE_AFTER = 16           # a cross-vocabulary edge's first probe interval at d = 0 (estimators.ZeroProbes)
+EXPLORE_ROUNDS = 2           # an overdue probe drafts d = 1 for two rounds: the first catches the draft up on the
+                             # stretch at d = 0 (not timed, EdgeSession._catchup), the second times a block
 CAUTION = 1.0                # speed and balanced choose on a lower bound, CAUTION standard errors below the estimate,
                              # of the chance of reaching each draft position: a long block only on the evidence
 PREDRAFT_SHARE = 0.7         # pre-drafting stops this far into the expected wait: the draft thread is idle (and
@@ -65,7 +67,8 @@ class EdgeEstimates:
     predraft_window: str = "wait"  # pre-draft during the whole wait, or only while the VERIFY goes up ("uplink")
     acceptance: AcceptanceCounts = field(default_factory=lambda: AcceptanceCounts(EDGE_DECAY))
     step: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 0.0, CLIP))  # draft thread s per step
-    draft: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 0.0, CLIP))  # draft wait s per step
+    draft: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 0.0, CLIP, 1))  # draft wait s per step
+    # (clipped from its second observation: an edge's first rounds wait behind every session's prompt prefill)
     forward: EWLine = field(default_factory=lambda: EWLine(TIME_DECAY, CLOUD_SLOPE_PRIOR))  # s vs its tokens
     latency: EWLine = field(default_factory=lambda: EWLine(TIME_DECAY, CLOUD_SLOPE_PRIOR))  # without hints
     rtt: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 0.0))     # link: latency - cloud time
@@ -88,7 +91,7 @@ class EdgeEstimates:
         longest job and a session drafting longer than the rest delays them all."""
         chosen = self._shared.get(objective)
         if chosen is None or self.rounds - chosen[1] >= SHARED_EVERY:
-            d = self.best_length(self.prior_rates(top + 1), top, objective, self.cautious_rates(top + 1))
+            d = self.best_length(self.prior_rates(top + 1), top, objective)
             chosen = self._shared[objective] = (d, self.rounds)
         return chosen[0]
 
@@ -131,16 +134,14 @@ class EdgeEstimates:
         measured = min(n, len(self.acceptance.reached))
         return self.acceptance.evidence(measured, [PRIOR_WEIGHT] * n, PRIOR_WEIGHT) + [PRIOR_WEIGHT] * (n - measured)
 
-    def cautious_rates(self, n: int) -> list[float]:
-        """The pooled rates as CAUTION's lower bound on reaching each position (estimators.reach_bound)."""
-        return conditional(reach_bound(self.prior_rates(n), self.prior_evidence(n), CAUTION))
-
-    def observe_block_steps(self, steps: int, tokens: int) -> None:
+    def observe_block_steps(self, steps: int, tokens: int, timed: bool = True) -> None:
         """A cross-vocabulary block of `tokens` target tokens took `steps` draft-model steps: the draft writes text
         in its own (finer) vocabulary, re-tokenised for the target (edge_worker/xdrafter.py), and drafts one
-        target token past the block (the last may still grow): steps = s * (d + 1)."""
+        target token past the block (the last may still grow): steps = s * (d + 1). `timed` False: the block
+        first caught up on a stretch the draft had not seen (EdgeSession._catchup), its steps are not s's."""
         self.lookahead = 1
-        self.steps_per_token.observe(steps / (tokens + 1))
+        if timed:
+            self.steps_per_token.observe(steps / (tokens + 1))
 
     def draft_steps(self, d: int) -> float:
         """Draft-model steps for a block of d target tokens (d with one vocabulary)."""
@@ -296,6 +297,7 @@ class GoodputController:
         self.max_len = min(max_len, MAX_DRAFT)
         self.own = AcceptanceCounts(SESSION_DECAY)
         self.exploring = False  # the block in flight drafts one token to sample acceptance (ZeroProbes)
+        self.explore_left = 0  # exploring rounds still to go (EXPLORE_ROUNDS)
         self.unpaid = 0  # rounds whose pre-draft would not have paid (PREDRAFT_EXPLORE)
 
     @property
@@ -332,9 +334,11 @@ class GoodputController:
 
     def choose(self, remaining: int) -> int:
         """The best d within 0 <= d <= min(max_len, remaining - 1): the edge's shared length while it runs several
-        sessions, else this session's own; d = 1 when the edge's probe at d = 0 is overdue (ZeroProbes)."""
+        sessions, else this session's own; d = 1 for EXPLORE_ROUNDS rounds when the edge's probe at d = 0 is
+        overdue (ZeroProbes)."""
         top = max(0, min(self.max_len, remaining - 1))
-        if top and self.edge.zero.explore(self.edge.probe_base()):
+        if top and (self.explore_left or self.edge.zero.explore(self.edge.probe_base())):
+            self.explore_left = self.explore_left or EXPLORE_ROUNDS
             self.exploring = True
             return 1
         return self.policy_length(top)
@@ -343,13 +347,17 @@ class GoodputController:
         """The objective's d in 0..top (no exploring)."""
         if self.edge.sessions > 1:
             return min(top, self.edge.shared(self.max_len, self.objective))
-        return self.edge.best_length(self.rates(top + 1), top, self.objective, self.cautious_rates(top + 1))
+        rates = self.rates(top + 1)
+        top = reachable(rates, top)  # this runs twice a round on the edge's critical path: no dead positions
+        return self.edge.best_length(rates[:top + 1], top, self.objective, self.cautious_rates(top + 1))
 
     def observe_block(self, d: int, n_accepted: int, bonus_match: bool | None = None) -> None:
         sampled = d > 0 or bonus_match is not None
         if sampled:
             self.own.observe(d, n_accepted, bonus_match)
             self.edge.acceptance.observe(d, n_accepted, bonus_match)
+        if self.exploring:
+            self.explore_left -= 1
         chosen, self.exploring = d > 0 and not self.exploring, False
         still_zero = sampled and not chosen and self.policy_length(self.max_len) == 0
         self.edge.zero.observe(self.edge.probe_base(), d, sampled, chosen, still_zero)

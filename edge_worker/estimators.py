@@ -1,7 +1,8 @@
 """The estimators the auto draft length (edge_worker/draftlen.py) learns with: exponentially decayed acceptance
 counts per draft position, a cautious bound on the chance of reaching a position, a weighted least-squares line
-with a prior, a weighted mean, and the schedule on which an edge at d = 0 samples acceptance again. Pure: numbers in, numbers out; robust to one slow spell (after CLIP_AFTER
-observations a value over CLIP x the fit counts as that)."""
+with a prior, a weighted mean, and the schedule on which an edge at d = 0 samples acceptance again. Pure: numbers
+in, numbers out; robust to one slow spell (after CLIP_AFTER observations a value over CLIP x the fit counts as
+that)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ CLIP = 3.0                   # a timing over CLIP x its fitted value counts as C
 CLIP_AFTER = 8               # ... once a line has seen this many
 RATE_FLOOR = 0.01            # an acceptance rate's floor in the bound below (its logarithm)
 PROBE_MAX = 256              # ZeroProbes' longest interval, reached by doubling while probes keep confirming d = 0
+REACH_MIN = 1e-3             # a draft position reached less often than this is not worth evaluating (reachable)
 EXPLORE_GRACE = 4            # rounds past a due probe without an acceptance sample before one round drafts a token
 
 
@@ -77,6 +79,17 @@ def conditional(log_reach: list[float]) -> list[float]:
     return out
 
 
+def reachable(a: list[float], top: int) -> int:
+    """The longest d <= top worth evaluating: past the first position reached with probability < REACH_MIN a
+    longer block adds under REACH_MIN tokens per round (nothing any objective pays a draft token for)."""
+    p = 1.0
+    for d in range(top):
+        p *= a[d]
+        if p < REACH_MIN:
+            return d + 1
+    return top
+
+
 class EWLine:
     """y = c + s * x by exponentially weighted least squares, shrunk toward a prior line that the first
     observation sets (c0 = y, s0 = slope_ratio * y): a slope is learnt only once x varies. After a few
@@ -116,15 +129,15 @@ class EWLine:
 
 
 class EWMean:
-    """Exponentially weighted mean; with `clip`, after CLIP_AFTER observations an x over clip x the mean counts
-    as that much."""
+    """Exponentially weighted mean; with `clip`, after `clip_after` observations (CLIP_AFTER) an x over clip x
+    the mean counts as that much."""
 
-    def __init__(self, decay: float, default: float, clip: float | None = None) -> None:
+    def __init__(self, decay: float, default: float, clip: float | None = None, clip_after: int = CLIP_AFTER) -> None:
         self.decay, self.value, self.weight, self.clip = decay, default, 0.0, clip
-        self.count = 0
+        self.count, self.clip_after = 0, clip_after
 
     def observe(self, x: float) -> None:
-        if self.clip is not None and self.count >= CLIP_AFTER:
+        if self.clip is not None and self.count >= self.clip_after:
             x = min(x, self.clip * self.value)
         self.count += 1
         self.weight = self.decay * self.weight + 1

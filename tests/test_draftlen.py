@@ -188,7 +188,7 @@ def test_chain_continuation_job_starts_after_the_chain():
 
 
 def test_controller_stuck_at_zero_explores_again():
-    from specrelay.edge_worker.draftlen import PROBE_EVERY
+    from specrelay.edge_worker.draftlen import EXPLORE_ROUNDS, PROBE_EVERY
     from specrelay.edge_worker.estimators import EXPLORE_GRACE
 
     ctl = trained(0.0, rtt=0.02, draft_per_token=0.002, forward=(0.01, 0.0005))
@@ -196,8 +196,9 @@ def test_controller_stuck_at_zero_explores_again():
     for _ in range(PROBE_EVERY + EXPLORE_GRACE):
         assert ctl.choose(64) == 0
         ctl.observe_block(0, 0)          # target-alone rounds teach nothing about acceptance (no probe came)
-    assert ctl.choose(64) == 1           # the probe is overdue: one round drafts a token
-    ctl.observe_block(1, 0)
+    for _ in range(EXPLORE_ROUNDS):      # the probe is overdue: two rounds draft a token (the second is timed)
+        assert ctl.choose(64) == 1
+        ctl.observe_block(1, 0)
     assert ctl.choose(64) == 0 and ctl.edge.zero.interval(PROBE_EVERY) == 2 * PROBE_EVERY  # d = 0 confirmed
     for _ in range(2 * PROBE_EVERY):
         assert not ctl.probes
@@ -284,3 +285,41 @@ def test_a_sessions_own_prompt_is_not_a_cost_of_every_round():
     assert first.edge.forward.count == plain.edge.forward.count + 1  # the forward line still learns from it
     plain.observe_round(4, 0.008, 0.08, 5, 4, LoadHint(1, 65, 40_000, 30_000, 65, 60, 0))
     assert plain.edge.queue.value > first.edge.queue.value and plain.edge.prefill.value > first.edge.prefill.value
+
+
+def test_a_block_that_first_catches_the_draft_up_does_not_time_drafting(tiny_runners):
+    """The first block after OPEN and the first after a round at d = 0 feed the draft model a stretch it never
+    saw (the prompt, the target alone's tokens): their wait is not what drafting costs, so it is not timed."""
+    from specrelay.common import protocol as P
+    from specrelay.edge_worker.drafter import Drafter
+    from specrelay.edge_worker.session import EdgeSession, SessionConfig
+
+    class Scripted:  # a policy that drafts the lengths given and records what the session timed
+        probes = False
+
+        def __init__(self, lengths):
+            self.lengths, self.timed = list(lengths), []
+
+        def choose(self, remaining):
+            return self.lengths[0]
+
+        def predrafts(self, sent, d):
+            return False
+
+        def observe_block(self, d, n, bonus_match=None):
+            self.lengths.pop(0)
+
+        def observe_round(self, fresh, draft_s, latency_s, width, d, hint, predrafted=False, opened=False):
+            self.timed.append(draft_s is not None)
+
+    target, draft = tiny_runners
+    session = EdgeSession(target.tokenizer("def f():").input_ids, SessionConfig(max_new_tokens=16, draft_len=2),
+                          Drafter(draft, target.vocab_size), sid=1)
+    session.policy = policy = Scripted([2, 2, 0, 2, 2])
+    session.open_message()
+    for _ in range(5):
+        request = session.next_request()
+        session.apply(P.Verdict(1, request.seq, 0, 5))  # every draft token rejected, the target's token 5
+        session.record_timing(0.01, 0.02)
+    # OPEN's block, a drafting one, d = 0 (no draft: nothing to time either way), the catch-up, drafting again
+    assert policy.timed == [False, True, True, False, True]

@@ -310,15 +310,15 @@ class GoodputController:
         return self.own.rates(n, self.edge.prior_rates(n), SESSION_PRIOR_WEIGHT)
 
     def cautious_rates(self, n: int) -> list[float]:
-        """What speed and balanced choose on: per position k, the chance of reaching it at the better supported of
-        two lower bounds (the edge's pooled rates, or this session's own with the observations behind them),
-        never above this session's estimate. A session's luck (a few fully accepted blocks) lengthens its
-        blocks only once its own counts bound it above the edge's; bad luck shortens them at once."""
+        """What speed and balanced choose on: per position k, the edge's pooled chance of reaching it, moved only
+        as far as needed into this session's own confidence interval (CAUTION standard errors either side of its
+        estimate, with the observations behind it). A session's luck or bad luck (a few fully accepted or
+        rejected blocks) moves its blocks only once its own counts say it differs from the edge's."""
         pooled, evidence, own = self.edge.prior_rates(n), self.edge.prior_evidence(n), self.rates(n)
-        mine = reach_bound(own, self.own.evidence(n, evidence, SESSION_PRIOR_WEIGHT), CAUTION)
+        counts = self.own.evidence(n, evidence, SESSION_PRIOR_WEIGHT)
+        low, high = reach_bound(own, counts, CAUTION), reach_bound(own, counts, -CAUTION)
         edges = reach_bound(pooled, evidence, 0.0)
-        estimate = reach_bound(own, evidence, 0.0)
-        return conditional([min(e, max(p, m)) for e, p, m in zip(estimate, edges, mine)])
+        return conditional([min(max(p, lo), hi) for p, lo, hi in zip(edges, low, high)])
 
     def predrafts(self, sent: int, d: int) -> bool:
         """Whether to pre-draft while a block of `sent` tokens is verified, for a next block of d: where it pays

@@ -60,7 +60,7 @@ class AcceptanceCounts:
 def reach_bound(rates: list[float], counts: list[float], z: float) -> list[float]:
     """log P'_1..log P'_n: a lower confidence bound (z standard errors) on the chance P_k = prod_{j<k} a_j of
     reaching draft position k, from the rates a_j and the observations n_j behind each (delta method on
-    log a_j: variance (1 - a_j) / (a_j (n_j + 1)), independent positions). Non-increasing in k."""
+    log a_j: variance (1 - a_j) / (a_j (n_j + 1)), independent positions); z < 0: the upper bound."""
     out, log_p, var = [], 0.0, 0.0
     for a, n in zip(rates, counts):
         a = min(1.0, max(a, RATE_FLOOR))
@@ -71,10 +71,12 @@ def reach_bound(rates: list[float], counts: list[float], z: float) -> list[float
 
 
 def conditional(log_reach: list[float]) -> list[float]:
-    """The rates a'_j = P'_{j+1} / P'_j of a non-increasing sequence of log P'_1..log P'_n (P'_0 = 1)."""
+    """The rates a'_j = P'_{j+1} / P'_j of log P'_1..log P'_n (P'_0 = 1), made non-increasing first (a chance
+    of reaching a position is never above that of reaching the one before)."""
     out, before = [], 0.0
     for now in log_reach:
-        out.append(math.exp(min(0.0, now - before)))
+        now = min(now, before)
+        out.append(math.exp(now - before))
         before = now
     return out
 

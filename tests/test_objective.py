@@ -22,7 +22,7 @@ WORLD = dict(alpha=0.85, rtt=0.02, draft_per_token=0.003, forward=(0.02, 0.0004)
 
 def rate_curve(ctl, top: int = 32) -> tuple[list[float], list[float]]:
     """(rate E(d) / T(d), calls per token 1 / E(d)) for d = 0..top, as the controller sees the world."""
-    a, model = ctl.rates(top + 1), ctl.edge.round_model()
+    a, model = ctl.cautious_rates(top + 1), ctl.edge.round_model()  # what speed and balanced choose on
     rates = [goodput(a, d, model(d, 0.0)) for d in range(top + 1)]
     return rates, [goodput(a, d, 1.0) ** -1 for d in range(top + 1)]
 

@@ -356,9 +356,9 @@ class GoodputController:
         if sampled:
             self.own.observe(d, n_accepted, bonus_match)
             self.edge.acceptance.observe(d, n_accepted, bonus_match)
-        if self.exploring:
-            self.explore_left -= 1
-        chosen, self.exploring = d > 0 and not self.exploring, False
+        explored = self.exploring and d > 0  # (a pre-draft's choose may have set it during a round at d = 0)
+        self.explore_left -= explored
+        chosen, self.exploring = d > 0 and not explored, False
         still_zero = sampled and not chosen and self.policy_length(self.max_len) == 0
         self.edge.zero.observe(self.edge.probe_base(), d, sampled, chosen, still_zero)
 

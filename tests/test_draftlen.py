@@ -329,3 +329,19 @@ def test_a_block_that_first_catches_the_draft_up_does_not_time_drafting(tiny_run
         session.record_timing(0.01, 0.02)
     # OPEN's block, a drafting one, d = 0 (no draft: nothing to time either way), the catch-up, drafting again
     assert policy.timed == [False, True, True, False, True]
+
+
+def test_an_exploring_pair_is_two_drafted_rounds_even_when_a_pre_draft_asked_first():
+    from specrelay.edge_worker.draftlen import EXPLORE_ROUNDS, PROBE_EVERY
+    from specrelay.edge_worker.estimators import EXPLORE_GRACE
+
+    ctl = trained(0.0, rtt=0.02, draft_per_token=0.002, forward=(0.01, 0.0005))
+    for _ in range(PROBE_EVERY + EXPLORE_GRACE):
+        ctl.observe_block(0, 0)
+    assert ctl.choose(63) == 1   # the shell's pre-draft asks what the next block will be, during a round at 0
+    ctl.observe_block(0, 0)      # ... whose VERDICT then arrives
+    drafted = []
+    for _ in range(EXPLORE_ROUNDS + 1):
+        drafted.append(ctl.choose(64))
+        ctl.observe_block(drafted[-1], 0)
+    assert drafted == [1] * EXPLORE_ROUNDS + [0]

@@ -18,6 +18,8 @@ from ..common.rng import Purpose, gumbel, sample_index, uniform
 from ..common.runner import ModelRunner, common_prefix
 from ..common.sampling import SamplingParams, probs_from_logits
 from .draftkv import LockstepKV, SessionKV, Workspace
+from .drafttree import DraftTree, adopt
+from .treedraft import TreeBlock, TreeJob, draft_trees
 
 
 @dataclass
@@ -28,9 +30,15 @@ class DraftState:
     ids: list[int] = field(default_factory=list)
     kv: SessionKV = field(default_factory=SessionKV)
     last_logits: torch.Tensor | None = None  # [V_draft]
+    tree: DraftTree | None = None  # the draft tree hanging from `ids` (edge_worker/treedraft.py), its K/V in kv.nodes
 
     def sync(self, context: list[int]) -> None:
-        """Keep only the cached prefix that `context` still starts with (rejected drafts are dropped)."""
+        """Keep only the cached prefix that `context` still starts with (rejected drafts are dropped); a draft
+        tree's nodes on the committed path join the history, the rest are dropped (drafttree.adopt)."""
+        if self.tree is not None:
+            ids, self.tree = adopt(self.tree, self.kv, self.ids, context)
+            if ids != self.ids:
+                self.ids, self.last_logits = ids, None
         n = len(self.ids)
         if n <= len(context) and self.ids == context[:n]:
             return
@@ -40,7 +48,7 @@ class DraftState:
 
     def reset(self) -> None:
         """Forget everything (a draft batch failed half-way): the next draft re-runs the whole context."""
-        self.ids, self.last_logits = [], None
+        self.ids, self.last_logits, self.tree = [], None, None
         self.kv.clear()
 
 
@@ -75,6 +83,8 @@ class DraftBlock:
 
 class Drafter:
     """Holds the draft model (same vocabulary as the target); proposes blocks for many sessions at once."""
+
+    trees = True  # drafts token trees of target ids (edge_worker/treedraft.py)
 
     def __init__(self, runner: ModelRunner, target_vocab_size: int | None = None) -> None:
         self.runner = runner
@@ -120,14 +130,28 @@ class Drafter:
         block.q_rows.append(q)
         return x
 
-    def draft_batch(self, jobs: list[DraftJob]) -> list[DraftBlock]:
-        """Draft every job in lockstep: at each step, ONE forward over the sessions still drafting."""
-        blocks = [DraftBlock() for _ in jobs]
-        contexts = [list(j.context) for j in jobs]
-        live = [i for i, j in enumerate(jobs) if j.d > 0]
+    def workspace(self) -> Workspace:
         workspace = getattr(self._workspaces, "buffer", None)
         if workspace is None:  # edges sharing this drafter draft in their own threads: never share a buffer
             workspace = self._workspaces.buffer = Workspace()
+        return workspace
+
+    def draft_batch(self, jobs: list[DraftJob | TreeJob]) -> list[DraftBlock | TreeBlock]:
+        """Draft every job in lockstep: at each step, ONE forward over the sessions still drafting. Tree jobs
+        (edge_worker/treedraft.py) form a lockstep batch of their own."""
+        if any(isinstance(j, TreeJob) for j in jobs):
+            trees = [i for i, j in enumerate(jobs) if isinstance(j, TreeJob)]
+            chains = [i for i, j in enumerate(jobs) if not isinstance(j, TreeJob)]
+            out: list = [None] * len(jobs)
+            for i, block in zip(trees, draft_trees(self, [jobs[i] for i in trees], self.workspace())):
+                out[i] = block
+            for i, block in zip(chains, self.draft_batch([jobs[i] for i in chains]) if chains else []):
+                out[i] = block
+            return out
+        blocks = [DraftBlock() for _ in jobs]
+        contexts = [list(j.context) for j in jobs]
+        live = [i for i, j in enumerate(jobs) if j.d > 0]
+        workspace = self.workspace()
         batch = LockstepKV(self.runner, workspace)
         try:
             while live:

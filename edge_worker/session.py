@@ -25,6 +25,9 @@ from .config import SessionConfig
 from .draftlen import EdgeEstimates, FixedDraftLen, GoodputController
 from .drafter import DraftBlock, Drafter, DraftJob
 from .predraft import DraftChain
+from .treedraft import TreeBlock
+from .treeround import TreeRounds, TreesRefused
+from .treeshape import TreeEstimates
 
 
 class WorkerMisbehaved(InternalError):
@@ -44,6 +47,9 @@ class SessionStats:
     context_full: int = 0          # 1: the generation ended at the target's context (finish_reason length)
     predraft_tokens: int = 0       # draft tokens taken from a pre-drafted chain instead of drafted anew
     predraft_rounds: int = 0       # blocks that started with pre-drafted tokens
+    predraft_tries: int = 0        # tree rounds whose verdict came while a pre-draft of its outcomes ran
+    tree_rounds: int = 0           # VERIFY rounds that carried a tree (not a chain)
+    tree_nodes: int = 0            # draft nodes of those rounds and of the tree engine's chains
     draft_s: float = 0.0           # waited for drafts (the critical path), seconds
     verify_s: float = 0.0          # waited for VERDICTs, seconds
     accepted_per_pos: list[int] = field(default_factory=list)    # accepted draft tokens by position (vLLM)
@@ -58,6 +64,15 @@ class SessionStats:
                 counts[j] += 1
         self.rounds_by_draft_len[d] = self.rounds_by_draft_len.get(d, 0) + 1
 
+    def record_tree(self, depth: int, n: int, tested: int) -> None:
+        """A tree round of `depth` levels, its accepted path n deep; depths 1..tested were tested (the walk
+        reached a node with children there): position j counts as a chain's position j does."""
+        for counts, upto in ((self.reached_per_pos, tested), (self.accepted_per_pos, n)):
+            counts.extend([0] * (max(depth, tested) - len(counts)))
+            for j in range(upto):
+                counts[j] += 1
+        self.rounds_by_draft_len[depth] = self.rounds_by_draft_len.get(depth, 0) + 1
+
 
 @dataclass
 class EdgeSession:
@@ -67,6 +82,7 @@ class EdgeSession:
     sid: int = 1
     stats: SessionStats = field(default_factory=SessionStats)
     estimates: EdgeEstimates | None = None  # shared by an edge's sessions (auto draft length)
+    tree_estimates: TreeEstimates | None = None  # shared by an edge's sessions (tree shapes)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -90,6 +106,8 @@ class EdgeSession:
         self._fresh = self._width = 0              # last block: draft steps waited for, cloud row width
         self._rejection: Rejection | None = None
         self._pending: P.Resample | None = None
+        self.trees = TreeRounds(self, self.tree_estimates or TreeEstimates(), self.config.trees,
+                                self.config.tree_nodes)  # token trees (edge_worker/treeround.py)
 
     # ---------------------------------------------------------------------------- requests
     def open_message(self) -> P.Open:
@@ -111,6 +129,8 @@ class EdgeSession:
         Tokens a pre-drafted chain already holds are taken from it: the job drafts only the rest (maybe 0)."""
         if self._pending is not None:
             return None
+        if self.trees.on:
+            return self.trees.job()
         d = self.policy.choose(self.config.max_new_tokens - len(self.generated))
         c = self.config
         context = list(self.drafter.draft_context(self.state, self.tokens))
@@ -125,8 +145,11 @@ class EdgeSession:
         more = context + [self.drafter.to_draft(x) for x in self._reused.ids]
         return DraftJob(self.state, more, len(self.tokens) + n, d - n, self.mode, c.params, c.seed)
 
-    def request_for(self, block: DraftBlock) -> P.Verify:
+    def request_for(self, block: DraftBlock | TreeBlock) -> P.Verify:
         """The VERIFY for the freshly drafted `block` (after whatever the chain provided)."""
+        if isinstance(block, TreeBlock):
+            return self.trees.request(block)
+        self.trees.block = None
         self._block, reused = self._reused + block, len(self._reused.ids)
         self._reused, self._fresh = DraftBlock(), block.steps or len(block.ids)  # lockstep steps waited for
         self._width = len(self.tokens) - self.cloud_len + len(self._block.ids) + 1  # the row the cloud runs
@@ -145,6 +168,8 @@ class EdgeSession:
     def predraft_job(self) -> DraftJob | None:
         """While the VERIFY is in flight: a job drafting the chain on (the bonus guess, then the next block as
         long as the policy would draft now). None when there is nothing worth drafting."""
+        if self.trees.block is not None:
+            return self.trees.predraft_job()
         chain, job = self._chain, self._job
         if chain is None or job is None or self._pending is not None or self.done:
             return None
@@ -159,7 +184,7 @@ class EdgeSession:
 
     def take_predraft(self, more: DraftBlock) -> None:
         """The pre-drafted continuation of the block in flight (call before `apply` of its VERDICT)."""
-        if self._chain is not None:
+        if self._chain is not None and isinstance(more, DraftBlock):
             self._chain.extend(more)
 
     def record_timing(self, draft_s: float | None, latency_s: float) -> None:
@@ -179,6 +204,9 @@ class EdgeSession:
                 return []
             if reply.code == ErrorCode.UNKNOWN_SESSION:
                 self.stats.reopens += 1
+            if reply.code == ErrorCode.BAD_REQUEST and self.trees.block is not None and "chains only" in reply.message:
+                self.trees.refused()
+                raise TreesRefused(f"the worker verifies chains only: {reply.message}")
             raise from_wire(reply.code, reply.message)
         if isinstance(reply, P.Resampled):
             self._check_ids(reply)
@@ -190,6 +218,8 @@ class EdgeSession:
         return self._apply_verdict(reply)
 
     def _apply_verdict(self, v: P.Verdict) -> list[int]:
+        if self.trees.block is not None:
+            return self.trees.apply(v)
         block, n = self._block, v.n_accepted
         if n > len(block.ids):
             raise InvalidRequest(f"n_accepted {n} exceeds the draft length {len(block.ids)}", field="n_accepted")

@@ -319,11 +319,11 @@ def evaluate(rows: list[dict]) -> dict:
 
 
 def _groups(rows: list[dict]) -> dict:
-    """(link, pre-drafting, trees) -> its speculative rows plus that link's target-alone row."""
+    """(link, pre-drafting, trees or not) -> its speculative rows plus that link's target-alone row."""
     groups: dict = {}
     for r in rows:
         if r["draft_len"] != 0:
-            groups.setdefault((r["link"], r["predraft"], r["trees"]), []).append(r)
+            groups.setdefault((r["link"], r["predraft"], r["trees"] != "off"), []).append(r)  # chains, trees
     for (link, _, _), group in groups.items():
         group += [r for r in rows if r["link"] == link and r["draft_len"] == 0]
     return groups

@@ -5,7 +5,7 @@ Events go in (frames from one side, a clock tick, a send that failed); actions c
 tests drive heartbeats and expiry without sleeping.
 
 Frames (the first frame is always the ROUTER's routing id of the peer):
-  frontend in/out : [edge_id, header, body]               edges send OPEN VERIFY RESAMPLE CLOSE HEARTBEAT
+  frontend in/out : [edge_id, header, body]               edges send OPEN VERIFY RESAMPLE CLOSE HEARTBEAT (echoed)
   backend out     : [worker_id, handle, header, body]     handle b"" for HEARTBEAT / DISCONNECT
   backend in      : [worker_id, handle, header, body]     handle b"" for READY / HEARTBEAT / DISCONNECT
 An edge's routing id never leaves the broker: workers see an opaque `handle` (a keyed hash of it, the key drawn
@@ -38,6 +38,7 @@ MAX_SHARE, SHARE_SLACK = 1.5, 4  # no worker's claims draw it more than 1.5x the
 
 log = structlog.get_logger("specrelay.broker")
 limited = LogLimiter(log)  # bad input is counted exactly but logged at a bounded rate
+HEARTBEAT_ECHO = protocol.encode(protocol.Heartbeat())  # the broker's answer to an edge's HEARTBEAT, encoded once
 _FORGET_ON = frozenset({ErrorCode.UNKNOWN_SESSION, ErrorCode.INTERNAL})  # the worker no longer holds it
 
 
@@ -58,8 +59,8 @@ class Router(Liveness):
             if n != 3:
                 raise InvalidRequest(f"a request is 2 frames (header, body), got {n - 1}", field="frames")
             msg_type = protocol.parse_header(frames[1])
-            if msg_type == MsgType.HEARTBEAT:
-                return actions  # liveness only (Peer.expires was just renewed)
+            if msg_type == MsgType.HEARTBEAT:  # Peer.expires was just renewed; the echo tells the edge this broker
+                return actions + [self._to_edge(frames[0], HEARTBEAT_ECHO)]  # answers (several brokers: links.py)
             if msg_type not in EDGE_REQUESTS:
                 raise InvalidRequest(f"an edge may not send {msg_type.name}; it sends OPEN, VERIFY, RESAMPLE, "
                                      "CLOSE or HEARTBEAT", field="header.type")

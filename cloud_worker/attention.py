@@ -17,10 +17,11 @@ Two numerics:
 - fast (default): `scaled_dot_product_attention` per session. A session's attention never sees another
   session, but the linear layers' results may depend on how many rows the batch has (BLAS picks kernels by
   shape), so logits can differ in the last bits with batch composition.
-- deterministic (batch-invariant, cloud_worker/detattn.py): every matrix product has a fixed shape whatever the
-  batch. A token's logits then depend only on its own session's tokens — not on the other sessions in the
-  batch, nor on how its context was split into forward passes (chunked prefill, a re-prefill after failover) —
-  so seeded sampling repeats exactly.
+- deterministic (batch-invariant; attention in cloud_worker/detattn.py, the other layers in
+  cloud_worker/detlayers.py): every matrix product has a fixed shape whatever the batch, and no element-wise
+  function's result depends on where its tensor ends. A token's logits then depend only on its own session's
+  tokens — not on the other sessions in the batch, nor on how its context was split into forward passes
+  (chunked prefill, a re-prefill after failover) — so seeded sampling repeats exactly.
 
 Token trees (cloud_worker/treeattn.py): a row with `parents` ends in a tree's nodes; each node is stored in the
 span's next slot but stands at position past + depth, and attends to the history and its own ancestors only.
@@ -38,12 +39,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from ..common.errors import FatalError
-from . import detattn
+from . import detattn, detlayers
 from .kvcache import KVStore, Span
 from .treeattn import TreeLayout
 
@@ -107,7 +107,8 @@ class _Plan:
 # ---- installing the attention function ------------------------------------------------------------------
 
 def install(model) -> bool:
-    """Route the model's attention through `_attention`, and its linear layers through `_linear` (idempotent).
+    """Route the model's attention through `_attention`, and its products (linear layers, experts) through
+    cloud_worker/detlayers.py's fixed-shape ones inside a deterministic forward (idempotent).
     Calls outside `forward_packed` go to the implementation the model had, with the masks it had. Returns
     False, changing nothing, when the model does not take a custom attention function (transformers'
     AttentionInterface: Falcon, Bloom), which the KV store needs."""
@@ -124,10 +125,14 @@ def install(model) -> bool:
         pass
     if model.config._attn_implementation != name:
         return False
-    for module in model.modules():
-        if type(module) is nn.Linear:
-            module.forward = _linear.__get__(module)
+    detlayers.install(model, _deterministic)
     return True
+
+
+def _deterministic() -> bool:
+    """Whether this thread is inside a deterministic `forward_packed`."""
+    plan = getattr(_local, "plan", None)
+    return plan is not None and plan.deterministic
 
 
 def _dispatcher(original: str):
@@ -266,24 +271,17 @@ def _attend_fast(q: torch.Tensor, layer: int, r: _RowPlan, scale: float, f: _Fea
     return (probs @ values).reshape(1, hq, n, d)
 
 
-def _linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """nn.Linear.forward; inside a deterministic `forward_packed`, as products of fixed [TILE, in] x [in, out]
-    shape (one batched matmul), so that a row's result does not depend on how many rows the batch has."""
-    plan = getattr(_local, "plan", None)
-    if plan is None or not plan.deterministic:
-        return F.linear(x, self.weight, self.bias)
-    return detattn.tiled_linear(x, self.weight, self.bias)
-
-
 # ---- the start-up self-check -----------------------------------------------------------------------------------
 
 def self_check(model, store: KVStore, deterministic: bool, forward=forward_packed,
                path: str = "the cloud worker's packed forward over its KV store") -> None:
     """Raise FatalError (one line) unless ragged `forward`s over `store` (an empty scratch store of the worker's
-    kind), with a rollback, and (packed forward) a token tree, give the model's own logits (common/selfcheck.py)."""
+    kind), with a rollback, and (packed forward) a token tree, give the model's own logits (common/selfcheck.py);
+    in deterministic numerics, also unless each sequence alone, in one forward, gives the same logits bit for bit."""
     from ..common import selfcheck
 
     a, b = selfcheck.probe(model.get_output_embeddings().weight.shape[0])
+    batched: list[torch.Tensor] = []
 
     def run(*rows):
         return forward(model, store, [Row(*r) for r in rows], deterministic=deterministic)
@@ -295,11 +293,33 @@ def self_check(model, store: KVStore, deterministic: bool, forward=forward_packe
         a2, b2 = run((0, a[15:19], 4), (1, b[4:12], 8))
         store.truncate(0, 17)                  # a rollback: the last two of a's positions were rejected
         b3, a3 = run((1, b[12:], 1), (0, a[17:], 4))
-        return [torch.cat([a1, a2[:2], a3]), torch.cat([b1, b2, b3])]
+        batched[:] = [torch.cat([a1, a2[:2], a3]), torch.cat([b1, b2, b3])]
+        return batched
 
     selfcheck.compare(model, path, probe_path)
+    if deterministic:
+        _refuse_untiled(model)
+        with selfcheck.shrunk_windows(model):  # as the probe ran
+            for key in (0, 1):
+                store.reserve(key, 32)
+            # each alone, split where the probe did not split it: one forward of 20 rows, three of one row
+            alone = [torch.cat([run((key, ids[:cut], cut))[0], run((key, ids[cut:], len(ids) - cut))[0]])
+                     for key, ids, cut in ((0, a, 20), (1, b, 1))]
+        if not all(torch.equal(x, y) for x, y in zip(alone, batched)):
+            raise FatalError(f"{type(model).__name__} ({model.config.model_type}): --deterministic is not "
+                             "batch-invariant for this architecture (a sequence alone and in a ragged batch give "
+                             "different logits); serve it without --deterministic")
     if forward is forward_packed:
         _tree_self_check(model, store, deterministic, a, b, path + " with a token tree")
+
+
+def _refuse_untiled(model) -> None:
+    """Raise FatalError (one line) for a model with products deterministic numerics do not make fixed-shape."""
+    name = detlayers.untiled(model)
+    if name is not None:
+        raise FatalError(f"{type(model).__name__} ({model.config.model_type}): --deterministic cannot make {name} "
+                         "batch-invariant (weights of 3 or more dimensions outside transformers' experts "
+                         "interface); serve it without --deterministic")
 
 
 def _tree_self_check(model, store: KVStore, deterministic: bool, a: list[int], b: list[int], path: str) -> None:

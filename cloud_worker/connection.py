@@ -1,6 +1,6 @@
-"""A cloud worker's link to the broker, Paranoid Pirate style (ZeroMQ RFC 6): one DEALER, READY on every
-(re)connect, heartbeats both ways, and a new socket when the broker is silent for `heartbeat_liveness`
-intervals or says DISCONNECT.
+"""A cloud worker's link to one broker (a worker has one per broker it is given), Paranoid Pirate style (ZeroMQ
+RFC 6): one DEALER, READY on every (re)connect, heartbeats both ways, and a new socket when the broker is silent for
+`heartbeat_liveness` intervals or says DISCONNECT.
 
     in : [client_id, header, body]   an edge's request; the broker prepends the edge's peer id
          [b"", header, body]         the broker's own HEARTBEAT / DISCONNECT
@@ -28,6 +28,12 @@ from ..common.ratelimit import LogLimiter
 from .config import WorkerConfig, WorkerStats
 
 log = structlog.get_logger("specrelay.cloud")
+
+
+def broker_peer(index: int, client: bytes) -> bytes:
+    """The peer part of a session key on a worker of several brokers: the broker's index, then the client id that
+    broker gave the edge (ids of two brokers may be equal: the index keeps their sessions apart)."""
+    return bytes([index]) + client
 
 
 class BrokerConnection:

@@ -1,9 +1,9 @@
-"""The packed forward's deterministic (batch-invariant) numerics: every matrix product has a fixed shape whatever
-the batch. Linear layers run on tiles of `TILE` rows; attention on `QUERY_TILE`-row query tiles against
-`block`-sized key blocks, [QUERY_TILE, d] x [d, block] and [QUERY_TILE, block] x [block, d]. Softmax takes an
-exact max; the blocks' partial sums (with the denominator as an extra column) are added pairwise in a fixed order.
-A masked block contributes exact zeros, so extra blocks (a longer span) never change a result, nor does the
-number of tiles or sessions in the forward: a token's logits depend only on its own session's tokens.
+"""The packed forward's deterministic (batch-invariant) attention: every matrix product has a fixed shape whatever
+the batch (the layers outside attention: cloud_worker/detlayers.py). Attention runs on `QUERY_TILE`-row query
+tiles against `block`-sized key blocks, [QUERY_TILE, d] x [d, block] and [QUERY_TILE, block] x [block, d]. Softmax
+takes an exact max; the blocks' partial sums (with the denominator as an extra column) are added pairwise in a
+fixed order. A masked block contributes exact zeros, so extra blocks (a longer span) never change a result, nor
+does the number of tiles or sessions in the forward: a token's attention depends only on its own session's tokens.
 
 `attend` serves a chain row (keys read in place); `attend_tree` a token tree row, whose every token reads its keys
 in its chain layout (cloud_worker/treeattn.py), so a node's logits equal its root-to-node chain's, bit for bit.
@@ -12,11 +12,9 @@ in its chain layout (cloud_worker/treeattn.py), so a node's logits equal its roo
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .treeattn import visible_slots
 
-TILE = 16        # rows per matrix product of a linear layer
 QUERY_TILE = 8   # query rows per attention product
 QT = QUERY_TILE
 
@@ -198,20 +196,3 @@ def pairwise_sum(x: torch.Tensor) -> torch.Tensor:
     while x.shape[1] > 1:
         x = x[:, 0::2] + x[:, 1::2]
     return x[:, 0]
-
-
-def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear as products of fixed [TILE, in] x [in, out] shape (one batched matmul), so that a row's result
-    does not depend on how many rows the batch has."""
-    rows = x.reshape(-1, x.shape[-1])  # [R, in]
-    r = rows.shape[0]
-    if r == 0:
-        return F.linear(x, weight, bias)
-    tiles = -(-r // TILE)
-    padded = rows.new_zeros(tiles * TILE, rows.shape[1])
-    padded[:r] = rows
-    w = weight.t().unsqueeze(0).expand(tiles, *weight.t().shape)  # [tiles, in, out], not copied
-    out = torch.bmm(padded.view(tiles, TILE, -1), w).view(tiles * TILE, -1)[:r]
-    if bias is not None:
-        out = out + bias
-    return out.view(*x.shape[:-1], weight.shape[0])

@@ -1,20 +1,26 @@
-"""The cloud worker process: the pure `Verifier` behind a `BrokerConnection`, the pure `Scheduler` between.
+"""The cloud worker process: the pure `Verifier` behind one `BrokerConnection` per broker, the pure `Scheduler`
+between.
 
-Three loops (common/transport.Service). The connection receives edge requests into the Scheduler and reconnects
-Paranoid-Pirate style (connection.py). The processor asks the Scheduler for the next step, waiting only as its
-plan says, applies the OPEN / CLOSE / RESAMPLE it hands over, and runs ONE `Verifier.verify` per step in a
+Loops (common/transport.Service): each connection receives edge requests into the Scheduler and reconnects
+Paranoid-Pirate style on its own (connection.py). The processor asks the Scheduler for the next step, waiting only
+as its plan says, applies the OPEN / CLOSE / RESAMPLE it hands over, and runs ONE `Verifier.verify` per step in a
 one-thread executor, so heartbeats flow and the next step fills while the model runs. The ticker sends heartbeats
 and the systemd watchdog. Only the processor touches the Verifier (through the executor thread while it awaits
-it), so there is no lock. Sessions are keyed by (peer, session): the peer is the client id the broker prepends to
-every edge request.
+it), so there is no lock. Sessions are keyed by (peer, session): the peer is the broker's index (one byte) and the
+client id that broker prepends to every edge request, so two brokers' ids never collide. Every request carries its
+connection (index, generation): its replies go back on that connection only, and a connection lost (broker gone,
+DISCONNECT, restart) drops that broker's sessions and queued requests, nothing of the others. All brokers share
+the one KV store, and every heartbeat reports the worker's real totals (sessions, free KV) to each.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import structlog
@@ -25,32 +31,35 @@ import zmq.asyncio
 from ..common import health
 from ..common import protocol as P
 from ..common import transport
+from ..common.brokers import broker_list, per_broker
 from ..common.errors import ErrorCode, InvalidRequest, RequestError
 from ..common.metrics import Utilisation
 from ..common.ratelimit import LogLimiter
 from ..common.runner import ModelRunner
 from .config import WorkerConfig, WorkerStats
-from .connection import BrokerConnection
+from .connection import BrokerConnection, broker_peer
 from .scheduler import Item, Scheduler, Step
 from .verifier import Verifier
 
 log = structlog.get_logger("specrelay.cloud")
 
 HEALTHY_TICKS = 3  # /healthz fails when the loop has not ticked for this many heartbeat intervals
-GAUGES = ("sessions_open", "queued", "connected", "batch_size_mean", "kv_free_tokens", "kv_capacity_tokens")
+GAUGES = ("sessions_open", "queued", "connected", "batch_size_mean", "kv_free_tokens", "kv_capacity_tokens",
+          "broker_alive_per_broker", "broker_sessions_per_broker")
 
 
 class CloudWorker(transport.Service):
-    """Serves one target model to a broker. `async with CloudWorker(...) as w:` (serves in a background
-    task), or `await run()` (serves until `stop()` or cancellation). A worker is started once."""
+    """Serves one target model to one or more brokers. `async with CloudWorker(...) as w:` (serves in a background
+    task), or `await run()` (serves until `stop()` or cancellation). A worker is started once. `broker`: an
+    endpoint, a comma list or a sequence (common/brokers.py); `curve`: one transport.Curve for all or one each."""
 
     name = "cloud-worker"
 
-    def __init__(self, broker: str, runner: ModelRunner, config: WorkerConfig | None = None, *,
+    def __init__(self, broker: str | Sequence[str], runner: ModelRunner, config: WorkerConfig | None = None, *,
                  context: zmq.asyncio.Context | None = None, clock: Callable[[], float] = time.monotonic,
-                 curve: transport.Curve | None = None) -> None:
+                 curve: transport.Curve | Sequence[transport.Curve] | None = None) -> None:
         super().__init__()
-        self.broker = broker
+        self.brokers = broker_list(broker, "broker")
         self.config = c = config or WorkerConfig()
         self.verifier = Verifier(runner, c, clock=clock)
         self.scheduler = Scheduler(c, self.verifier)
@@ -58,17 +67,20 @@ class CloudWorker(transport.Service):
         self._stats = WorkerStats()
         self._clock = clock
         self._utilisation = Utilisation(clock)  # the load hint's `busy`
-        self.connection = BrokerConnection(context or zmq.asyncio.Context.instance(), broker, c, self._stats,
-                                           ready=self._ready_message, beat=self._heartbeat_message,
-                                           on_request=self._on_request, on_reset=self._on_reset, clock=clock,
-                                           curve=curve)
-        self._gone: set[int] = set()  # broker connections lost, whose sessions the processor is to forget
+        ctx = context or zmq.asyncio.Context.instance()
+        self.connections = [
+            BrokerConnection(ctx, endpoint, c, self._stats, ready=self._ready_message, beat=self._heartbeat_message,
+                             on_request=functools.partial(self._on_request, i),
+                             on_reset=functools.partial(self._on_reset, i), clock=clock, curve=keys)
+            for i, (endpoint, keys) in enumerate(zip(self.brokers, per_broker(curve, len(self.brokers), "curve")))]
+        self._gone: set[tuple[int, int]] = set()  # (broker, generation) lost: the processor forgets their state
+        self._resets: Counter = Counter()  # broker index -> connections of it dropped with their state
         self._last_tick = clock()
         self._arrived = asyncio.Event()
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: tuple[asyncio.Future, list[Item]] | None = None
         self._health: asyncio.Server | None = None
-        self._log = log.bind(broker=broker, model=runner.name)
+        self._log = log.bind(broker=",".join(self.brokers), model=runner.name)
         self._errors_log = LogLimiter(self._log, clock=clock)  # failures per event name, at a bounded rate
 
     @property
@@ -83,16 +95,23 @@ class CloudWorker(transport.Service):
             "evictions": self.verifier.stats["evictions"], "sessions_open": len(self.verifier.sessions),
             "kv_free_tokens": self.verifier.kv_free_tokens, "kv_capacity_tokens": self.verifier.store.capacity,
             "kv_moves": self.verifier.store.stats["moves"], "prefill_tokens": self.verifier.stats["prefill_tokens"],
-            "queued": len(self.scheduler), "connected": int(self.connection.sock is not None),
+            "queued": len(self.scheduler), "connected": sum(conn.sock is not None for conn in self.connections),
             "batch_size_mean": s.verify_requests / s.batches if s.batches else 0.0,
             "batch_sizes": dict(s.batch_sizes), "errors": dict(s.errors),
-            **s.spec.as_stats(), "forward_seconds": s.forward_seconds,
+            **s.spec.as_stats(), "forward_seconds": s.forward_seconds, **self._per_broker(),
         }
+
+    def _per_broker(self) -> dict:
+        """For /metrics, per broker: alive, its sessions here, its connections dropped with their state."""
+        held = Counter(key[0][0] for key in self.verifier.sessions)
+        return {"broker_alive_per_broker": {c.endpoint: int(c.alive) for c in self.connections},
+                "broker_sessions_per_broker": {c.endpoint: held[i] for i, c in enumerate(self.connections)},
+                "broker_resets_per_broker": {c.endpoint: self._resets[i] for i, c in enumerate(self.connections)}}
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
     async def _open(self) -> None:
-        """Open the health port, connect to the broker and send READY."""
+        """Open the health port, connect to every broker and send each READY."""
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="specrelay-verify")
         self._last_tick = self._clock()
         if self.config.health_port is not None:
@@ -100,13 +119,14 @@ class CloudWorker(transport.Service):
                                          health.registry_for("specrelay_cloud_", lambda: self.stats, GAUGES))
             self._health = await health.start_http(self.config.health_host, self.config.health_port, endpoints)
             self.health_port = self._health.sockets[0].getsockname()[1]
-        self.connection.open()
+        for conn in self.connections:
+            conn.open()
         health.sd_notify("READY=1")
         self._log.info("cloud worker started", vocab_size=self.verifier.runner.vocab_size,
                        max_batch=self.config.max_batch, health_port=self.health_port)
 
     def _loops(self):
-        return [self.connection.keep_connected(), self._process(), self._tick()]
+        return [*(conn.keep_connected() for conn in self.connections), self._process(), self._tick()]
 
     def _ready_message(self) -> P.Ready:
         runner = self.verifier.runner
@@ -121,7 +141,8 @@ class CloudWorker(transport.Service):
         try:
             await self._drain()
         finally:  # cancelled while draining: still say goodbye and close everything
-            self.connection.close("worker stopping")
+            for conn in self.connections:
+                conn.close("worker stopping")
             if self._health is not None:
                 self._health.close()
             if self._executor is not None:
@@ -131,15 +152,16 @@ class CloudWorker(transport.Service):
 
     # ---- requests in -------------------------------------------------------------------------------
 
-    def _on_request(self, frames: list[bytes], n_frames: int) -> None:
+    def _on_request(self, index: int, frames: list[bytes], n_frames: int) -> None:
         self._stats.requests += 1
-        self.scheduler.push(self._decode(frames, n_frames))
+        self.scheduler.push(self._decode(index, frames, n_frames))
         self._arrived.set()
 
-    def _decode(self, frames: list[bytes], n_frames: int) -> Item:
-        """An edge request -> Item (its header parsed once); anything malformed becomes a ready-made BAD_REQUEST
-        reply."""
-        peer, now, conn = frames[0], self._clock(), self.connection.generation
+    def _decode(self, index: int, frames: list[bytes], n_frames: int) -> Item:
+        """An edge request from broker `index` -> Item (its header parsed once, its session keyed under that
+        broker); anything malformed becomes a ready-made BAD_REQUEST reply."""
+        peer, now = broker_peer(index, frames[0]), self._clock()
+        conn = (index, self.connections[index].generation)
         try:
             if n_frames != 3:
                 raise InvalidRequest(f"an edge message is 3 frames (client id, header, body), got {n_frames}",
@@ -153,9 +175,9 @@ class CloudWorker(transport.Service):
             return Item((peer, sid), P.Error(sid, 0, exc.code, str(exc)), now, conn)
         return Item((peer, msg.session), msg, now, conn)
 
-    def _on_reset(self) -> None:
-        """The broker connection was dropped: the processor forgets that connection's sessions and requests."""
-        self._gone.add(self.connection.generation)
+    def _on_reset(self, index: int) -> None:
+        """Broker `index`'s connection was dropped: the processor forgets its sessions and requests (only its)."""
+        self._gone.add((index, self.connections[index].generation))
         self._arrived.set()
 
     # ---- processing --------------------------------------------------------------------------------
@@ -182,14 +204,18 @@ class CloudWorker(transport.Service):
                 pass
 
     def _apply_reset(self) -> None:
-        """After a reconnect: forget the sessions and queued requests of the connections that are gone."""
+        """After a connection is lost: forget the sessions and queued requests that came through it; every other
+        broker's stay. (Never during a forward: the processor calls this between steps.)"""
         if self._gone:
             gone, self._gone = self._gone, set()
-            n_sessions = len(self.verifier.sessions)
-            self.verifier.reset()
+            lost = {index for index, _ in gone}
+            dropped = [key for key in self.verifier.sessions if key[0][0] in lost]
+            for key in dropped:
+                self.verifier.close(key)
             stale = self.scheduler.drop(gone)
-            self._log.info("state of the previous broker connection dropped", sessions=n_sessions,
-                           queued=len(stale))
+            self._resets.update(lost)
+            self._log.info("state of a lost broker connection dropped", brokers=[self.brokers[i] for i in lost],
+                           sessions=len(dropped), queued=len(stale), sessions_kept=len(self.verifier.sessions))
 
     def _control(self, item: Item) -> None:
         """OPEN / CLOSE / RESAMPLE, or a ready-made ERROR: handled at once, in arrival order."""
@@ -266,17 +292,21 @@ class CloudWorker(transport.Service):
         if isinstance(msg, P.Error):
             self._stats.errors[msg.code.name] += 1
             self._stats.bad_requests += msg.code == ErrorCode.BAD_REQUEST
-        if item.conn == self.connection.generation and self.connection.send(item.peer, msg):
+        index, generation = item.conn
+        conn = self.connections[index]
+        if generation == conn.generation and conn.send(item.peer[1:], msg):  # the broker's own client id
             self._stats.replies += 1
         else:
             self._stats.replies_dropped += 1
 
     async def _tick(self) -> None:
-        """Every interval: heartbeat (load = open sessions), broker liveness, systemd watchdog."""
+        """Every interval: heartbeat to every broker (the worker's totals: open sessions, free KV), each broker's
+        liveness, systemd watchdog."""
         while True:
             self._last_tick = self._clock()
             health.sd_notify("WATCHDOG=1")
-            self.connection.heartbeat()
+            for conn in self.connections:
+                conn.heartbeat()
             await asyncio.sleep(self.config.heartbeat_interval)
 
     # ---- shutdown and health -----------------------------------------------------------------------
@@ -305,14 +335,14 @@ class CloudWorker(transport.Service):
                  "sessions_open": len(self.verifier.sessions)})
 
     def _readyz(self) -> tuple[bool, dict]:
-        """Readiness: connected, and the broker heard from within the liveness window."""
-        silent = self._clock() - self.connection.heard
-        return (self.connection.alive and not self._closed,
-                {"broker": self.broker, "broker_silent_s": round(silent, 3)})
+        """Readiness: at least one broker connected and heard from within the liveness window (the body: each)."""
+        now = self._clock()
+        brokers = {c.endpoint: {"alive": c.alive, "silent_s": round(now - c.heard, 3)} for c in self.connections}
+        return any(c.alive for c in self.connections) and not self._closed, {"brokers": brokers}
 
 
-async def serve(broker: str, model: str, device: str = "cpu", dtype: str = "float32", *,
-                curve: transport.Curve | None = None, **options: object) -> None:
+async def serve(broker: str | Sequence[str], model: str, device: str = "cpu", dtype: str = "float32", *,
+                curve: transport.Curve | Sequence[transport.Curve] | None = None, **options: object) -> None:
     """Load the target model and serve it until SIGTERM / SIGINT: the body of `specrelay cloud-worker`.
     options: WorkerConfig fields (max_batch, max_wait_ms, health_port, max_sessions, max_cache_bytes, ...), and
     kv_cache_fraction: on cuda, size the KV store as this share of the device memory free after loading."""

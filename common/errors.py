@@ -42,54 +42,54 @@ class SpecRelayError(Exception):
 
 
 class RequestError(SpecRelayError):
+    """A request failed; `code` is its wire code, `retryable` whether the edge re-OPENs and tries again.
+    Subclasses set both in their class line: `class WorkerLost(RequestError, code=..., retryable=True)`."""
+
     code = ErrorCode.INTERNAL
     retryable = False
+
+    def __init_subclass__(cls, code: ErrorCode | None = None, retryable: bool | None = None, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if code is not None:
+            cls.code = code
+        if retryable is not None:
+            cls.retryable = retryable
 
     def __init__(self, message: str, *, field: str | None = None) -> None:
         super().__init__(message)
         self.field = field
 
 
-class InvalidRequest(RequestError, ValueError):
-    code = ErrorCode.BAD_REQUEST
+class InvalidRequest(RequestError, ValueError, code=ErrorCode.BAD_REQUEST):
+    """A malformed frame, a wrong type, an out-of-range field: do not retry it as is."""
 
 
-class UnknownSession(RequestError):
-    code = ErrorCode.UNKNOWN_SESSION
-    retryable = True
+class UnknownSession(RequestError, code=ErrorCode.UNKNOWN_SESSION, retryable=True):
+    """Nobody holds this (peer, session): re-OPEN with the whole context."""
 
 
-class WorkerLost(RequestError):
-    code = ErrorCode.WORKER_LOST
-    retryable = True
+class WorkerLost(RequestError, code=ErrorCode.WORKER_LOST, retryable=True):
+    """The worker holding the session vanished: re-OPEN."""
 
 
-class Overloaded(RequestError):
-    code = ErrorCode.UNAVAILABLE
-    retryable = True
+class Overloaded(RequestError, code=ErrorCode.UNAVAILABLE, retryable=True):
+    """No live worker has room, or a per-client limit was reached: retry later."""
 
 
-class ConnectionLost(RequestError):
+class ConnectionLost(RequestError, code=ErrorCode.UNAVAILABLE, retryable=True):
     """The edge's connection to the broker dropped while a request was in flight: retry (re-OPEN)."""
 
-    code = ErrorCode.UNAVAILABLE
-    retryable = True
+
+class GenerationTimeout(RequestError, TimeoutError, code=ErrorCode.TIMEOUT, retryable=True):
+    """No reply within the timeout."""
 
 
-class GenerationTimeout(RequestError, TimeoutError):
-    code = ErrorCode.TIMEOUT
-    retryable = True
+class Unauthorized(RequestError, code=ErrorCode.UNAUTHORIZED):
+    """The peer's key may not send that message."""
 
 
-class Unauthorized(RequestError):
-    code = ErrorCode.UNAUTHORIZED
-
-
-class InternalError(RequestError):
+class InternalError(RequestError, code=ErrorCode.INTERNAL, retryable=True):
     """The cloud failed on this request (a bug, or the model's forward pass raised); its state is gone."""
-
-    code = ErrorCode.INTERNAL
-    retryable = True
 
 
 class FatalError(SpecRelayError):
@@ -105,11 +105,9 @@ class ConfigError(FatalError):
     asked for where there is none. The message names the setting and the fix."""
 
 
-class ContextFull(RequestError):
+class ContextFull(RequestError, code=ErrorCode.CONTEXT_FULL):
     """The session holds as many tokens as the target's context: not a failure of the request, its end. The edge
     finishes the generation with what it committed (finish_reason "length")."""
-
-    code = ErrorCode.CONTEXT_FULL
 
 
 _BY_CODE = {cls.code: cls for cls in (InvalidRequest, UnknownSession, WorkerLost, Overloaded, GenerationTimeout,

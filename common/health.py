@@ -98,7 +98,8 @@ class StatsCollector:
 
     Flat ints/floats become counters (`<prefix><name>_total`) or, if named in `gauges`, gauges;
     `errors` ({code: n}) a counter labelled by code; `batch_sizes` ({size: batches}) a histogram;
-    `*_per_pos` ([n_0, n_1, ...]) a counter labelled by draft position; a `metrics.Histogram` a histogram.
+    `*_per_pos` ([n_0, n_1, ...]) a counter labelled by draft position; `*_per_broker` ({endpoint: n}) a counter
+    (or gauge) labelled by broker; a `metrics.Histogram` a histogram.
     """
 
     def __init__(self, prefix: str, stats: Callable[[], Mapping[str, object]], gauges: Iterable[str]) -> None:
@@ -117,6 +118,12 @@ class StatsCollector:
             elif isinstance(value, Histogram):
                 yield HistogramMetricFamily(metric, name.replace("_", " "), buckets=value.cumulative(),
                                             sum_value=value.total)
+            elif name.endswith("_per_broker"):  # {endpoint: n}, labelled by broker
+                kind = GaugeMetricFamily if name in self.gauges else CounterMetricFamily
+                family = kind(metric.removesuffix("_per_broker"), name.replace("_", " "), labels=["broker"])
+                for broker, n in value.items():
+                    family.add_metric([broker], n)
+                yield family
             elif name.endswith("_per_pos"):
                 family = CounterMetricFamily(metric, name.replace("_", " "), labels=["position"])
                 for position, n in enumerate(value):

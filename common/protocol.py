@@ -31,6 +31,7 @@ MAX_TAIL = 64               # committed tokens the cloud has not seen, carried b
 MAX_FRAME = 8 * 1024 * 1024  # MAXMSGSIZE on every socket (per frame)
 MAX_FRAMES = 4              # ZeroMQ's MAXMSGSIZE limits frames, not their number: we cap it ourselves
 MAX_PROMPT_CHARS = 1_000_000
+DEFAULT_MAX_NEW_TOKENS = 64  # a GENERATE / HTTP request / Client call that names none (edge_worker/config.py)
 
 U63 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
@@ -253,7 +254,7 @@ class Generate(Base):
 
     request: U63
     prompt: Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)]
-    max_new_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_CONTEXT)] = 64
+    max_new_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_CONTEXT)] = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 0.0
     top_k: Annotated[int, msgspec.Meta(ge=0)] = 0
     top_p: float = 1.0

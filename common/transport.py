@@ -105,20 +105,21 @@ def _set_curve(sock: zmq.Socket, curve: Curve) -> None:
 
 def bind(sock: zmq.asyncio.Socket, endpoint: str, what: str) -> str:
     """Bind, or close the socket and raise FatalError naming the endpoint. Returns the bound endpoint."""
-    try:
-        sock.bind(endpoint)
-    except zmq.ZMQError as exc:
-        sock.close(linger=0)
-        raise FatalError(f"{what} cannot bind {endpoint}: {exc}") from exc
+    _attach(sock.bind, sock, f"{what} cannot bind {endpoint}", endpoint)
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
 def connect(sock: zmq.asyncio.Socket, endpoint: str, what: str) -> None:
+    """Connect, or close the socket and raise FatalError naming the endpoint."""
+    _attach(sock.connect, sock, f"{what} cannot connect to {endpoint!r}", endpoint)
+
+
+def _attach(method, sock: zmq.asyncio.Socket, failure: str, endpoint: str) -> None:
     try:
-        sock.connect(endpoint)
+        method(endpoint)
     except zmq.ZMQError as exc:
         sock.close(linger=0)
-        raise FatalError(f"{what} cannot connect to {endpoint!r}: {exc}") from exc
+        raise FatalError(f"{failure}: {exc}") from exc
 
 
 async def recv_capped(sock: zmq.asyncio.Socket, cap: int = FRAME_CAP) -> tuple[list[bytes], int]:

@@ -1,7 +1,8 @@
 """Batched drafting on the edge: sessions that want a draft at the same time share one lockstep batch.
 
 The draft model runs in one worker thread; while it drafts a batch, new jobs queue up and form the next
-batch, so batching grows with load and costs nothing to a lone session (no waiting).
+batch, so batching grows with load and costs nothing to a lone session (no waiting). A job's block is handed
+to its session as soon as that job leaves the batch, not when the batch's longest job ends.
 
 Pre-drafts (edge_worker/predraft.py) have the lowest priority: they run only while no real draft waits, a few
 tokens at a time (`chunk`), so a real draft waits for at most one chunk. `collect` stops a pre-draft and hands
@@ -37,18 +38,19 @@ class PreDraft:
     def absorb(self, block: DraftBlock) -> None:
         self.block = self.block + block
 
-    def next_chunk(self, chunk: int) -> DraftJob:
-        """A job for the next `chunk` tokens after the ones drafted so far."""
-        j, n = self.job, len(self.block.ids)
-        context = j.context + [self.drafter.to_draft(x) for x in self.block.ids]
-        return DraftJob(j.state, context, j.position + n, min(chunk, j.d - n), j.mode, j.params, j.seed)
+    def next_chunk(self, chunk: int) -> DraftJob | None:
+        """A job for the next `chunk` tokens after the ones drafted so far (None: the draft cannot go on)."""
+        n = len(self.block.ids)
+        job = self.drafter.continue_job(self.job, self.block.ids, min(chunk, self.job.d - n))
+        self.stopped = self.stopped or job is None
+        return job
 
 
 class DraftBatcher:
     def __init__(self, drafter: Drafter, pool: Executor, max_batch: int = 64, chunk: int = 1,
                  on_timing: Callable[[int, float], None] | None = None) -> None:
         self.drafter, self.pool, self.max_batch, self.chunk = drafter, pool, max_batch, chunk
-        self.on_timing = on_timing  # (lockstep steps, seconds in the draft thread) of every batch and chunk
+        self.on_timing = on_timing  # (draft-model forwards, seconds in the draft thread) of every batch and chunk
         self._warm = False          # set by the first batch (only the draft thread touches it)
         self._queue: list[tuple[DraftJob, asyncio.Future]] = []
         self._pre: list[PreDraft] = []
@@ -115,8 +117,19 @@ class DraftBatcher:
         batch = [(job, fut) for job, fut in batch if not fut.cancelled()]
         if not batch:
             return
+        loop = asyncio.get_running_loop()
+        self.batches += 1  # counted before its blocks are handed over: `batches > 1` = not the process's first
+        self.jobs += len(batch)
+        self.batch_sizes[len(batch)] += 1
+
+        def ready(i: int, block: DraftBlock) -> None:  # in the draft thread: a job left the lockstep batch
+            try:
+                loop.call_soon_threadsafe(_settle, batch[i][1], block)
+            except RuntimeError:  # the loop closed meanwhile (shutdown)
+                pass
+
         try:
-            blocks = await self._in_thread([j for j, _ in batch])
+            blocks = await self._in_thread([j for j, _ in batch], ready)
         except asyncio.CancelledError:
             self._queue[:0] = batch  # closing: `close` fails them
             raise
@@ -125,22 +138,17 @@ class DraftBatcher:
                 if not fut.done():
                     fut.set_exception(exc)
             return
-        self.batches += 1
-        self.jobs += len(batch)
-        self.batch_sizes[len(batch)] += 1
-        steps = max(job.d for job, _ in batch)
         for (_, fut), block in zip(batch, blocks):
-            block.steps = steps
-            if not fut.done():
-                fut.set_result(block)
+            _settle(fut, block)
 
     async def _run_predrafts(self) -> None:
         """One chunk of every live pre-draft, in one lockstep batch."""
         self._pre = [pre for pre in self._pre if not pre.finished]
-        live = self._pre[:self.max_batch]
-        if not live:
+        chunks = [(pre, job) for pre in self._pre[:self.max_batch] for job in [pre.next_chunk(self.chunk)] if job]
+        if not chunks:
             return
-        future = self._in_thread([pre.next_chunk(self.chunk) for pre in live])
+        live = [pre for pre, _ in chunks]
+        future = self._in_thread([job for _, job in chunks])
 
         def extend(done: asyncio.Future) -> None:  # runs before anyone awaiting the chunk resumes
             for pre in live:
@@ -158,17 +166,17 @@ class DraftBatcher:
         self.predraft_chunks += 1
         await asyncio.gather(asyncio.shield(future), return_exceptions=True)
 
-    def _in_thread(self, jobs: list[DraftJob]):
+    def _in_thread(self, jobs: list[DraftJob], ready: Callable[[int, DraftBlock], None] | None = None):
         loop = asyncio.get_running_loop()
-        return loop.run_in_executor(self.pool, self._timed, jobs, loop)
+        return loop.run_in_executor(self.pool, self._timed, jobs, loop, ready)
 
-    def _timed(self, jobs: list[DraftJob], loop: asyncio.AbstractEventLoop) -> list[DraftBlock]:
-        """`draft_batch`, in the draft thread; its lockstep steps and duration go to `on_timing` in the loop."""
+    def _timed(self, jobs: list[DraftJob], loop: asyncio.AbstractEventLoop, ready=None) -> list[DraftBlock]:
+        """`draft_batch`, in the draft thread; its forwards and duration go to `on_timing` in the loop."""
         t0 = time.perf_counter()
-        blocks = self.drafter.draft_batch(jobs)
+        blocks = self.drafter.draft_batch(jobs, ready)
         warm, self._warm = self._warm, True  # the first batch of a process is slow (allocations): not a timing
         if self.on_timing is not None and warm:
-            steps = max((len(b.ids) for b in blocks), default=0)
+            steps = max((b.steps for b in blocks), default=0)  # draft-model forwards, not target tokens
             try:
                 loop.call_soon_threadsafe(self.on_timing, steps, time.perf_counter() - t0)
             except RuntimeError:  # the loop closed meanwhile (shutdown): nothing to learn any more
@@ -185,3 +193,8 @@ class DraftBatcher:
             if not fut.done():
                 fut.set_exception(reason or RuntimeError("the draft batcher is closed"))
         self._queue.clear()
+
+
+def _settle(future: asyncio.Future, block: DraftBlock) -> None:
+    if not future.done():
+        future.set_result(block)

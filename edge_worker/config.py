@@ -30,7 +30,7 @@ class SessionConfig:
     """One generation's settings. `mode` comes out resolved (the mode rule, `_resolve_mode`): given None it is
     GREEDY at temperature 0, else DEFAULT_SAMPLED_MODE; names are accepted ("coupled")."""
 
-    max_new_tokens: int = 64
+    max_new_tokens: int = P.DEFAULT_MAX_NEW_TOKENS
     params: SamplingParams = SamplingParams()
     mode: Mode | None = None
     seed: int = 0

@@ -9,6 +9,7 @@ Every draw uses counter-based randomness at the token's absolute position (commo
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -63,6 +64,7 @@ class DraftJob:
     mode: Mode
     params: SamplingParams
     seed: int
+    unverified: tuple[int, ...] = ()  # target ids `context` holds past the committed tokens (a pre-draft's chain)
 
 
 @dataclass
@@ -71,7 +73,7 @@ class DraftBlock:
     q_tok: list[float] = field(default_factory=list)           # q'(x_i) (sample mode)
     q_rows: list[torch.Tensor] = field(default_factory=list)   # q' over the target vocabulary, [V_target] each
     drafted: list[int] = field(default_factory=list)          # draft-vocabulary ids, when `finish` converts them
-    steps: int = 0  # lockstep steps of the batch that drafted it (its longest job), set by DraftBatcher
+    steps: int = 0  # draft-model forwards of the lockstep batch that drafted it (what its session waited for)
 
     def part(self, start: int, stop: int | None = None) -> "DraftBlock":
         """Tokens start..stop-1 with their q' (q lists are empty outside sample mode)."""
@@ -100,6 +102,19 @@ class Drafter:
     def draft_context(self, state: DraftState, target_tokens: list[int]) -> list[int]:
         """The draft model's context for the committed target tokens (same vocabulary: the same ids)."""
         return target_tokens
+
+    def extend_context(self, job: "DraftJob", ids: list[int]) -> list[int] | None:
+        """The draft context after `job.context` and the target tokens `ids`: where a draft continuing them
+        starts (a pre-draft chunk, a block after its reused head, the reuse check). None: it cannot go on there."""
+        return job.context + list(ids)
+
+    def continue_job(self, job: "DraftJob", ids: list[int], d: int) -> "DraftJob | None":
+        """A job drafting d tokens after `job`'s context followed by the (unverified) target tokens `ids`."""
+        context = self.extend_context(job, ids)
+        if context is None:
+            return None
+        return DraftJob(job.state, context, job.position + len(ids), d, job.mode, job.params, job.seed,
+                        job.unverified + tuple(ids))
 
     def shared_bitmap(self) -> bytes:
         return b""
@@ -136,35 +151,56 @@ class Drafter:
             workspace = self._workspaces.buffer = Workspace()
         return workspace
 
-    def draft_batch(self, jobs: list[DraftJob | TreeJob]) -> list[DraftBlock | TreeBlock]:
-        """Draft every job in lockstep: at each step, ONE forward over the sessions still drafting. Tree jobs
-        (edge_worker/treedraft.py) form a lockstep batch of their own."""
+    def draft_batch(self, jobs: list[DraftJob | TreeJob], ready: Callable[[int, DraftBlock], None] | None = None
+                    ) -> list[DraftBlock | TreeBlock]:
+        """Draft every job in lockstep: at each step, ONE forward over the sessions still drafting. A job whose
+        block is complete leaves the batch at once, and `ready(index, block)` hands it over then (its session
+        need not wait for the batch's longest job: a cross-vocabulary block's length in draft tokens varies).
+        Every block records the forwards its session waited for (`steps`). Tree jobs (edge_worker/treedraft.py)
+        form a lockstep batch of their own."""
         if any(isinstance(j, TreeJob) for j in jobs):
-            trees = [i for i, j in enumerate(jobs) if isinstance(j, TreeJob)]
-            chains = [i for i, j in enumerate(jobs) if not isinstance(j, TreeJob)]
-            out: list = [None] * len(jobs)
-            for i, block in zip(trees, draft_trees(self, [jobs[i] for i in trees], self.workspace())):
-                out[i] = block
-            for i, block in zip(chains, self.draft_batch([jobs[i] for i in chains]) if chains else []):
-                out[i] = block
-            return out
+            return self._draft_mixed(jobs, ready)
         blocks = [DraftBlock() for _ in jobs]
         contexts = [list(j.context) for j in jobs]
         live = [i for i, j in enumerate(jobs) if j.d > 0]
         workspace = self.workspace()
         batch = LockstepKV(self.runner, workspace)
+        for i in (i for i, j in enumerate(jobs) if j.d <= 0):  # nothing to draft
+            self._hand_over(jobs[i], blocks[i], 0, i, ready)
+        forwards = 0
         try:
             while live:
-                self._advance(batch, [jobs[i] for i in live], [contexts[i] for i in live], live)
-                live = [i for i in live if self.step(jobs[i], blocks[i], contexts[i])]
+                forwards += self._advance(batch, [jobs[i] for i in live], [contexts[i] for i in live], live)
+                going = [i for i in live if self.step(jobs[i], blocks[i], contexts[i])]
+                for i in (i for i in live if i not in going):  # its K/V leaves the batch at the next forward
+                    self._hand_over(jobs[i], blocks[i], forwards, i, ready)
+                live = going
             batch.close()
         except BaseException:
             for job in jobs:  # their K/V may be half in the batch: start them over rather than trust it
                 job.state.reset()
             raise
-        for job, block in zip(jobs, blocks):
-            self.finish(job, block)
         return blocks
+
+    def _draft_mixed(self, jobs: list, ready) -> list:
+        """Tree jobs in one lockstep batch, then the chain jobs in another; blocks in `jobs` order."""
+        trees = [i for i, j in enumerate(jobs) if isinstance(j, TreeJob)]
+        chains = [i for i, j in enumerate(jobs) if not isinstance(j, TreeJob)]
+        out: list = [None] * len(jobs)
+        for order, blocks in ((trees, draft_trees(self, [jobs[i] for i in trees], self.workspace(),
+                                                  _renumbered(ready, trees))),
+                              (chains, self.draft_batch([jobs[i] for i in chains], _renumbered(ready, chains))
+                               if chains else [])):
+            for i, block in zip(order, blocks):
+                out[i] = block
+        return out
+
+    def _hand_over(self, job: DraftJob, block: DraftBlock, forwards: int, index: int, ready) -> None:
+        """A job's block is complete after `forwards` forwards of its batch: convert it and hand it over."""
+        self.finish(job, block)
+        block.steps = forwards
+        if ready is not None:
+            ready(index, block)
 
     def step(self, job: DraftJob, block: DraftBlock, context: list[int]) -> bool:
         """One draft token from `job.state.last_logits`: record it, extend `context` (draft ids). Returns whether
@@ -177,8 +213,9 @@ class Drafter:
     def finish(self, job: DraftJob, block: DraftBlock) -> None:
         """Turn what `step` drafted into the block that travels (nothing to do with one vocabulary)."""
 
-    def _advance(self, batch: LockstepKV, jobs: list[DraftJob], contexts: list[list[int]], keys: list[int]) -> None:
-        """Bring each job's state up to its context and refresh last_logits (one batched forward)."""
+    def _advance(self, batch: LockstepKV, jobs: list[DraftJob], contexts: list[list[int]], keys: list[int]) -> bool:
+        """Bring each job's state up to its context and refresh last_logits (one batched forward); False when
+        every next token comes from logits already held (no forward ran)."""
         states = [job.state for job in jobs]
         if batch.buf is None:  # before the batch holds their K/V, states may roll back (rejected drafts)
             for state, ctx in zip(states, contexts):
@@ -187,10 +224,16 @@ class Drafter:
                     state.sync(ctx[:-1])                                      # re-run the last id
         feeds = [ctx[len(state.ids):] for state, ctx in zip(states, contexts)]
         if batch.buf is None and not any(feeds):  # every next token comes from logits already held
-            return
+            return False
         room = max(job.d for job in jobs)
         logits = batch.feed(keys, [s.kv for s in states], [len(s.ids) for s in states], feeds, room)
         for row, (state, ctx, fed) in enumerate(zip(states, contexts, feeds)):
             if fed:
                 state.ids = list(ctx)
                 state.last_logits = logits[row, len(fed) - 1]
+        return True
+
+
+def _renumbered(ready, order: list[int]):
+    """`ready` for a sub-batch whose job k is job order[k] of the whole batch."""
+    return None if ready is None else (lambda k, block: ready(order[k], block))

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..common.protocol import MAX_DRAFT, LoadHint, Objective
+from .estimators import CLIP, AcceptanceCounts, EWLine, EWMean
 
 AUTO_MAX = 32                # longest block auto will draft
 PRIOR_ACCEPT = 0.7           # acceptance assumed at a position nobody has measured yet
@@ -35,8 +36,6 @@ SESSION_DECAY = 0.9          # per round: a session's own counts (memory ~10 rou
 EDGE_DECAY = 0.995           # per round: the edge's pooled acceptance counts (memory ~200 rounds)
 CLOUD_SLOPE_PRIOR = 0.02     # a forward pass's cost per token relative to its fixed cost, until measured
 TIME_DECAY = 0.98            # per round: the edge's timings (memory ~50 rounds of all its sessions)
-CLIP = 3.0                   # a timing over CLIP x its fitted value counts as CLIP x (one slow spell is not a trend)
-CLIP_AFTER = 8               # ... once a line has seen this many
 EXPLORE_AFTER = 16           # rounds at d = 0 before one round drafts a token again (acceptance may have changed)
 PREDRAFT_SHARE = 0.7         # pre-drafting stops this far into the expected wait: the draft thread is idle (and
                              # the GIL free) when the VERDICT arrives, so its handling is not delayed
@@ -51,94 +50,8 @@ PROBE_EVERY = 4              # at d = 0, one round in 4 pre-drafts the guess for
                              # (a cross-vocabulary guess takes ~3 draft steps and a re-tokenisation: one round in
                              # EXPLORE_AFTER then)
 DRAFT_PRIOR = 0.25           # a draft step's cost relative to the forward pass's fixed cost, until one is timed
-
-
-class AcceptanceCounts:
-    """Exponentially decayed per-position counts: how often draft position j was reached / accepted."""
-
-    def __init__(self, decay: float) -> None:
-        self.decay = decay
-        self.reached: list[float] = []
-        self.accepted: list[float] = []
-
-    def observe(self, d: int, n_accepted: int, bonus_match: bool | None = None) -> None:
-        """A block of d drafts with n accepted; bonus_match: whether the draft's guess for the token after a
-        fully accepted block was the target's (known when that guess was pre-drafted), i.e. position d."""
-        top = d + 1 if (n_accepted == d and bonus_match is not None) else d
-        self._grow(top)
-        self.reached = [r * self.decay for r in self.reached]
-        self.accepted = [a * self.decay for a in self.accepted]
-        for j in range(min(n_accepted + 1, top)):  # positions 0..n reached; 0..n-1 accepted
-            self.reached[j] += 1.0
-            self.accepted[j] += 1.0 if j < n_accepted or (j == d and bonus_match) else 0.0
-
-    def _grow(self, n: int) -> None:
-        if len(self.reached) < n:
-            self.reached.extend([0.0] * (n - len(self.reached)))
-            self.accepted.extend([0.0] * (n - len(self.accepted)))
-
-    def rates(self, n: int, prior: list[float], weight: float) -> list[float]:
-        """a_0..a_{n-1}: counts shrunk toward `prior` (worth `weight` rounds)."""
-        out = []
-        for j in range(n):
-            r = self.reached[j] if j < len(self.reached) else 0.0
-            a = self.accepted[j] if j < len(self.accepted) else 0.0
-            out.append((a + weight * prior[j]) / (r + weight))
-        return out
-
-
-class EWLine:
-    """y = c + s * x by exponentially weighted least squares, shrunk toward a prior line that the first
-    observation sets (c0 = y, s0 = slope_ratio * y): a slope is learnt only once x varies. After a few
-    observations a y over `clip` x the fitted line counts as that much (a stall is not a trend)."""
-
-    def __init__(self, decay: float, slope_ratio: float, prior_weight: float = 1.0, clip: float = CLIP) -> None:
-        self.decay, self.slope_ratio, self.prior_weight, self.clip = decay, slope_ratio, prior_weight, clip
-        self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
-        self.prior: tuple[float, float] | None = None
-        self.count = 0
-
-    def observe(self, x: float, y: float) -> None:
-        if self.prior is None:
-            self.prior = (y / (1 + self.slope_ratio * x), self.slope_ratio * y / (1 + self.slope_ratio * x))
-        elif self.count >= CLIP_AFTER:
-            c, s = self.fit()
-            y = min(y, self.clip * (c + s * x))
-        self.count += 1
-        g = self.decay
-        self.sw, self.sx, self.sy = g * self.sw + 1, g * self.sx + x, g * self.sy + y
-        self.sxx, self.sxy = g * self.sxx + x * x, g * self.sxy + x * y
-
-    @property
-    def known(self) -> bool:
-        return self.prior is not None
-
-    def fit(self) -> tuple[float, float]:
-        """(c, s): ridge solution of the weighted normal equations plus the prior as pseudo-observations."""
-        c0, s0 = self.prior
-        lam = self.prior_weight
-        # minimise sum w (y - c - s x)^2 + lam (c - c0)^2 + lam * 10 (s - s0)^2  (2x2 normal equations)
-        a11, a12, a22 = self.sw + lam, self.sx, self.sxx + 10 * lam
-        b1, b2 = self.sy + lam * c0, self.sxy + 10 * lam * s0
-        det = a11 * a22 - a12 * a12
-        c, s = (b1 * a22 - a12 * b2) / det, (a11 * b2 - a12 * b1) / det
-        return max(c, 0.0), max(s, 0.0)
-
-
-class EWMean:
-    """Exponentially weighted mean; with `clip`, after CLIP_AFTER observations an x over clip x the mean counts
-    as that much."""
-
-    def __init__(self, decay: float, default: float, clip: float | None = None) -> None:
-        self.decay, self.value, self.weight, self.clip = decay, default, 0.0, clip
-        self.count = 0
-
-    def observe(self, x: float) -> None:
-        if self.clip is not None and self.count >= CLIP_AFTER:
-            x = min(x, self.clip * self.value)
-        self.count += 1
-        self.weight = self.decay * self.weight + 1
-        self.value += (x - self.value) / self.weight
+PENALTY_AFTER = 4            # hinted rounds of each kind (pre-drafting, not) before their difference is trusted
+PREDRAFT_EXPLORE = 8         # while pre-drafting does not pay, one round in 8 pre-drafts anyway (is it still so?)
 
 
 @dataclass
@@ -154,6 +67,7 @@ class EdgeEstimates:
     forward: EWLine = field(default_factory=lambda: EWLine(TIME_DECAY, CLOUD_SLOPE_PRIOR))  # s vs its tokens
     latency: EWLine = field(default_factory=lambda: EWLine(TIME_DECAY, CLOUD_SLOPE_PRIOR))  # without hints
     rtt: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 0.0))     # link: latency - cloud time
+    rtt_predraft: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 0.0))  # ... of rounds that pre-drafted
     queue: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 0.0))   # wait in the worker before a pass
     batch: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 1.0))   # rows per forward
     row_extra: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 0.0))  # tokens per row besides d + 1
@@ -218,10 +132,12 @@ class EdgeEstimates:
             self.step.observe(seconds / steps)
 
     def observe_round(self, fresh: int, draft_s: float | None, latency_s: float, width: int, d: int,
-                      hint: LoadHint | None) -> None:
+                      hint: LoadHint | None, predrafted: bool = False, opened: bool = False) -> None:
         """One VERIFY round of `d` draft tokens: waited `draft_s` (None: not timed) for a draft of `fresh`
-        lockstep steps (the longest job of its draft batch: the mean-field x), then `latency_s` from sending the
-        VERIFY to its VERDICT; `width` = our row (d + 1 + tail); the worker's hint."""
+        forwards, then `latency_s` from sending the VERIFY to its VERDICT; `width` = our row (d + 1 + tail); the
+        worker's hint; `predrafted`: the draft thread pre-drafted while this VERIFY was in flight; `opened`: it
+        was the session's first after an OPEN, whose pass and wait held the session's own prompt (a cost paid
+        once per session, whatever d: not a round's, so not in x, p or Q; the worker hints seq 1 always)."""
         self.rounds += 1
         if draft_s is not None and fresh > 0:
             self.draft.observe(draft_s / fresh)
@@ -232,12 +148,34 @@ class EdgeEstimates:
         forward, queue = hint.forward_us * 1e-6, hint.queue_us * 1e-6
         tokens = hint.tokens or hint.batch * (hint.width or width)  # a worker older than `tokens`: padded rows
         self.forward.observe(tokens, forward)
-        self.row_extra.observe(max(0.0, (tokens - hint.prefill) / hint.batch - (d + 1)))
-        self.prefill.observe(hint.prefill)
+        if not opened:
+            self.row_extra.observe(max(0.0, (tokens - hint.prefill) / hint.batch - (d + 1)))
+            self.prefill.observe(hint.prefill)
+            self.queue.observe(queue)
         self.batch.observe(hint.batch)
-        self.queue.observe(queue)
         self.busy.observe(hint.busy / 1000)
-        self.rtt.observe(max(0.0, latency_s - forward - queue))
+        (self.rtt_predraft if predrafted else self.rtt).observe(max(0.0, latency_s - forward - queue))
+
+    def predraft_penalty(self) -> float:
+        """How much later a VERDICT is handled when the draft thread pre-drafted meanwhile (seconds, >= 0): on an
+        edge whose event loop, ZeroMQ I/O thread and draft thread share a core, a pre-draft delays the round it
+        is meant to shorten. 0 until both kinds of rounds were measured."""
+        if min(self.rtt.count, self.rtt_predraft.count) < PENALTY_AFTER:
+            return 0.0
+        return max(0.0, self.rtt_predraft.value - self.rtt.value)
+
+    def link_rtt(self) -> float:
+        """R of a round that does not pre-draft (the other kind's while only it was measured)."""
+        return self.rtt.value if self.rtt.count or not self.rtt_predraft.count else self.rtt_predraft.value
+
+    def predraft_gain(self, d: int, p_next: float) -> float:
+        """Seconds of drafting pre-drafting saves a round of d, net of its penalty: with probability p_next the
+        whole block and the bonus guess are accepted and the next block starts with the chain (budget - 1 tokens
+        past the guess). Positive: it pays."""
+        if d <= 0:
+            return 0.0
+        saved = p_next * min(d, max(0, self.predraft_budget() - 1)) * self.steps_per_token.value  # forwards
+        return self.draft_per_step() * saved - self.predraft_penalty()
 
     def draft_per_step(self) -> float:
         """t: the measured wait per lockstep step; before any, the draft thread's compute per step, or a guess
@@ -262,9 +200,9 @@ class EdgeEstimates:
         t = (self.step.value or self.draft.value) * self.steps_per_token.value
         if not (self.predraft and self.draft.count and self.forward.known) or t <= 0:
             return 0
-        window = self.rtt.value / 2
+        window = self.link_rtt() / 2
         if self.predraft_window == "wait":
-            window = PREDRAFT_SHARE * (self.rtt.value + self.queue.value + self.forward_time(0))
+            window = PREDRAFT_SHARE * (self.link_rtt() + self.queue.value + self.forward_time(0))
         return max(0, int(window / t))
 
     def round_time(self, d: int, p_next: float) -> float:
@@ -273,18 +211,24 @@ class EdgeEstimates:
         return self.round_model()(d, p_next)
 
     def round_model(self):
-        """`round_time` with the fits done once: the function best_length evaluates for every candidate d."""
-        t, budget = self.draft_per_step(), self.predraft_budget()
-        wait = self.rtt.value + self.queue.value
-        fit = self.forward.fit() if self.forward.known else None
-        l0, l1 = self.latency.fit() if self.latency.known else (10.0, 10.0 * CLOUD_SLOPE_PRIOR)
+        """`round_time` with the fits done once: the function best_length evaluates for every candidate d (twice a
+        round per session, so it is a line in d plus the pre-draft credit). A round pre-drafts only where that
+        pays (`predraft_gain` > 0), so the model takes the better of the two."""
+        t, s, penalty = self.draft_per_step(), self.steps_per_token.value, self.predraft_penalty()
+        cap, lookahead = max(0, self.predraft_budget() - 1), self.lookahead
+        if self.forward.known:  # R + Q + F(d) = base + slope * d
+            f0, f1 = self.forward.fit()
+            base = self.link_rtt() + self.queue.value + self.forward_time(0, (f0, f1))
+            slope = f1 * self.batch.value
+        else:  # no load hints: the measured latency line l0 + l1 * (d + 1)
+            l0, l1 = self.latency.fit() if self.latency.known else (10.0, 10.0 * CLOUD_SLOPE_PRIOR)
+            base, slope = l0 + l1, l1
 
         def model(d: int, p_next: float) -> float:
-            saved = p_next * min(d, max(0, budget - 1)) * self.steps_per_token.value  # steps pre-drafted
-            draft = t * max(0.0, self.draft_steps(d) - saved)
-            if fit is None:  # no load hints: the measured latency line
-                return draft + l0 + l1 * (d + 1)
-            return draft + wait + self.forward_time(d, fit)
+            if d <= 0:
+                return base
+            saved = t * s * p_next * min(d, cap)  # the next block's start, pre-drafted while this one is verified
+            return t * s * (d + lookahead) - max(0.0, saved - penalty) + base + slope * d
         return model
 
 
@@ -334,6 +278,7 @@ class GoodputController:
         self.own = AcceptanceCounts(SESSION_DECAY)
         self.zero_rounds = 0  # consecutive rounds at d = 0 that taught nothing
         self.rounds_at_zero = 0  # consecutive rounds at d = 0
+        self.unpaid = 0  # rounds whose pre-draft would not have paid (PREDRAFT_EXPLORE)
 
     @property
     def probes(self) -> bool:
@@ -343,6 +288,18 @@ class GoodputController:
 
     def rates(self, n: int) -> list[float]:
         return self.own.rates(n, self.edge.prior_rates(n), SESSION_PRIOR_WEIGHT)
+
+    def predrafts(self, sent: int, d: int) -> bool:
+        """Whether to pre-draft while a block of `sent` tokens is verified, for a next block of d: where it pays
+        (EdgeEstimates.predraft_gain), and one round in PREDRAFT_EXPLORE where it does not (its penalty may have
+        changed)."""
+        p_next = 1.0
+        for a in self.rates(sent + 1):  # P_{sent+1}: the block and the bonus guess all accepted
+            p_next *= a
+        if self.edge.predraft_gain(d, p_next) > 0:
+            return True
+        self.unpaid += 1
+        return self.unpaid % PREDRAFT_EXPLORE == 0
 
     def choose(self, remaining: int) -> int:
         """The best d within 0 <= d <= min(max_len, remaining - 1): the edge's shared length while it runs several
@@ -364,8 +321,8 @@ class GoodputController:
             self.edge.acceptance.observe(d, n_accepted, bonus_match)
 
     def observe_round(self, fresh: int, draft_s: float | None, latency_s: float, width: int, d: int,
-                      hint: LoadHint | None) -> None:
-        self.edge.observe_round(fresh, draft_s, latency_s, width, d, hint)
+                      hint: LoadHint | None, predrafted: bool = False, opened: bool = False) -> None:
+        self.edge.observe_round(fresh, draft_s, latency_s, width, d, hint, predrafted, opened)
 
 
 class FixedDraftLen:
@@ -380,11 +337,14 @@ class FixedDraftLen:
     def choose(self, remaining: int) -> int:
         return max(0, min(self.d, remaining - 1))
 
+    def predrafts(self, sent: int, d: int) -> bool:
+        return True  # --draft-len N pre-drafts as the edge is configured to (--predraft)
+
     def observe_block(self, d: int, n_accepted: int, bonus_match: bool | None = None) -> None:
         if self.edge is not None and d > 0:
             self.edge.acceptance.observe(d, n_accepted, bonus_match)
 
     def observe_round(self, fresh: int, draft_s: float | None, latency_s: float, width: int, d: int,
-                      hint: LoadHint | None) -> None:
+                      hint: LoadHint | None, predrafted: bool = False, opened: bool = False) -> None:
         if self.edge is not None:
-            self.edge.observe_round(fresh, draft_s, latency_s, width, d, hint)
+            self.edge.observe_round(fresh, draft_s, latency_s, width, d, hint, predrafted, opened)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..common.protocol import Mode
-from .drafter import DraftBlock, DraftJob
+from .drafter import DraftBlock
 
 
 @dataclass
@@ -28,11 +28,6 @@ class DraftChain:
     block: DraftBlock      # the chain (target ids, with q' in sample mode)
     sent: int              # how many of the chain's tokens the VERIFY carried
 
-    def continuation(self, job: DraftJob, to_draft: Callable[[int], int], k: int) -> DraftJob:
-        """A job drafting k more chain tokens (settings taken from `job`, the one that drafted the block)."""
-        context = self.context + [to_draft(x) for x in self.block.ids]
-        return DraftJob(job.state, context, self.start + len(self.block.ids), k, job.mode, job.params, job.seed)
-
     def extend(self, more: DraftBlock) -> None:
         self.block = self.block + more
 
@@ -40,13 +35,15 @@ class DraftChain:
         """The chain's token at `index` (index `sent` is the guess for the bonus token), if drafted."""
         return self.block.ids[index] if index < len(self.block.ids) else None
 
-    def reusable(self, tokens: list[int], context: list[int], d: int, to_draft: Callable[[int], int]) -> DraftBlock:
+    def reusable(self, tokens: list[int], context: list[int], d: int,
+                 context_after: Callable[[list[int]], list[int] | None]) -> DraftBlock:
         """Up to d chain tokens that continue `tokens` (committed target ids) drafted in `context` (their draft
-        context now); an empty block when the chain went another way."""
+        context now); an empty block when the chain went another way. `context_after(ids)`: the draft context
+        the chain's continuation after its first tokens `ids` was drafted in (Drafter.extend_context)."""
         m = len(tokens) - self.start
         if d <= 0 or m < 0 or m >= len(self.block.ids) or tokens[self.start:] != self.block.ids[:m]:
             return DraftBlock()
-        if context != self.context + [to_draft(x) for x in self.block.ids[:m]]:
+        if context != context_after(self.block.ids[:m]):
             return DraftBlock()
         return self.block.part(m, m + d)
 

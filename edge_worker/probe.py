@@ -1,5 +1,6 @@
 """Is the broker there, and does it have a live cloud worker? Asked before anything heavy loads, so a mistyped
-address or an empty pool ends within `--connect-timeout` seconds in one sentence that names the address.
+address or an empty pool ends within `--connect-timeout` seconds in one sentence that names the address. With
+several brokers (`probe_brokers`) every one is asked at once and the first with a live worker ends the wait.
 
 ZeroMQ connects lazily and silently retries forever, so "unreachable" is read off the socket monitor: the
 ZMTP handshake (CURVE included) either succeeds in time or the last event says why not. The worker check is
@@ -11,7 +12,7 @@ retryable code, are retried until the deadline). Needs no model and no torch.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit
 
 import zmq
@@ -20,6 +21,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from ..common import protocol as P
 from ..common import transport
+from ..common.brokers import broker_list, per_broker
 from ..common.errors import AuthenticationFailed, FatalError, InvalidRequest, from_wire
 
 HANDSHAKE_FAILED = {
@@ -137,16 +139,59 @@ async def _reply(sock: zmq.asyncio.Socket, seq: int, deadline: float, loop) -> P
             return msg
 
 
-def warn_if_unreachable(endpoint: str, timeout: float, *, worker: bool = True, **options) -> asyncio.Task:
-    """For servers, which keep retrying: a background probe that logs one warning naming the broker when it
-    is not reachable (or has no worker) within `timeout`. Cancel the task when serving ends."""
+async def probe_brokers(endpoints: str | Sequence[str], timeout: float, *, worker: bool = True,
+                        curve: transport.Curve | Sequence[transport.Curve] | None = None,
+                        context: zmq.asyncio.Context | None = None,
+                        on_wait: Callable[[str], None] | None = None) -> str:
+    """`probe_broker` for several brokers at once (`curve`: one for all or one per broker): returns the first
+    endpoint whose probe succeeds. A refused key is raised at once; when every probe fails, one FatalError
+    naming each broker and why. `on_wait` is called once, naming them all, if the wait passes NOTICE_AFTER_S."""
+    endpoints = broker_list(endpoints, "broker")
+    curves = per_broker(curve, len(endpoints), "curve")
+    if len(endpoints) == 1:
+        await probe_broker(endpoints[0], timeout, worker=worker, curve=curves[0], context=context, on_wait=on_wait)
+        return endpoints[0]
+    what = "a cloud worker behind" if worker else "a handshake with"
+    notice = asyncio.get_running_loop().call_later(
+        NOTICE_AFTER_S, lambda: on_wait and on_wait(f"waiting for {what} any of the brokers at {', '.join(endpoints)}"))
+    tasks = {asyncio.create_task(probe_broker(e, timeout, worker=worker, curve=c, context=context)): e
+             for e, c in zip(endpoints, curves)}
+    failures: list[str] = []
+    try:
+        pending = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                exc = task.exception()
+                if exc is None:
+                    return tasks[task]
+                if isinstance(exc, AuthenticationFailed) or not isinstance(exc, FatalError):
+                    raise exc
+                failures.append(str(exc))
+    finally:
+        notice.cancel()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    raise FatalError(f"none of the {len(endpoints)} brokers answered: " + "; ".join(failures))
+
+
+def warn_if_unreachable(endpoints: str | Sequence[str], timeout: float, *, worker: bool = True,
+                        curve: transport.Curve | Sequence[transport.Curve] | None = None, **options) -> asyncio.Task:
+    """For servers, which keep retrying: a background probe of each broker that logs one warning naming it when
+    it is not reachable (or has no worker) within `timeout`. Cancel the task when serving ends."""
     import structlog
 
-    async def check() -> None:
+    endpoints = broker_list(endpoints, "broker")
+
+    async def check(endpoint: str, keys: transport.Curve | None) -> None:
         try:
-            await probe_broker(endpoint, timeout, worker=worker, **options)
+            await probe_broker(endpoint, timeout, worker=worker, curve=keys, **options)
         except FatalError as exc:
             structlog.get_logger("specrelay.probe").warning("broker not ready; still retrying", broker=endpoint,
                                                             reason=str(exc))
 
-    return asyncio.create_task(check(), name="broker-probe")
+    async def check_all() -> None:
+        await asyncio.gather(*(check(e, c) for e, c in zip(endpoints, per_broker(curve, len(endpoints), "curve"))))
+
+    return asyncio.create_task(check_all(), name="broker-probe")

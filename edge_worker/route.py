@@ -16,10 +16,11 @@ from .session import EdgeSession
 
 
 class Route:
-    """Where the receiver puts replies for one session: the one request it waits on, by seq and type."""
+    """Where the receiver puts replies for one session: the one request it waits on, by seq and type, and the
+    broker (`link`, an index of the edge's brokers) the session is on; replies from any other are not its own."""
 
-    def __init__(self, session: EdgeSession) -> None:
-        self.session, self.stats = session, session.stats
+    def __init__(self, session: EdgeSession, link: int = 0) -> None:
+        self.session, self.stats, self.link = session, session.stats, link
         self.seq = -1
         self.expect: type[P.Base] = P.Verdict
         self.waiter: asyncio.Future | None = None

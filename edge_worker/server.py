@@ -1,15 +1,17 @@
-"""The edge worker process: drives `EdgeSession`s over one DEALER to the broker (and serves local clients
+"""The edge worker process: drives `EdgeSession`s over one DEALER per broker (and serves local clients
 through `frontend.ClientFrontend` when `EdgeConfig.listen` is set); `serve` is the body of `specrelay
 edge-worker`, `EdgeHealth` its health port.
 
-One zmq.asyncio DEALER (CURVE when keys are configured). Its routing id is chosen by the broker's ROUTER, so no
-other edge can claim it; a session belongs to this connection and its key. A receiver loop hands each VERDICT /
-RESAMPLED / ERROR to the session waiting on it (its `route.Route`); a heartbeat loop tells the broker this edge
-is alive (it closes the sessions of a silent edge); a monitor loop notices a refused key (fatal:
-AuthenticationFailed, the edge stops, so /readyz goes with it and the CLI exits with one line) and a dropped
-connection (the requests in flight are retried at once instead of after their timeout). Sessions are numbered
-from a per-edge counter (1, 2, ...): the broker and the workers key them by (this edge's peer id, session), so
-ids stay small (1 byte in MessagePack below 128, at most 3 below SID_WRAP) in every message.
+One zmq.asyncio DEALER per broker (edge_worker/links.py; CURVE when keys are configured). Its routing id is chosen
+by the broker's ROUTER, so no other edge can claim it; a session belongs to one broker's connection and this key
+at a time (its `route.Route.link`, chosen by a stable hash over the brokers that are up). A receiver loop per
+broker hands each VERDICT / RESAMPLED / ERROR to the session waiting on it, if that session is on that broker; a
+heartbeat loop tells every broker this edge is alive (a broker closes the sessions of a silent edge); a monitor
+per broker notices a refused key (fatal: AuthenticationFailed, the edge stops, so /readyz goes with it and the CLI
+exits with one line) and a lost broker: its requests in flight are retried at once instead of after their
+timeout, re-OPENed on another broker with the whole committed context. Sessions are numbered from a per-edge
+counter (1, 2, ...): the broker and the workers key them by (this edge's peer id, session), so ids stay small
+(1 byte in MessagePack below 128, at most 3 below SID_WRAP) in every message.
 
 Drafting runs in ONE worker thread (the draft model is shared by every session, `DraftBatcher`), so the event
 loop keeps moving bytes while a block is drafted. A failed round is retried by re-OPENing with the whole
@@ -38,7 +40,8 @@ import zmq.asyncio
 from .. import defaults
 from ..common import health, transport
 from ..common import protocol as P
-from ..common.errors import (AuthenticationFailed, ConnectionLost, FatalError, GenerationTimeout, InvalidRequest,
+from ..common.brokers import broker_list, per_broker
+from ..common.errors import (AuthenticationFailed, FatalError, GenerationTimeout, InvalidRequest,
                              Overloaded, RequestError)
 from . import telemetry
 from .batcher import DraftBatcher
@@ -46,6 +49,7 @@ from .config import EdgeConfig, SessionConfig
 from .draftlen import EdgeEstimates
 from .drafter import Drafter
 from .frontend import ClientFrontend
+from .links import DOWN, BrokerLink, BrokerLinks
 from .loading import load_drafter, target_context
 from .route import Retries, Route
 from .session import EdgeSession
@@ -64,32 +68,39 @@ OnTokens = Callable[[list[int]], object]  # may return an awaitable
 class EdgeWorker(transport.Service):
     """`async with EdgeWorker(broker, drafter, tokenizer, EdgeConfig(...)) as edge:` then
     `await edge.generate(prompt_ids, SessionConfig(...))` from as many tasks as you like.
-    `tokenizer` is the TARGET's: prompts become `tokenizer(prompt).input_ids`, output `tokenizer.decode(ids)`."""
+    `broker`: an endpoint, a comma list or a sequence of them (several brokers: common/brokers.py); `curve`: one
+    transport.Curve for all of them or one per broker. `tokenizer` is the TARGET's: prompts become
+    `tokenizer(prompt).input_ids`, output `tokenizer.decode(ids)`."""
 
     name = "edge-worker"
 
-    def __init__(self, broker: str, drafter: Drafter, tokenizer, config: EdgeConfig | None = None, *,
-                 context: zmq.asyncio.Context | None = None, identity: bytes | None = None,
-                 curve: transport.Curve | None = None) -> None:
+    def __init__(self, broker: str | Sequence[str], drafter: Drafter, tokenizer, config: EdgeConfig | None = None,
+                 *, context: zmq.asyncio.Context | None = None, identity: bytes | None = None,
+                 curve: transport.Curve | Sequence[transport.Curve] | None = None) -> None:
         super().__init__()
-        self.broker, self.drafter, self.tokenizer = broker, drafter, tokenizer
+        self.brokers = broker_list(broker, "broker")
+        self.drafter, self.tokenizer = drafter, tokenizer
         self.config = config or EdgeConfig()
         self.identity = identity  # None: the broker's ROUTER picks one (the safe default)
-        self.connected = asyncio.Event()  # set while the broker connection is up (handshake done)
         self.auth_error: AuthenticationFailed | None = None
         self._refused = asyncio.Event()   # set with auth_error: the heartbeat loop ends the service
         self.ctx = context or zmq.asyncio.Context.instance()
         self.frontend = None  # frontend.ClientFrontend when config.listen is set
-        self._curve = curve
-        self._sock: zmq.asyncio.Socket | None = None
         self._routes: dict[int, Route] = {}  # session id -> its route, while the session is in use
+        self.metrics = telemetry.EdgeMetrics()
+        curves = per_broker(curve, len(self.brokers), "curve")
+        self._curve = curves[0]  # this edge's own key pair (the frontend's CURVE server uses it)
+        self.links = BrokerLinks(self.brokers, self.ctx, curves, self._routes, self.metrics,
+                                 linger_ms=self.config.linger_ms, heartbeat_s=self.config.heartbeat_s,
+                                 identity=identity, clock=time.monotonic)
+        for link in self.links:
+            link.on_refused = self._on_refused
         self._next_sid = 1
         self._pool: ThreadPoolExecutor | None = None
         self._batcher: DraftBatcher | None = None
         self.estimates = EdgeEstimates(self.config.predraft, self.config.predraft_window)  # shared by sessions
         self.tree_estimates = TreeEstimates()  # tree shapes (edge_worker/treeshape.py), shared by sessions
-        self.metrics = telemetry.EdgeMetrics()
-        self._log = log.bind(broker=broker)
+        self._log = log.bind(broker=",".join(self.brokers))
 
     @property
     def sessions_open(self) -> int:
@@ -101,25 +112,27 @@ class EdgeWorker(transport.Service):
         """The bound client endpoint (after start), when serving local clients."""
         return self.frontend.endpoint if self.frontend is not None else None
 
+    @property
+    def ready(self) -> bool:
+        """At least one broker is up."""
+        return bool(self.links.up)
+
     # ------------------------------------------------------------------------------ lifecycle
     async def _open(self) -> None:
-        """Connect to the broker (and bind the client endpoint)."""
+        """Connect to every broker (and bind the client endpoint)."""
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specrelay-draft")
         self._batcher = DraftBatcher(self.drafter, self._pool, on_timing=self.estimates.observe_steps)
-        self._sock = transport.make_socket(self.ctx, zmq.DEALER, linger_ms=self.config.linger_ms,
-                                           identity=self.identity, curve=self._curve,
-                                           heartbeat_s=self.config.heartbeat_s)
-        self._monitor = transport.Monitor(self._sock, self._on_event)  # before connect: sees every event
-        transport.connect(self._sock, self.broker, "edge worker")
+        self.links.open()
         if self.config.listen:
             self.frontend = ClientFrontend(self, self.config.listen)
             self.frontend.open()
-        self._log.info("edge worker started", listen=self.endpoint, curve=self._curve is not None)
+        self._log.info("edge worker started", listen=self.endpoint, curve=self._curve is not None,
+                       brokers=len(self.brokers))
         if self.config.default_trees != "off" and not self.drafter.trees:
             self._log.warning("token trees need the draft and the target to share a vocabulary: chains only")
 
     def _loops(self):
-        loops = [self._receive(), self._heartbeat(), self._monitor.run()]
+        loops = [self._heartbeat(), *self.links.loops()]
         return loops + ([self.frontend.serve()] if self.frontend is not None else [])
 
     async def _close(self) -> None:
@@ -133,10 +146,7 @@ class EdgeWorker(transport.Service):
             await self._batcher.close(self.auth_error or FatalError("the edge worker is closed"))
         if self.frontend is not None:
             self.frontend.close()
-        if self._sock is not None:
-            self._monitor.close()
-            self._sock.close()
-            self._sock = None
+        self.links.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -160,18 +170,18 @@ class EdgeWorker(transport.Service):
         """Generate with the cloud's verification; returns (generated target ids, stats).
         `on_tokens(new_ids)` (sync or async) sees every committed chunk, in order, exactly once; returning False
         ends the generation after that chunk (the session is CLOSEd as usual)."""
-        if self._sock is None:
+        if not self.links.opened:
             raise FatalError("the edge worker is not started")
         if self.auth_error is not None:
             raise self.auth_error
         self.check_fits(len(prompt_ids), config.max_new_tokens)
         session = EdgeSession(list(prompt_ids), config, self.drafter, sid=self._new_sid(), estimates=self.estimates,
                               tree_estimates=self.tree_estimates)
-        route = self._routes[session.sid] = Route(session)
+        route = self._routes[session.sid] = Route(session, self.links.choose(session.sid))
         slog = self._log.bind(session=session.sid)
         t0, retries, error = time.perf_counter(), Retries(self.config), None
         try:
-            self._send(session, session.open_message())
+            self._send(route, session.open_message())
             while not session.done:
                 try:
                     new = await self._step(session, route)
@@ -194,7 +204,7 @@ class EdgeWorker(transport.Service):
             raise
         finally:
             self._routes.pop(session.sid, None)
-            self._send(session, session.close_message())  # also on cancellation: free the cloud's KV
+            self._send(route, session.close_message())  # also on cancellation: free the cloud's KV
             self.metrics.on_generation(asdict(session.stats), error)
         stats = asdict(session.stats) | {"retries": retries.count, "wall_s": time.perf_counter() - t0}
         slog.debug("generation done", **stats)
@@ -224,7 +234,7 @@ class EdgeWorker(transport.Service):
             return session.apply(reply)
         expect = P.Verdict if isinstance(request, P.Verify) else P.Resampled
         waiter = route.wait_for(request.seq, expect)
-        self._send(session, request)
+        self._send(route, request)
         sent = time.perf_counter()
         pre = self._predraft(session) if expect is P.Verdict else None
         try:
@@ -259,77 +269,59 @@ class EdgeWorker(transport.Service):
 
     async def _recover(self, session: EdgeSession, route: Route, exc: RequestError, retries: Retries,
                        slog) -> None:
-        """Re-OPEN with the whole committed context, after the policy's back-off."""
+        """Re-OPEN with the whole committed context, after the policy's back-off: on the session's broker, or on
+        another when that one is lost (the old one is told CLOSE, for when it is only silent or comes back)."""
         slog.warning("retrying", code=exc.code.name, reason=str(exc), attempt=retries.count,
-                     committed=len(session.generated))
+                     committed=len(session.generated), broker=self.brokers[route.link])
         delay = retries.backoff_s(exc)
         if delay is not None:
             await asyncio.sleep(delay)
+        if self.links[route.link].state == DOWN:
+            moved = self.links.choose(session.sid, avoid=route.link)
+            if moved != route.link:
+                self._send(route, session.close_message())
+                slog.info("session moves to another broker", lost=self.brokers[route.link],
+                          to=self.brokers[moved])
+                route.link = moved
+                self.metrics.failovers += 1
         route.reopened()
-        self._send(session, session.open_message())
+        self._send(route, session.open_message())
 
-    def _send(self, session: EdgeSession, msg: P.Base) -> None:
-        """Queue a message to the broker without awaiting (safe in `finally` during cancellation)."""
+    def _send(self, route: Route, msg: P.Base) -> None:
+        """Queue a message to the session's broker without awaiting (safe in `finally` during cancellation)."""
         frames = P.encode(msg)
         nbytes = sum(map(len, frames))
-        session.stats.uplink_bytes += nbytes
+        route.stats.uplink_bytes += nbytes
         self.metrics.uplink_bytes += nbytes
-        if self._sock is None:
-            return
-        error = transport.send_nowait(self._sock, frames)
+        error = self.links.send(route, frames)
         if error is not None:
-            self._log.warning("send to the broker failed", session=session.sid, error=str(error))
+            self._log.warning("send to the broker failed", session=route.session.sid, error=str(error),
+                              broker=self.brokers[route.link])
 
     async def _heartbeat(self) -> None:
-        """Tell the broker this edge is alive (it closes the sessions of an edge silent past its edge TTL).
-        Ends by raising the broker's refusal of this edge's key: the edge stops (the CLI prints one line)."""
-        beat = P.encode(P.Heartbeat())
+        """Heartbeats to the brokers and their liveness (links.BrokerLinks.beat). Ends by raising a broker's
+        refusal of this edge's key: the edge stops (the CLI prints one line)."""
         while True:
-            transport.send_nowait(self._sock, beat)
+            self.links.beat()
             try:
                 await asyncio.wait_for(self._refused.wait(), self.config.heartbeat_s)
             except asyncio.TimeoutError:
                 continue
             raise self.auth_error
 
-    def _on_event(self, event: int) -> None:
-        """Socket monitor: a refused key is fatal; a dropped connection fails the requests in flight with a
-        retryable error, so they re-OPEN as soon as the link is back instead of waiting for their timeout."""
-        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            self.connected.set()
-        elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-            self.auth_error = AuthenticationFailed(
-                f"authentication failed: the broker at {self.broker} refused this edge's CURVE key")
-            self._log.warning("authentication failed; the edge stops", broker=self.broker)
-            for route in self._routes.values():
-                route.fail(self.auth_error)
-            self._refused.set()
-        elif event == zmq.EVENT_DISCONNECTED and self.connected.is_set():
-            self.connected.clear()
-            self._log.warning("broker connection lost; requests in flight are retried", broker=self.broker)
-            for route in self._routes.values():
-                route.fail(ConnectionLost(f"the connection to the broker at {self.broker} dropped"))
-
-    async def _receive(self) -> None:
-        """Broker -> the session waiting for it. Undecodable or unexpected replies are logged and dropped."""
-        await transport.receive_forever(self._sock, self._on_reply)
-
-    def _on_reply(self, frames: list[bytes], n_frames: int) -> None:
-        try:
-            msg = P.decode(frames, n_frames)
-        except InvalidRequest as exc:
-            self._log.warning("bad reply from the broker", error=str(exc))
-            return
-        nbytes = sum(map(len, frames))
-        self.metrics.downlink_bytes += nbytes
-        route = self._routes.get(getattr(msg, "session", -1))
-        if route is not None:
-            route.deliver(msg, nbytes)
+    def _on_refused(self, link: BrokerLink) -> None:
+        """A broker refused this edge's key: fatal (the same key goes to every broker; fix the allowlist)."""
+        self.auth_error = AuthenticationFailed(
+            f"authentication failed: the broker at {link.endpoint} refused this edge's CURVE key")
+        self._log.warning("authentication failed; the edge stops", broker=link.endpoint)
+        for route in self._routes.values():
+            route.fail(self.auth_error)
+        self._refused.set()
 
 
-async def load_edge(broker: str, draft_model: str, target_tokenizer: str | None = None, *, device: str = "cpu",
-                    dtype: str = "float32", target_vocab_size: int | None = None, config: EdgeConfig | None = None,
-                    **options) -> EdgeWorker:
+async def load_edge(broker: str | Sequence[str], draft_model: str, target_tokenizer: str | None = None, *,
+                    device: str = "cpu", dtype: str = "float32", target_vocab_size: int | None = None,
+                    config: EdgeConfig | None = None, **options) -> EdgeWorker:
     """Load the draft model (in a thread, edge_worker/loading.py) and build an EdgeWorker (not started). Every
     edge (the CLI's edge-worker and generate, `Client.local`, the demo, the benchmarks) is built here. options:
     EdgeWorker's keyword arguments (context, identity, curve)."""
@@ -341,12 +333,12 @@ async def load_edge(broker: str, draft_model: str, target_tokenizer: str | None 
     return EdgeWorker(broker, drafter, tokenizer, config, **options)
 
 
-async def serve(broker: str, draft_model: str, listen: str | None, target_tokenizer: str | None = None, *,
-                device: str = "cpu", dtype: str = "float32", config: EdgeConfig | None = None,
-                http: tuple[str, int] | None = None, http_limits=None,
+async def serve(broker: str | Sequence[str], draft_model: str, listen: str | None,
+                target_tokenizer: str | None = None, *, device: str = "cpu", dtype: str = "float32",
+                config: EdgeConfig | None = None, http: tuple[str, int] | None = None, http_limits=None,
                 served_model_name: str = defaults.SERVED_MODEL_NAME,
                 health_port: int | None = None, health_host: str = "127.0.0.1", **options) -> None:
-    """`specrelay edge-worker`: load the draft model, connect to the broker and serve clients on `listen`
+    """`specrelay edge-worker`: load the draft model, connect to the brokers and serve clients on `listen`
     (ZeroMQ), on `http` (the OpenAI-compatible API) and health / metrics on `health_port`, until SIGTERM / SIGINT."""
     from ..runtime import serve_all
     from .http import HttpFrontend, HttpStats
@@ -365,11 +357,14 @@ async def serve(broker: str, draft_model: str, listen: str | None, target_tokeni
 
 
 class EdgeHealth(transport.Service):
-    """The edge worker's /healthz, /readyz (200 while it serves) and /metrics: the edge's speculation counters
-    (telemetry.EdgeMetrics), sessions and, with the HTTP front end, its counters."""
+    """The edge worker's /healthz (200 while it serves), /readyz (200 while at least one broker is up; the body
+    says which) and /metrics: the edge's speculation counters (telemetry.EdgeMetrics), sessions and brokers (per
+    broker: up, sessions, times lost, replies that came after their session left), and, with the HTTP front end,
+    its counters."""
 
     name = "edge-health"
-    GAUGES = ("sessions_open", "draft_queue_depth", "http_in_flight")
+    GAUGES = ("sessions_open", "draft_queue_depth", "http_in_flight", "brokers_up", "broker_up_per_broker",
+              "broker_sessions_per_broker")
 
     def __init__(self, edge: EdgeWorker, stats, host: str, port: int) -> None:
         super().__init__()
@@ -378,12 +373,16 @@ class EdgeHealth(transport.Service):
 
     def snapshot(self) -> dict:
         http = asdict(self.stats) if self.stats is not None else {}
-        return {**self.edge.metrics.stats(self.edge), "sessions_open": self.edge.sessions_open, **http}
+        return {**self.edge.metrics.stats(self.edge), "sessions_open": self.edge.sessions_open,
+                **self.edge.links.per_broker(), **http}
+
+    def _ready(self) -> tuple[bool, dict]:
+        return self.edge.ready, {"brokers": self.edge.links.states(), "sessions_open": self.edge.sessions_open}
 
     async def _open(self) -> None:
-        probe = lambda: (True, {"sessions_open": self.edge.sessions_open})  # noqa: E731  answers = the loop runs
-        endpoints = health.Endpoints(probe, probe, health.registry_for("specrelay_edge_", self.snapshot,
-                                                                       self.GAUGES))
+        live = lambda: (True, {"sessions_open": self.edge.sessions_open})  # noqa: E731  answers = the loop runs
+        endpoints = health.Endpoints(live, self._ready, health.registry_for("specrelay_edge_", self.snapshot,
+                                                                             self.GAUGES))
         self._server = await health.start_http(self.host, self.port, endpoints)
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("health port listening", url=f"http://{self.host}:{self.port}", paths="/healthz /readyz /metrics")

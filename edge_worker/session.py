@@ -15,6 +15,7 @@ the next `draft_job` then starts from the part of it that the verdict confirmed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 from ..common import protocol as P
 from ..common.errors import ErrorCode, InternalError, InvalidRequest, from_wire
@@ -103,7 +104,8 @@ class EdgeSession:
         self._reused = DraftBlock()                # the start of the next block, taken from the chain
         self._chain: DraftChain | None = None      # the block in flight and its pre-drafted continuation
         self._hint: P.LoadHint | None = None
-        self._fresh = self._width = 0              # last block: draft steps waited for, cloud row width
+        self._fresh = self._width = 0              # last block: draft forwards waited for, cloud row width
+        self._predrafting = self._opened = False   # pre-drafting while this VERIFY is in flight; first after OPEN
         self._rejection: Rejection | None = None
         self._pending: P.Resample | None = None
         self.trees = TreeRounds(self, self.tree_estimates or TreeEstimates(), self.config.trees,
@@ -134,16 +136,17 @@ class EdgeSession:
         d = self.policy.choose(self.config.max_new_tokens - len(self.generated))
         c = self.config
         context = list(self.drafter.draft_context(self.state, self.tokens))
-        chain, self._chain = self._chain, None
-        self._reused = chain.reusable(self.tokens, context, d, self.drafter.to_draft) if chain else DraftBlock()
+        chain, self._chain, last = self._chain, None, self._job  # `last` drafted the chain's block
+        after = partial(self.drafter.extend_context, last)
+        self._reused = chain.reusable(self.tokens, context, d, after) if chain and last else DraftBlock()
         n = len(self._reused.ids)
         if n and self._reused.ids[-1] in self.drafter.eos_ids:
             d = n  # the chain ended the generation: draft nothing past it
         self._job = DraftJob(self.state, context, len(self.tokens), d, self.mode, c.params, c.seed)
-        if not n:
-            return self._job
-        more = context + [self.drafter.to_draft(x) for x in self._reused.ids]
-        return DraftJob(self.state, more, len(self.tokens) + n, d - n, self.mode, c.params, c.seed)
+        rest = self.drafter.continue_job(self._job, self._reused.ids, d - n) if n else None
+        if rest is None:  # nothing reused, or the draft cannot continue after the chain's tokens
+            self._reused = DraftBlock()
+        return rest or self._job
 
     def request_for(self, block: DraftBlock | TreeBlock) -> P.Verify:
         """The VERIFY for the freshly drafted `block` (after whatever the chain provided)."""
@@ -151,12 +154,14 @@ class EdgeSession:
             return self.trees.request(block)
         self.trees.block = None
         self._block, reused = self._reused + block, len(self._reused.ids)
-        self._reused, self._fresh = DraftBlock(), block.steps or len(block.ids)  # lockstep steps waited for
+        self._reused, self._fresh = DraftBlock(), block.steps  # draft-model forwards waited for
+        self._predrafting = False  # until predraft_job starts one for this VERIFY
+        self._opened = self.prefill_due > 0  # the first VERIFY after an OPEN: the cloud prefills the prompt first
         self._width = len(self.tokens) - self.cloud_len + len(self._block.ids) + 1  # the row the cloud runs
         self.seq += 1
         self.stats.draft_tokens += len(self._block.ids)
-        if block.drafted and self.estimates is not None:  # a cross-vocabulary block: draft steps per token
-            self.estimates.observe_block_steps(len(block.drafted), len(block.ids))
+        if block.drafted and self.estimates is not None:  # a cross-vocabulary block: forwards per target token
+            self.estimates.observe_block_steps(block.steps, len(block.ids))
         self.stats.predraft_tokens += reused
         self.stats.predraft_rounds += reused > 0
         job = self._job
@@ -179,8 +184,14 @@ class EdgeSession:
         d_next = self.policy.choose(remaining - 1)  # if the whole block and the bonus guess are accepted
         budget = self.estimates.predraft_budget() if self.estimates is not None else 0
         k = min(1 + d_next, remaining - 1, budget)
-        worth = d_next > 0 or self.policy.probes    # at d = 0 only `auto` wants the guess (an acceptance sample)
-        return chain.continuation(job, self.drafter.to_draft, k) if worth and k > 0 else None
+        if k <= 0:
+            return None
+        # where it pays (auto; a fixed length always); at d = 0 only `auto` wants the guess (an acceptance sample)
+        if not (self.policy.predrafts(len(chain.block.ids), d_next) if d_next > 0 else self.policy.probes):
+            return None
+        job = self.drafter.continue_job(job, chain.block.ids, k)
+        self._predrafting = job is not None
+        return job
 
     def take_predraft(self, more: DraftBlock) -> None:
         """The pre-drafted continuation of the block in flight (call before `apply` of its VERDICT)."""
@@ -193,7 +204,8 @@ class EdgeSession:
         self.stats.draft_s += draft_s or 0.0
         self.stats.verify_s += latency_s
         d = len(self._block.ids) if self._block is not None else 0
-        self.policy.observe_round(self._fresh, draft_s, latency_s, self._width, d, self._hint)
+        self.policy.observe_round(self._fresh, draft_s, latency_s, self._width, d, self._hint, self._predrafting,
+                                  self._opened)
 
     # ---------------------------------------------------------------------------- replies
     def apply(self, reply: P.Base) -> list[int]:

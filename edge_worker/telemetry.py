@@ -6,7 +6,7 @@ bytes, errors.
                    ..._num_accepted_tokens_total, ..._num_accepted_tokens_per_pos_total{position="j"},
                    specrelay_edge_verify_latency_seconds (histogram), ..._draft_wait_seconds, ...
     GET /healthz   200 while the worker's event loop answers
-    GET /readyz    200 while it has its broker socket
+    GET /readyz    200 while at least one of its brokers is up (the body says which)
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ class EdgeMetrics:
     generated_tokens: int = 0
     predraft_tokens: int = 0
     retries: int = 0
+    failovers: int = 0          # sessions moved off a lost broker onto another
     uplink_bytes: int = 0
     downlink_bytes: int = 0
     errors: Counter = field(default_factory=Counter)                        # by ErrorCode name
@@ -54,7 +55,7 @@ class EdgeMetrics:
         return {
             **self.spec.as_stats(), "generations": self.generations, "generations_failed": self.generations_failed,
             "generated_tokens": self.generated_tokens, "predraft_tokens": self.predraft_tokens,
-            "retries": self.retries, "uplink_bytes": self.uplink_bytes, "downlink_bytes": self.downlink_bytes,
+            "retries": self.retries, "failovers": self.failovers, "uplink_bytes": self.uplink_bytes, "downlink_bytes": self.downlink_bytes,
             "draft_queue_depth": batcher.queued if batcher else 0,
             "draft_batches": batcher.batches if batcher else 0,
             "draft_batch_sizes": Histogram.of(batcher.batch_sizes if batcher else {}, SIZE_BUCKETS),

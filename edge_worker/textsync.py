@@ -123,9 +123,27 @@ class DraftContext:
             return len(self), []
         return self._retokenize_tail(new_text.encode("utf-8"))
 
+    def extended_ids(self, ids: Sequence[int]) -> list[int]:
+        """draft_ids as they would be after `append_target_tokens(ids)`, without committing anything: the
+        context a draft continuing these (not yet verified) target tokens runs in (pre-drafting)."""
+        utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        utf8.setstate(self._utf8.getstate())
+        new = utf8.decode(b"".join(self._table[i] or b"" for i in ids)).encode("utf-8")
+        if not new:
+            return self.draft_ids
+        start, k = self._tail_start()
+        enc = self._enc.encode((self._text[start:] + new).decode("utf-8"), add_special_tokens=False)
+        return self._prefix + self._ids[:k] + enc.ids
+
+    def _tail_start(self) -> tuple[int, int]:
+        """(byte offset, token index) from which an append can change the ids: the start of the last
+        `backoff` words (0, 0 without a proven rule: everything)."""
+        w = max(0, len(self._word_pos) - self._backoff) if self._backoff else 0
+        return (self._word_pos[w], self._word_tok[w]) if w < len(self._word_pos) else (0, 0)
+
     def _retokenize_tail(self, new: bytes) -> tuple[int, list[int]]:
         w = max(0, len(self._word_pos) - self._backoff) if self._backoff else 0
-        start, k = (self._word_pos[w], self._word_tok[w]) if w < len(self._word_pos) else (0, 0)
+        start, k = self._tail_start()
         self._text += new
         tail = self._text[start:].decode("utf-8")  # start is a word start, hence a char boundary
         enc = self._enc.encode(tail, add_special_tokens=False)

@@ -236,16 +236,31 @@ def branching_left(tree: DraftTree, start: int, most: int | None) -> int | None:
     return max(0, most - sum(len(tree.kids(u)) >= 2 for u in under))
 
 
-def draft_trees(drafter, jobs: list[TreeJob], workspace: Workspace) -> list[TreeBlock]:
+def draft_trees(drafter, jobs: list[TreeJob], workspace: Workspace, ready=None) -> list[TreeBlock]:
     """Every job in lockstep: at each step ONE forward over the jobs still drafting (history catch-up or a tree
-    level, each row its own). A failure resets the jobs' states (their K/V may be half in the batch)."""
+    level, each row its own); a job that is done leaves the batch and `ready(index, block)` hands its block over
+    at once. A failure resets the jobs' states (their K/V may be half in the batch)."""
     batch = LockstepKV(drafter.runner, workspace, trees=True)
+    blocks: list[TreeBlock | None] = [None] * len(jobs)
+    timings: list[tuple[int, float]] = []
+
+    def done(i: int, cursor: Cursor) -> None:
+        blocks[i] = cursor.block()
+        blocks[i].forwards = timings[:cursor.steps]
+        if ready is not None:
+            ready(i, blocks[i])
+
     try:
         cursors = [Cursor(drafter, job) for job in jobs]
         live = list(range(len(jobs)))
-        timings = []
-        while True:
-            feeds = {i: f for i in live if (f := cursors[i].next_feed()) is not None}
+        while live:
+            feeds = {}
+            for i in live:
+                feed = cursors[i].next_feed()
+                if feed is None:
+                    done(i, cursors[i])
+                else:
+                    feeds[i] = feed
             live = list(feeds)
             if not live:
                 break
@@ -262,7 +277,4 @@ def draft_trees(drafter, jobs: list[TreeJob], workspace: Workspace) -> list[Tree
         for job in jobs:
             job.state.reset()
         raise
-    blocks = [c.block() for c in cursors]
-    for b in blocks:
-        b.forwards = timings[:b.steps]
     return blocks

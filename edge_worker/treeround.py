@@ -80,7 +80,7 @@ class TreeRounds:
         self.block, self.tree, self.root_len = block, s.state.tree, len(s.tokens)
         self.chain = all(p == i - 1 for i, p in enumerate(block.parents))
         s._block, s._chain, s._reused = DraftBlock(list(block.ids)), None, DraftBlock()
-        s._fresh, s._predrafting = block.steps, False
+        s._fresh, s._predrafting, s._opened = block.steps, False, s.prefill_due > 0
         s._width = len(s.tokens) - s.cloud_len + len(block.ids) + 1
         s.seq += 1
         st = s.stats
@@ -175,7 +175,7 @@ class TreeRounds:
         if shape.depth == 0 or chunks <= 0 or remaining <= 1:
             return None
         c = s.config
-        self._planned = chunks
+        self._planned, s._predrafting = chunks, True
         plan = OutcomePlan(block.nodes, shape, chunks)
         wait = self._wait()
         return TreePreDraft(TreeJob(s.state, list(s.tokens), self.shape, s.mode, c.params, c.seed,
@@ -186,7 +186,7 @@ class TreeRounds:
         """The expected seconds from sending the tree to its VERDICT (None: nothing measured yet)."""
         edge, nodes = self.edge(), len(self.block.ids)
         if edge.forward.known:
-            return edge.rtt.value + edge.queue.value + edge.forward_time(nodes)
+            return edge.link_rtt() + edge.queue.value + edge.forward_time(nodes)
         if edge.latency.known:  # no load hints: the measured round trips
             l0, l1 = edge.latency.fit()
             return l0 + l1 * (nodes + 1)

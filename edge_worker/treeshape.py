@@ -33,7 +33,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..common.protocol import MAX_DRAFT, Objective
-from .draftlen import TIE, TIME_DECAY, EdgeEstimates, EWLine, EWMean, tolerance
+from .draftlen import TIE, TIME_DECAY, EdgeEstimates, tolerance
+from .estimators import EWLine, EWMean
 from .drafttree import DraftTree, TreeNode
 
 BUCKETS = (1.17, 1.5, 2.25, 3.2)  # class edges of the draft's top-1 / top-2 probability ratio (unsure .. sure)
@@ -249,7 +250,7 @@ class TreeEstimates:
         if not edge.forward.known:
             l0, l1 = edge.latency.fit() if edge.latency.known else (10.0, 0.2)
             return draft + l0 + l1 * (shape.nodes + 1)
-        return draft + edge.rtt.value + edge.queue.value + edge.forward_time(shape.nodes)
+        return draft + edge.link_rtt() + edge.queue.value + edge.forward_time(shape.nodes)
 
 
 def _budgets(depth: int, most: int, nodes: int | None, trees: str) -> list[int]:

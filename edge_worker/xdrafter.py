@@ -74,6 +74,21 @@ class CrossVocabDrafter(Drafter):
             state.synced = len(target_tokens)
         return state.text.draft_ids
 
+    def extend_context(self, job: DraftJob, ids: list[int]) -> list[int] | None:
+        """Greedy text drafting: the draft ids of the committed text plus the bytes of the job's unverified
+        tokens and `ids`, re-tokenised as `draft_context` will once they are committed (mapped token by token,
+        a target token outside V_c has no draft id). TLI (sampled modes): `ids` lie in V_c and a block goes on
+        from its own mapped tokens, as a fresh draft does."""
+        if job.mode == Mode.GREEDY and self.retokenize:
+            text, base = job.state.text, job.position - len(job.unverified)
+            if job.state.synced == base:
+                return text.extended_ids([*job.unverified, *ids])
+            if job.state.synced == base + len(job.unverified) + len(ids):  # committed since (a reuse check)
+                return text.draft_ids
+            return None
+        mapped = [self.to_draft(x) for x in ids]
+        return None if any(x < 0 for x in mapped) else job.context + mapped
+
     def to_target(self, q: torch.Tensor) -> torch.Tensor:  # q: [V_draft] -> q' [V_target]
         """q restricted to V_c, renormalised, indexed by target id (zero on target-only tokens)."""
         out = q.new_zeros(self.target_vocab_size)

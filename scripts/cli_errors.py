@@ -91,6 +91,17 @@ def broker_without_workers(tmp: Path) -> Iterator[tuple]:
         proc.wait(timeout=10)
 
 
+def broker_keys_miscounted(tmp: Path):
+    """Three brokers, two broker keys: neither one for all nor one each."""
+    from specrelay.common import auth
+
+    for name in ("edge", "broker-0", "broker-1"):
+        auth.generate(tmp, name)
+    brokers = [x for i in range(3) for x in ("--broker", f"tcp://127.0.0.1:{5555 + i}")]
+    return plain(gen(*brokers, "--curve-secret", str(tmp / "edge.key_secret"), "--broker-key",
+                     f"{tmp / 'broker-0.key'},{tmp / 'broker-1.key'}"))
+
+
 @contextlib.contextmanager
 def port_in_use(tmp: Path) -> Iterator[tuple]:
     with socket.socket() as taken:
@@ -130,6 +141,12 @@ CASES = [
          "cannot reach the broker at tcp://127.0.0.1:"),
     Case("broker host unknown", lambda t: plain(gen("--broker", "tcp://broker.invalid:5555")), 1, "does not resolve"),
     Case("no live cloud worker", broker_without_workers, 1, "no live cloud worker"),
+    Case("a broker given twice", lambda t: plain(gen("--broker", "tcp://127.0.0.1:5555,tcp://127.0.0.1:5555")), 2,
+         "given twice"),
+    Case("broker keys for some brokers", broker_keys_miscounted, 2, "2 given for 3 brokers"),
+    Case("no broker reachable (two)", lambda t: plain(gen("--broker", f"tcp://127.0.0.1:{free_port()}", "--broker",
+                                                          f"tcp://127.0.0.1:{free_port()}", *FAIL_FAST)), 1,
+         "none of the 2 brokers answered"),
 ]
 
 

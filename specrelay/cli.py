@@ -1,5 +1,8 @@
 """`specrelay` command line: broker, cloud-worker, edge-worker, serve, generate, demo, bench.
 
+`--broker` (cloud-worker, edge-worker, generate) is repeatable and takes comma lists: several brokers
+(common/brokers.py); `--broker-key` names one key for all of them or one per broker.
+
 Every flag also reads SPECRELAY_<COMMAND>_<FLAG> / SPECRELAY_<FLAG> (specrelay/cliargs.py). A mistake ends in one
 line on stderr: exit 2 for a usage error (a flag, a file, a model directory, a device), 1 when something it needs
 is not there (the broker, a live worker), 130 on Ctrl-C; `--debug` shows the traceback instead. Building the

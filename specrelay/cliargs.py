@@ -155,6 +155,8 @@ def _from_env(p: argparse.ArgumentParser, action: argparse.Action, environ: Mapp
         p.error(f"{name}={raw!r}: {exc}")
     if action.choices is not None and value not in action.choices:
         p.error(f"{name}={raw!r}: choose from {', '.join(map(str, action.choices))}")
+    if isinstance(action, Extend) and action.refusal(value):
+        p.error(f"{name}={raw!r}: {action.refusal(value)}")
     return value
 
 
@@ -203,6 +205,50 @@ def host_port(text: str) -> tuple[str, int]:
     if not sep:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
     return host.strip("[]") or "127.0.0.1", port(number)
+
+
+def endpoint_list(text: str) -> tuple[str, ...]:
+    """One --broker value: an endpoint or a comma list of them (common/brokers.py's rules)."""
+    from .common.brokers import broker_list
+
+    try:
+        return broker_list(text, "")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix(": ")) from None
+
+
+def path_list(text: str) -> tuple[str, ...]:
+    """One value of a repeatable file flag: a path or a comma list of them."""
+    paths = tuple(part.strip() for part in text.split(","))
+    if not all(paths):
+        raise argparse.ArgumentTypeError(f"an empty path in {text!r}")
+    return paths
+
+
+class Extend(argparse.Action):
+    """A repeatable flag whose values are comma lists (its type returns a tuple): every occurrence adds to one
+    tuple; a value given twice, or more than `limit` values, is a usage error. From its environment variable it
+    gets one comma list."""
+
+    def __init__(self, *args, limit: int | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.limit = limit
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        current = getattr(namespace, self.dest, None)
+        joined = (current if isinstance(current, tuple) else ()) + tuple(values)
+        problem = self.refusal(joined)
+        if problem:
+            parser.error(f"{option_string}: {problem}")
+        setattr(namespace, self.dest, joined)
+
+    def refusal(self, values: tuple) -> str | None:
+        repeated = next((v for i, v in enumerate(values) if v in values[:i]), None)
+        if repeated is not None:
+            return f"{repeated} is given twice"
+        if self.limit is not None and len(values) > self.limit:
+            return f"{len(values)} values; at most {self.limit}"
+        return None
 
 
 class Append(argparse.Action):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 import structlog
 import zmq
@@ -96,18 +96,24 @@ class Client:
         self._edge_factory = None
 
     @classmethod
-    def local(cls, broker: str, draft_model: str, target_tokenizer: str | None = None, *, timeout: float = 60.0,
-              device: str = "cpu", dtype: str = "float32", config=None,
-              context: zmq.asyncio.Context | None = None) -> "Client":
-        """A client with an EdgeWorker embedded in this process (no local socket): one-process apps.
-        The draft model loads when the client starts."""
+    def local(cls, broker: str | Sequence[str], draft_model: str, target_tokenizer: str | None = None, *,
+              timeout: float = 60.0, device: str = "cpu", dtype: str = "float32", config=None,
+              context: zmq.asyncio.Context | None = None,
+              curve: transport.Curve | Sequence[transport.Curve] | None = None) -> "Client":
+        """A client with an EdgeWorker embedded in this process (no local socket): one-process apps. `broker`: an
+        endpoint, a comma list or a sequence (several brokers: each session goes to one, a lost one's sessions move
+        to another); `curve`: auth.client(SECRET, BROKER.key) for all of them, or one per broker. The draft model
+        loads when the client starts; a bad broker list is a ValueError here."""
+        from .common.brokers import broker_list
         from .edge_worker.server import load_edge
 
-        client = cls(f"local edge worker (broker {broker})", timeout, context=context)
+        brokers = broker_list(broker, "broker")
+        client = cls(f"local edge worker (brokers {', '.join(brokers)})" if len(brokers) > 1 else
+                     f"local edge worker (broker {brokers[0]})", timeout, context=context)
 
         async def factory():
-            return await load_edge(broker, draft_model, target_tokenizer, device=device, dtype=dtype,
-                                   config=config, context=context)
+            return await load_edge(brokers, draft_model, target_tokenizer, device=device, dtype=dtype,
+                                   config=config, context=context, curve=curve)
 
         client._edge_factory = factory
         return client
@@ -149,11 +155,12 @@ class Client:
             self._edge = None
 
     # ------------------------------------------------------------------------------ requests
-    async def generate(self, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+    async def generate(self, prompt: str, *, max_new_tokens: int = P.DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0, top_k: int = 0,
                        top_p: float = 1.0, seed: int = 0, draft_len: int | None = None, mode: str | None = None,
-                       resample: str | None = None) -> Result:
+                       resample: str | None = None, objective: str | None = None) -> Result:
         """The whole completion of `prompt`: its text, target token ids and the edge's stats."""
-        call = self._start(prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_len, mode, resample)
+        call = self._start(prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_len, mode, resample,
+                           objective)
         pieces: list[str] = []
         ids: list[int] = []
         try:
@@ -166,11 +173,12 @@ class Client:
         finally:
             call.finish()
 
-    async def stream(self, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+    async def stream(self, prompt: str, *, max_new_tokens: int = P.DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0, top_k: int = 0,
                      top_p: float = 1.0, seed: int = 0, draft_len: int | None = None, mode: str | None = None,
-                     resample: str | None = None) -> AsyncIterator[str]:
+                     resample: str | None = None, objective: str | None = None) -> AsyncIterator[str]:
         """Text pieces as tokens are committed, in order; their concatenation is the completion's text."""
-        call = self._start(prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_len, mode, resample)
+        call = self._start(prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_len, mode, resample,
+                           objective)
         try:
             while True:
                 msg = await call.next()
@@ -182,15 +190,17 @@ class Client:
             call.finish()
 
     def _start(self, prompt: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,
-               draft_len: int | None, mode: str | None, resample: str | None) -> _Call:
+               draft_len: int | None, mode: str | None, resample: str | None, objective: str | None = None) -> _Call:
         """mode: greedy | sample | coupled (None: greedy at temperature 0, else the edge's sampling mode, coupled
-        by default); resample: full | hr | srdv (None: the edge's default). The edge builds the session's settings
-        from this GENERATE (edge_worker/config.py) and answers a refusal with an ERROR naming the field."""
+        by default); resample: full | hr | srdv (None: the edge's default); objective: what `draft_len=None` (auto)
+        optimises, speed | balanced | cloud (None: the edge's --objective; docs/draftlen.md). The edge builds the
+        session's settings from this GENERATE (edge_worker/config.py) and answers a refusal with an ERROR naming
+        the field."""
         if self._sock is None and self._edge is None:
             raise FatalError("the client is not started (use `async with Client(...)` or `await start()`)")
         msg = P.Generate(next(self._ids), prompt, max_new_tokens, float(temperature), top_k, float(top_p), seed,
                          -1 if draft_len is None else draft_len, enum_value(P.Mode, mode, "mode"),
-                         enum_value(P.Strategy, resample, "resample"))
+                         enum_value(P.Strategy, resample, "resample"), enum_value(P.Objective, objective, "objective"))
         P.decode(P.encode(msg))  # checks every field's range here, naming the field (InvalidRequest)
         return _Call(self, msg)
 

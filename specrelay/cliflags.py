@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from . import cliargs, defaults
+from .common.brokers import MAX_BROKERS
 from .common.protocol import Mode, Objective, Strategy
 from .common.sampling import SamplingParams
 from .edge_worker.config import TREES, EdgeConfig, HttpLimits, SessionConfig
@@ -18,16 +19,27 @@ OBJECTIVES = tuple(o.name.lower() for o in Objective)  # what --draft-len auto o
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+BROKERS_MEAN = {  # what several --broker endpoints mean, per command
+    "backend": "several (repeat the flag, or a comma list): this worker registers with every one and serves them "
+               "all from one KV store",
+    "frontend": "several (repeat the flag, or a comma list): each session goes to one of them (a stable choice per "
+                "session), and a lost broker's sessions re-open on another with their committed context",
+}
+
+
 def add_broker(p, default: str, what: str) -> None:
-    p.add_argument("--broker", default=default, help=f"the broker's {what} endpoint")
+    p.add_argument("--broker", action=cliargs.Extend, type=cliargs.endpoint_list, default=default,
+                   limit=MAX_BROKERS, metavar="ENDPOINT", help=f"the broker's {what} endpoint; {BROKERS_MEAN[what]}")
     p.add_argument("--connect-timeout", type=cliargs.seconds, default=defaults.CONNECT_TIMEOUT_S,
-                   help="seconds to wait for the broker (and a live cloud worker) before saying so")
+                   help="seconds to wait for a broker (and a live cloud worker) before saying so")
 
 
 def add_client_keys(p) -> None:
     p.add_argument("--curve-secret", default=None, metavar="FILE",
                    help="this process's CURVE key pair (NAME.key_secret from `specrelay keys generate`)")
-    p.add_argument("--broker-key", default=None, metavar="FILE", help="the broker's public key (BROKER.key)")
+    p.add_argument("--broker-key", action=cliargs.Extend, type=cliargs.path_list, default=None, metavar="FILE",
+                   limit=MAX_BROKERS, help="the broker's public key (BROKER.key): one for every --broker, or one per "
+                   "--broker in the same order (repeat the flag, or a comma list)")
 
 
 def add_retry_budget(p) -> None:

@@ -1,4 +1,4 @@
-"""A broker and cloud workers as child processes on 127.0.0.1 (demo, benchmarks, end-to-end tests)."""
+"""Brokers and cloud workers as child processes on 127.0.0.1 (demo, benchmarks, end-to-end tests)."""
 
 from __future__ import annotations
 
@@ -20,25 +20,43 @@ def free_port() -> int:
 
 
 class LocalCluster:
-    """`with LocalCluster(model) as c:` starts `specrelay broker` and `workers` x `specrelay cloud-worker`,
-    waits until every worker answers /healthz, and stops them all (SIGTERM, then SIGKILL) on exit."""
+    """`with LocalCluster(model) as c:` starts `brokers` x `specrelay broker` and `workers` x `specrelay
+    cloud-worker` (each given every broker), waits until every process answers /healthz, and stops them all
+    (SIGTERM, then SIGKILL) on exit. `frontend` / `backend` / `broker` are the first broker's; `frontends`, ...
+    every broker's, in order (an edge given `frontends` spreads its sessions over them)."""
 
     def __init__(self, target_model: str, workers: int = 1, max_batch: int = WorkerConfig.max_batch,
                  threads: int | None = None, extra_worker_args: tuple[str, ...] = (), startup_timeout: float = 120.0,
                  extra_broker_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-                 launcher: tuple[str, ...] = ()) -> None:
+                 launcher: tuple[str, ...] = (), brokers: int = 1) -> None:
         self.target_model, self.workers, self.max_batch = target_model, workers, max_batch
         self.threads, self.extra, self.startup_timeout = threads, extra_worker_args, startup_timeout
         self.broker_extra = extra_broker_args
         self.env = env or {}  # extra environment of the children (e.g. SPECRELAY_LOG_LEVEL)
         self.launcher = launcher  # a command prefix for the children, e.g. ("taskset", "-c", "0")
-        self.frontend = f"tcp://127.0.0.1:{free_port()}"
-        self.backend = f"tcp://127.0.0.1:{free_port()}"
-        self.broker_health_port = free_port()
+        self.frontends = [f"tcp://127.0.0.1:{free_port()}" for _ in range(brokers)]
+        self.backends = [f"tcp://127.0.0.1:{free_port()}" for _ in range(brokers)]
+        self.broker_health_ports = [free_port() for _ in range(brokers)]
+        self.broker_procs: list[subprocess.Popen | None] = [None] * brokers
         self.procs: list[subprocess.Popen] = []
-        self.broker: subprocess.Popen | None = None
         self.worker_procs: list[subprocess.Popen] = []
         self.health_ports: list[int] = []
+
+    @property
+    def frontend(self) -> str:
+        return self.frontends[0]
+
+    @property
+    def backend(self) -> str:
+        return self.backends[0]
+
+    @property
+    def broker_health_port(self) -> int:
+        return self.broker_health_ports[0]
+
+    @property
+    def broker(self) -> subprocess.Popen | None:
+        return self.broker_procs[0]
 
     def _spawn(self, *args: str) -> subprocess.Popen:
         env = dict(os.environ) | self.env
@@ -53,18 +71,19 @@ class LocalCluster:
     def start_worker(self) -> subprocess.Popen:
         port = free_port()
         self.health_ports.append(port)
-        proc = self._spawn("cloud-worker", "--broker", self.backend, "--model", self.target_model,
+        proc = self._spawn("cloud-worker", "--broker", ",".join(self.backends), "--model", self.target_model,
                            "--max-batch", str(self.max_batch), "--health-port", str(port), *self.extra)
         self._wait_healthy(port, proc, "cloud worker")
         self.worker_procs.append(proc)
         return proc
 
-    def start_broker(self) -> subprocess.Popen:
-        """The broker on this cluster's fixed endpoints (so a restarted broker is found by everyone)."""
-        self.broker = self._spawn("broker", "--frontend", self.frontend, "--backend", self.backend,
-                                  "--health-port", str(self.broker_health_port), *self.broker_extra)
-        self._wait_healthy(self.broker_health_port, self.broker, "broker")
-        return self.broker
+    def start_broker(self, index: int = 0) -> subprocess.Popen:
+        """Broker `index` on this cluster's fixed endpoints (so a restarted broker is found by everyone)."""
+        proc = self.broker_procs[index] = self._spawn(
+            "broker", "--frontend", self.frontends[index], "--backend", self.backends[index],
+            "--health-port", str(self.broker_health_ports[index]), *self.broker_extra)
+        self._wait_healthy(self.broker_health_ports[index], proc, "broker")
+        return proc
 
     def kill(self, proc: subprocess.Popen) -> None:
         """SIGKILL: no goodbye, no drain (a crash or a lost node)."""
@@ -99,7 +118,8 @@ class LocalCluster:
 
     def __enter__(self) -> "LocalCluster":
         try:
-            self.start_broker()
+            for index in range(len(self.frontends)):
+                self.start_broker(index)
             for _ in range(self.workers):
                 self.start_worker()
         except BaseException:

@@ -1,8 +1,8 @@
-"""`specrelay generate`: prompts through the broker with an in-process edge, results on stdout.
+"""`specrelay generate`: prompts through the broker(s) with an in-process edge, results on stdout.
 
 Everything that can be checked cheaply is checked before torch loads (the prompts file, the flags through the
-edge's own SessionConfig rules, the model directories, the device), then the broker and a live worker (within
---connect-timeout): a mistake costs seconds.
+edge's own SessionConfig rules, the model directories, the device, the keys), then a broker with a live worker
+(any of them, with several --broker; within --connect-timeout): a mistake costs seconds.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def session_config(args, edge):
                                  resample=resample, objective=args.objective, trees=args.trees)
 
 
-async def generate_all(args, prompts: list[str], edge_config, config, emit) -> int:
+async def generate_all(args, prompts: list[str], edge_config, config, emit, curve=None) -> int:
     """Generate every prompt with `config` (at most `--concurrency` at once); `emit(i, result)` runs for each
     prompt in input order, as soon as it and all earlier ones are done. A failed prompt is a result with an
     `error` field. Returns the number of failed prompts."""
@@ -64,7 +64,7 @@ async def generate_all(args, prompts: list[str], edge_config, config, emit) -> i
     from .edge_worker.server import load_edge
 
     edge = await load_edge(args.broker, args.draft_model, args.target_tokenizer, device=args.device,
-                           dtype=args.dtype, config=edge_config, curve=client_curve(args))
+                           dtype=args.dtype, config=edge_config, curve=curve)
     gate = asyncio.Semaphore(args.concurrency)
 
     async def one(prompt: str) -> dict:
@@ -107,7 +107,7 @@ def print_result(args, result: dict) -> None:
 
 def main(args) -> int:
     from .edge_worker.config import EdgeConfig
-    from .edge_worker.probe import probe_broker
+    from .edge_worker.probe import probe_brokers
     from .runtime import run_async, set_threads
 
     prompts = read_prompts(args)
@@ -117,12 +117,19 @@ def main(args) -> int:
     curve = client_curve(args)
 
     async def run() -> int:
+        waited = []
+
         def on_wait(what: str) -> None:  # a broker or worker still starting: say so, once
+            waited.append(what)
             print(f"specrelay generate: {what} (up to {args.connect_timeout:g} s, --connect-timeout)",
                   file=sys.stderr, flush=True)
 
-        await probe_broker(args.broker, args.connect_timeout, curve=curve, on_wait=on_wait)
+        found = await probe_brokers(args.broker, args.connect_timeout, curve=curve, on_wait=on_wait)
+        if waited and len(args.broker) > 1:
+            print(f"specrelay generate: a cloud worker answers through the broker at {found}", file=sys.stderr,
+                  flush=True)
         set_threads()
-        return await generate_all(args, prompts, edge_config, config, lambda i, result: print_result(args, result))
+        return await generate_all(args, prompts, edge_config, config, lambda i, result: print_result(args, result),
+                                  curve)
 
     return 1 if run_async(run()) else 0

@@ -7,18 +7,25 @@ from .cliargs import UsageError
 
 
 def client_curve(args):
-    """--curve-secret / --broker-key -> the client side of CURVE, or None (both or neither)."""
+    """--curve-secret / --broker-key -> the client side of CURVE for each --broker, in its order (a tuple of
+    transport.Curve), or None (both flags or neither). --broker-key names one key for all brokers or one per
+    broker; any other count is refused in one line."""
     if (args.curve_secret is None) != (args.broker_key is None):
         raise UsageError("--curve-secret and --broker-key go together")
     if args.curve_secret is None:
         return None
     from .common import auth
+    from .common.brokers import per_broker
     from .common.errors import FatalError
 
     try:
-        return auth.client(args.curve_secret, args.broker_key)
+        keys = per_broker(tuple(args.broker_key), len(args.broker))
+        loaded = {key: auth.client(args.curve_secret, key) for key in dict.fromkeys(keys)}
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     except FatalError as exc:  # a key file that is not there or not a key: the flag is wrong
         raise UsageError(f"--curve-secret / --broker-key: {exc}") from None
+    return tuple(loaded[key] for key in keys)
 
 
 def check_edge_models(args) -> None:

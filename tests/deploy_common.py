@@ -44,5 +44,6 @@ def zmq_port(endpoint: str) -> int | None:
 
 
 def zmq_ports(args) -> set[int]:
-    endpoints = [getattr(args, name, None) for name in ("frontend", "backend", "broker", "listen")]
+    endpoints = [getattr(args, name, None) for name in ("frontend", "backend", "listen")]
+    endpoints += list(getattr(args, "broker", None) or ())  # --broker: one endpoint per broker
     return {p for p in map(zmq_port, filter(None, endpoints)) if p is not None}

@@ -52,8 +52,8 @@ def test_precedence_flag_then_command_variable_then_variable_then_default():
 def test_one_environment_file_serves_every_command():
     env = {"SPECRELAY_CLOUD_WORKER_BROKER": "tcp://b:5556", "SPECRELAY_EDGE_WORKER_BROKER": "tcp://b:5555",
            "SPECRELAY_BROKER_FRONTEND": "tcp://0.0.0.0:5555", "SPECRELAY_LOG_LEVEL": "warning"}
-    assert parse(["cloud-worker"], env).broker == "tcp://b:5556"
-    assert parse(["edge-worker"], env).broker == "tcp://b:5555"
+    assert parse(["cloud-worker"], env).broker == ("tcp://b:5556",)
+    assert parse(["edge-worker"], env).broker == ("tcp://b:5555",)
     assert parse(["broker"], env).frontend == "tcp://0.0.0.0:5555"
     assert parse(["broker"], env).log_level == "warning"
 

@@ -198,10 +198,10 @@ def test_unit_exec_start_parses_with_the_real_cli(name):
     if UNITS[name] == "cloud-worker":
         assert args.health_port is not None and args.device == "cuda:0" and args.dtype == "bfloat16"
         assert unit_args(name, "3").device == "cuda:3"
-        assert args.broker.endswith(":5556") and args.model.startswith("/")
+        assert all(b.endswith(":5556") for b in args.broker) and args.model.startswith("/")
     if UNITS[name] == "edge-worker":
         assert args.health_port is not None and args.http == ("127.0.0.1", 8000)
-        assert args.broker.endswith(":5555") and args.listen.startswith("ipc:///run/")
+        assert all(b.endswith(":5555") for b in args.broker) and args.listen.startswith("ipc:///run/")
 
 
 @pytest.mark.parametrize("name", sorted(UNITS))
@@ -248,7 +248,8 @@ def test_unit_ipc_sockets_are_visible_to_clients(name):
     unit = read_unit(SYSTEMD / name)
     args = unit_args(name)
     runtime = [Path("/run") / d for v in unit["Service"].get("RuntimeDirectory", []) for d in v.split()]
-    for endpoint in filter(None, (getattr(args, a, None) for a in ("listen", "frontend", "backend", "broker"))):
+    endpoints = [getattr(args, a, None) for a in ("listen", "frontend", "backend")] + list(getattr(args, "broker", ()))
+    for endpoint in filter(None, endpoints):
         if endpoint.startswith("ipc://"):
             path = Path(endpoint[len("ipc://"):])
             assert any(path.parent == r for r in runtime), f"{endpoint} is not in RuntimeDirectory= {runtime}"
@@ -280,7 +281,7 @@ def test_units_run_with_curve_keys(name):
         assert args.edge_keys and args.worker_keys and not args.insecure
         assert any(v.startswith("/bin/kill -HUP") for v in unit["Service"].get("ExecReload", []))
     else:
-        assert args.broker_key == "/etc/specrelay/keys/broker.key"
+        assert args.broker_key == ("/etc/specrelay/keys/broker.key",)
     assert "KEY_SECRET" not in (SYSTEMD / "specrelay.env").read_text().upper().replace("NAME.KEY_SECRET", "")
 
 

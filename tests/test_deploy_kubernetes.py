@@ -4,7 +4,8 @@ Every container's command line is parsed by the real CLI together with its `env`
 every rendered object of both overlays passes the Kubernetes schema (kubernetes-validate, strict); every probe is
 an httpGet on the container's resolved --health-port with --health-host 0.0.0.0, never a ZeroMQ port; annotations,
 Services, --broker endpoints, volumes and grace periods agree with each other and with the code's timeouts; the
-Dockerfile passes hadolint and its slim broker image's packages run the broker without torch.
+brokers are a StatefulSet of replicas behind a headless Service, each named in every worker's and edge's --broker;
+the Dockerfile passes hadolint and its slim broker image's packages run the broker without torch.
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ def test_base_lists_every_manifest():
 def test_every_rendered_object_passes_the_kubernetes_schema(overlay):
     validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed")
     docs = rendered()[overlay]
-    assert {d["kind"] for d in docs} >= {"Deployment", "Service", "Job", "PersistentVolumeClaim", "ConfigMap"}
+    assert {d["kind"] for d in docs} >= {"Deployment", "StatefulSet", "Service", "Job", "PersistentVolumeClaim",
+                                        "ConfigMap", "PodDisruptionBudget"}
     for doc in docs:
         validate.validate(doc, validate.latest_version(), strict=True)  # raises ValidationError
 
@@ -219,19 +221,25 @@ def test_services_reach_the_bound_ports(overlay):
 
 
 @every_overlay()
-def test_broker_endpoints_point_at_the_broker_service(overlay):
+def test_broker_endpoints_name_every_replica_of_the_broker_statefulset(overlay):
+    """Workers and edges address the brokers one by one: their --broker lists are exactly the StatefulSet's
+    replicas, in ordinal order, by their stable names under the headless Service, on the right port."""
     docs = rendered()[overlay]
     commands = by_command(docs)
     broker_workload, broker_c, broker_args = commands["broker"]
-    name = service_for(broker_workload, docs)["metadata"]["name"]
     svc = service_for(broker_workload, docs)
+    assert svc["spec"]["clusterIP"] == "None" and broker_workload["spec"]["serviceName"] == svc["metadata"]["name"]
+    assert svc["spec"].get("publishNotReadyAddresses") is True, "a worker that starts first must find each broker"
+    replicas = broker_workload["spec"]["replicas"]
+    names = [f"{broker_workload['metadata']['name']}-{i}.{svc['metadata']['name']}" for i in range(replicas)]
     for command, side in (("cloud-worker", broker_args.backend), ("edge-worker", broker_args.frontend)):
         _, _, args = commands[command]
-        url = urlsplit(args.broker)
-        assert url.scheme == "tcp" and url.hostname.split(".")[0] == name, f"{command} --broker {args.broker}"
-        port = next(p for p in svc["spec"]["ports"] if p["port"] == url.port)
-        assert named_port(broker_c, port.get("targetPort", port["port"])) == zmq_port(side), \
-            f"{command} reaches the broker's port {port}, not {side}"
+        urls = [urlsplit(endpoint) for endpoint in args.broker]
+        assert [url.hostname for url in urls] == names, f"{command} --broker {args.broker}: one per replica"
+        for url in urls:
+            port = next(p for p in svc["spec"]["ports"] if p["port"] == url.port)
+            assert url.scheme == "tcp" and named_port(broker_c, port.get("targetPort", port["port"])) == \
+                zmq_port(side), f"{command} reaches the broker's port {port}, not {side}"
 
 
 @every_overlay()
@@ -281,13 +289,29 @@ def test_cloud_worker_drains_within_the_grace_period():
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 300, "model loading needs minutes"
 
 
-def test_broker_is_a_single_replica_on_the_slim_image():
-    workload, c, _ = by_command(base_docs())["broker"]
-    assert workload["kind"] == "Deployment" and workload["spec"]["replicas"] == 1
-    assert workload["spec"]["strategy"]["type"] == "Recreate", "a rolling update would run two brokers"
+def test_brokers_are_replicas_that_fail_over_one_at_a_time_on_the_slim_image():
+    docs = base_docs()
+    workload, c, _ = by_command(docs)["broker"]
+    assert workload["kind"] == "StatefulSet" and workload["spec"]["replicas"] >= 2, "several brokers, failover"
+    assert workload["spec"]["podManagementPolicy"] == "Parallel"
+    assert workload["spec"]["updateStrategy"]["type"] == "RollingUpdate", "one broker restarts at a time"
+    (budget,) = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    assert budget["spec"]["maxUnavailable"] == 1
+    labels = workload["spec"]["template"]["metadata"]["labels"]
+    assert budget["spec"]["selector"]["matchLabels"].items() <= labels.items()
     assert c["image"].split(":")[0].endswith("-broker"), "the broker runs the image without torch"
     for command in ("cloud-worker", "edge-worker"):
-        assert not by_command(base_docs())[command][1]["image"].split(":")[0].endswith("-broker")
+        assert not by_command(docs)[command][1]["image"].split(":")[0].endswith("-broker")
+
+
+def test_one_broker_key_serves_every_replica():
+    """The replicas share one template, so one key pair (one Secret): workers and edges give one --broker-key for
+    all brokers, which the CLI pairs with every --broker."""
+    from specrelay.common.brokers import per_broker
+
+    for command in ("cloud-worker", "edge-worker"):
+        _, _, args = by_command(base_docs())[command]
+        assert len(args.broker_key) == 1 and len(per_broker(args.broker_key, len(args.broker))) == len(args.broker)
 
 
 # ------------------------------------------------------------------------------------------ Dockerfile
@@ -402,7 +426,8 @@ def test_every_process_runs_with_curve_keys_from_its_own_secret(overlay):
             assert not args.insecure
             assert "configMap" in source(args.edge_keys + "/x") and "configMap" in source(args.worker_keys + "/x")
         else:
-            assert source(args.broker_key)["secret"]["secretName"] == secrets_by_role[command]
+            for key in args.broker_key:
+                assert source(key)["secret"]["secretName"] == secrets_by_role[command]
     assert len(set(secrets_by_role.values())) == 3  # no role can read another role's secret key
 
 

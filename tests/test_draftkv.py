@@ -49,6 +49,37 @@ def test_lockstep_drafts_equal_each_context_drafted_alone(tiny_runners):
         assert state.kv.length == len(state.ids) > 0
 
 
+def test_a_job_is_handed_over_when_it_leaves_the_batch(tiny_runners):
+    """`ready(index, block)` hands each block over as soon as its job stops drafting, with the forwards its
+    session waited for; the blocks are those of a batch without it, and the states stay consistent."""
+    target, draft = tiny_runners
+    drafter = Drafter(draft, target.vocab_size)
+    contexts = [draft.tokenizer(t).input_ids for t in ("def add(a, b):\n", "class Point:\n", "for i in")]
+    lengths = [1, 6, 3]
+    states = [drafter.new_state(c) for c in contexts]
+    forwards = []
+    real = draft.model.forward
+
+    def counting(*args, **kwargs):
+        forwards.append(1)
+        return real(*args, **kwargs)
+
+    draft.model.forward = counting
+    try:
+        handed = []
+        jobs = [DraftJob(s, c, len(c), d, Mode.GREEDY, SamplingParams(), 0)
+                for s, c, d in zip(states, contexts, lengths)]
+        blocks = drafter.draft_batch(jobs, lambda i, block: handed.append((i, block, len(forwards))))
+    finally:
+        draft.model.forward = real
+    assert [i for i, _, _ in handed] == [0, 2, 1]  # in the order they finished, the longest last
+    for i, block, at in handed:
+        assert block is blocks[i] and block.ids == alone(draft, contexts[i], lengths[i])
+        assert block.steps == at == lengths[i]  # it waited for its own forwards only
+    for state, context, block in zip(states, contexts, blocks):
+        assert state.kv.length == len(state.ids) and state.ids[:len(context)] == context
+
+
 def test_a_batch_that_fails_half_way_starts_its_sessions_over(tiny_runners, monkeypatch):
     target, draft = tiny_runners
     drafter = Drafter(draft, target.vocab_size)

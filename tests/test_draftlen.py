@@ -150,7 +150,9 @@ def chain(ids: list[int]) -> DraftChain:
     return DraftChain(start=10, context=list(range(10)), block=DraftBlock(list(ids)), sent=3)
 
 
-ident = int
+def ident(ids: list[int]) -> list[int]:
+    """The chain's base context (0..9) followed by `ids`: one vocabulary."""
+    return list(range(10)) + list(ids)
 
 
 def test_chain_reuse_after_a_fully_accepted_block_and_matching_bonus():
@@ -174,10 +176,15 @@ def test_chain_not_reused_when_the_draft_context_differs():
 
 
 def test_chain_continuation_job_starts_after_the_chain():
+    from specrelay.edge_worker.drafter import Drafter
+
     c = chain([5, 6, 7])
     base = DraftJob(state=None, context=list(range(10)), position=10, d=3, mode=0, params=None, seed=1)
-    job = c.continuation(base, ident, 4)
+    job = Drafter.continue_job(Drafter.__new__(Drafter), base, c.block.ids, 4)
     assert job.context == list(range(10)) + [5, 6, 7] and job.position == 13 and job.d == 4
+    assert job.unverified == (5, 6, 7)
+    more = Drafter.continue_job(Drafter.__new__(Drafter), job, [8], 2)  # the next pre-draft chunk
+    assert more.context == list(range(10)) + [5, 6, 7, 8] and more.position == 14 and more.unverified == (5, 6, 7, 8)
 
 
 def test_controller_stuck_at_zero_explores_again():
@@ -192,3 +199,53 @@ def test_controller_stuck_at_zero_explores_again():
     assert ctl.choose(64) == 0
     ctl.observe_block(0, 0, bonus_match=False)  # a pre-drafted guess is an acceptance sample: no exploring needed
     assert ctl.zero_rounds == 0
+
+
+# ------------------------------------------------------------------------------------------ pre-drafting's price
+
+def with_penalty(penalty: float, rounds: int = 40) -> GoodputController:
+    """A pre-drafting edge at 0 ms whose VERDICTs come `penalty` s later in rounds that pre-drafted (the draft
+    thread, the event loop and ZeroMQ's I/O thread share a core), after the usual training."""
+    ctl = trained(0.9, rtt=0.004, draft_per_token=0.002, forward=(0.008, 0.0005), predraft=True)
+    for i in range(rounds):
+        predrafted = i % 2 == 0
+        fwd = 0.008 + 0.0005 * 5
+        ctl.observe_round(4, 0.008, 0.004 + fwd + (penalty if predrafted else 0.0), 5, 4,
+                          LoadHint(1, 5, int(fwd * 1e6), 0, 5, 0, 0), predrafted)
+    return ctl
+
+
+def test_pre_drafting_is_charged_what_it_delays_the_round():
+    free, dear = with_penalty(0.0), with_penalty(0.02)
+    assert free.edge.predraft_penalty() == pytest.approx(0.0, abs=1e-4)
+    assert dear.edge.predraft_penalty() == pytest.approx(0.02, rel=0.1)
+    assert dear.edge.link_rtt() == pytest.approx(free.edge.link_rtt(), rel=0.05)  # R of a plain round
+    p_next = 0.9 ** 5
+    assert free.edge.predraft_gain(4, p_next) > 0 > dear.edge.predraft_gain(4, p_next)
+    # where it does not pay the model drafts without it: the round is as long as a plain one, no credit
+    plain = EdgeEstimates(**{**dear.edge.__dict__, "predraft": False})
+    assert dear.edge.round_time(4, p_next) == pytest.approx(plain.round_time(4, p_next))
+    assert free.edge.round_time(4, p_next) < dear.edge.round_time(4, p_next)
+
+
+def test_auto_pre_drafts_where_it_pays_and_rechecks_one_round_in_eight():
+    from specrelay.edge_worker.draftlen import PREDRAFT_EXPLORE
+
+    assert all(with_penalty(0.0).predrafts(4, 4) for _ in range(20))
+    dear = with_penalty(0.02)
+    seen = [dear.predrafts(4, 4) for _ in range(2 * PREDRAFT_EXPLORE)]
+    assert seen.count(True) == 2 and seen[PREDRAFT_EXPLORE - 1]
+    assert FixedDraftLen(4).predrafts(4, 4)  # a fixed length pre-drafts as the edge is configured
+
+
+def test_a_sessions_own_prompt_is_not_a_cost_of_every_round():
+    """The first VERIFY after an OPEN (always hinted: seq 1) ran with the session's prompt and waited for its
+    prefill. That is paid once per session whatever d is: it must not enter the per-round extras x, p and Q
+    (it made a lone session's T(0) ~3 ms too long at 0 ms, so auto drafted where the target alone was best)."""
+    plain, first = trained(0.8, 0.002, 0.002, (0.008, 0.0005)), trained(0.8, 0.002, 0.002, (0.008, 0.0005))
+    before = (first.edge.row_extra.value, first.edge.prefill.value, first.edge.queue.value)
+    first.observe_round(4, 0.008, 0.08, 5, 4, LoadHint(1, 65, 40_000, 30_000, 65, 60, 0), opened=True)
+    assert (first.edge.row_extra.value, first.edge.prefill.value, first.edge.queue.value) == before
+    assert first.edge.forward.count == plain.edge.forward.count + 1  # the forward line still learns from it
+    plain.observe_round(4, 0.008, 0.08, 5, 4, LoadHint(1, 65, 40_000, 30_000, 65, 60, 0))
+    assert plain.edge.queue.value > first.edge.queue.value and plain.edge.prefill.value > first.edge.prefill.value

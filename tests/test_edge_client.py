@@ -243,6 +243,27 @@ async def test_client_greedy_concurrent_over_tcp(zctx, edge, greedy_refs, tiny_r
         assert STATS <= result.stats.keys()
 
 
+async def test_client_objective_reaches_the_edge(zctx, edge, greedy_refs, monkeypatch):
+    """`objective=` (like the HTTP field and --objective) picks what auto optimises for this request; None
+    leaves the edge's default; a wrong name fails here, naming the field. The output never depends on it."""
+    seen, generate = [], edge.generate
+
+    async def spy(ids, config, on_tokens=None):
+        seen.append(config.objective)
+        return await generate(ids, config, on_tokens)
+
+    monkeypatch.setattr(edge, "generate", spy)
+    prompt = PROMPTS[0]
+    async with Client(edge.endpoint, context=zctx) as client:
+        for objective in ("speed", "cloud", None):
+            result = await client.generate(prompt, max_new_tokens=N_NEW, objective=objective)
+            assert result.token_ids == greedy_refs[prompt][1]
+        with pytest.raises(InvalidRequest) as err:
+            await client.generate(prompt, objective="fastest")
+    assert err.value.field == "objective"
+    assert seen == [P.Objective.SPEED, P.Objective.CLOUD, edge.config.default_objective]
+
+
 async def test_stream_pieces_concatenate_to_text(zctx, edge, tiny_runners):
     tokenizer = tiny_runners[0].tokenizer
     options = dict(max_new_tokens=40, temperature=1.5, seed=5, draft_len=2)  # fixed: see test_sampled_equals_in_process

@@ -11,13 +11,13 @@ import sys
 import time
 
 import pytest
-import torch
 
 from specrelay import Client
 from specrelay.cluster import LocalCluster, free_port
 from specrelay.edge_worker.server import load_edge
 from specrelay.edge_worker.server import EdgeConfig
 from specrelay.edge_worker.session import SessionConfig
+from tiny import greedy_references
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -27,16 +27,7 @@ N_NEW = 40
 
 @pytest.fixture(scope="module")
 def references(tiny_pair):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    target, _ = tiny_pair
-    tok, model = AutoTokenizer.from_pretrained(target), AutoModelForCausalLM.from_pretrained(target)
-    refs = {}
-    for prompt in PROMPTS:
-        ids = tok(prompt).input_ids
-        out = model.generate(torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False, pad_token_id=tok.eos_token_id)
-        refs[prompt] = out[0, len(ids):].tolist()
-    return refs
+    return greedy_references(tiny_pair[0], PROMPTS, N_NEW)
 
 
 async def generate_through_fault(cluster: LocalCluster, draft: str, fault, after_tokens: int) -> dict[str, list]:

@@ -55,6 +55,18 @@ def test_enums_cost_one_byte():
     assert len(greedy) == 5
 
 
+def test_a_hinted_verdicts_theta_o_costs_one_byte():
+    """A hinted VERDICT must carry theta_o (0.0) before its load hint: it goes as the int 0 and decodes as the float
+    0.0 (issue 20: ~8 downlink bits per token of coupled cross-vocabulary sampling); other values keep float64."""
+    hint = P.LoadHint(16, 5, 41000, 3000, 80)
+    hinted = P.encode(P.Verdict(3, 4, 2, 100, load=hint))
+    assert len(hinted[1]) == len(msgspec.msgpack.encode([3, 4, 2, 100, [], b"", b"", 0.0, hint])) - 8
+    back = P.decode(hinted)
+    assert back == P.Verdict(3, 4, 2, 100, load=hint) and type(back.theta_o) is float
+    for theta in (0.1, 2.0):
+        assert P.decode(P.encode(P.Verdict(3, 4, 1, -1, theta_o=theta, load=hint))).theta_o == theta
+
+
 def test_huge_arrays_rejected_cheaply():
     assert bad(P.MsgType.VERIFY, [5, 1, 1, [], list(range(P.MAX_DRAFT + 1))]).field == "draft"
     assert bad(P.MsgType.OPEN, [5, list(range(P.MAX_CONTEXT + 1))]).field == "tokens"

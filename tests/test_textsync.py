@@ -3,6 +3,7 @@ re-tokenisation of the committed text, while re-tokenising only the tail."""
 
 from __future__ import annotations
 
+import codecs
 import inspect
 import json.decoder
 import random
@@ -185,3 +186,28 @@ def test_fallback_for_unproven_pipeline(byte_level):
     ctx = DraftContext(tok, [])
     replay(ctx, [c.encode() for c in random_chunks(text, random.Random(3), 20)], ctx.append_bytes)
     assert ctx.draft_ids == full_ids(tok, text)
+
+
+def test_extended_ids_are_the_ids_after_committing(byte_level, metaspace):
+    """`extended_ids(ids)` (the context a pre-draft continues in) equals a full re-tokenisation of the text with
+    those target tokens appended, and commits nothing."""
+    table = token_bytes(byte_level)
+    ids = byte_level(CODE[:3000], add_special_tokens=False).input_ids
+    ctx = DraftContext(metaspace, table)
+    rng = random.Random(3)
+    i = 0
+    while i < len(ids):
+        n, k = rng.randint(1, 5), rng.randint(1, 6)
+        before = (list(ctx.draft_ids), ctx.text_bytes)
+        ahead = ctx.extended_ids(ids[i:i + n + k])
+        assert (ctx.draft_ids, ctx.text_bytes) == before
+        assert ahead == full_ids(metaspace, text_of(table, ids[:i + n + k]))
+        ctx.append_target_tokens(ids[i:i + n])
+        i += n
+        assert ctx.extended_ids(ids[i:i + k]) == ahead
+
+
+def text_of(table, ids: list[int]) -> str:
+    """What DraftContext makes of target tokens: complete characters, a held-back partial one dropped."""
+    data = b"".join(table[t] or b"" for t in ids)
+    return codecs.getincrementaldecoder("utf-8")("replace").decode(data)

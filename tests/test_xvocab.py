@@ -75,3 +75,27 @@ def test_greedy_cross_vocab_equals_target_greedy(synthetic):
     target, drafter, prompt = synthetic
     out, _ = speculative_generate(drafter, target, prompt, max_new_tokens=10, draft_len=3)
     assert out == target_generate(target, prompt, 10)
+
+
+@pytest.mark.demo
+def test_predraft_continues_a_cross_vocab_chain_as_text():
+    """A chain through target tokens outside V_c ('\\n' + indentation, ' foo'): the pre-draft continues from the
+    re-tokenised text (the context the session will have once the chain is committed), never from ids mapped
+    token by token (-1 outside V_c: an IndexError that wiped the session's draft K/V)."""
+    from specrelay.common.protocol import Mode
+    from specrelay.edge_worker.drafter import DraftJob
+    from specrelay.paths import demo_model
+
+    drafter, tok = load_drafter(demo_model("demo-draft-xv"), demo_model("demo-target"))
+    prompt = tok("def f(x):").input_ids
+    chain = tok("def f(x):\n        return foo", add_special_tokens=False).input_ids[len(prompt):]
+    assert any(drafter.to_draft(t) < 0 for t in chain)  # the chain holds target-only tokens
+    state = drafter.new_state(prompt)
+    job = DraftJob(state, drafter.draft_context(state, prompt), len(prompt), 3, Mode.GREEDY, SamplingParams(), 0)
+    drafter.draft_batch([job])
+    more = drafter.continue_job(job, chain, 2)
+    assert more.position == len(prompt) + len(chain) and more.unverified == tuple(chain)
+    block = drafter.draft_batch([more])[0]
+    assert len(block.ids) == 2 and len(state.ids) > len(job.context)  # drafted, the K/V kept
+    assert drafter.draft_context(state, prompt + chain) == more.context  # what the session will draft after
+    assert drafter.continue_job(job, chain, 2) is not None  # the reuse check still gets the committed context

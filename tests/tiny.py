@@ -46,3 +46,17 @@ def make_pair(root: Path) -> tuple[Path, Path]:
     target = make_model(root / "target", tok, hidden=48, layers=2, seed=1)
     draft = make_model(root / "draft", tok, hidden=32, layers=1, seed=2)
     return target, draft
+
+
+def greedy_references(target: Path, prompts: list[str], max_new_tokens: int) -> dict[str, list[int]]:
+    """prompt -> the target model's own greedy continuation (HF generate): what every distributed run must equal."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok, model = AutoTokenizer.from_pretrained(target), AutoModelForCausalLM.from_pretrained(target)
+    refs = {}
+    for prompt in prompts:
+        ids = tok(prompt).input_ids
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tok.eos_token_id)
+        refs[prompt] = out[0, len(ids):].tolist()
+    return refs

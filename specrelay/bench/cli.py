@@ -94,6 +94,7 @@ def _sweep_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--mode", choices=("greedy", "sample", "coupled"), default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--xv", action="store_true", help="the cross-vocabulary pair (demo-draft-xv)")
 
 
 def _stress_flags(p: argparse.ArgumentParser) -> None:
@@ -114,6 +115,7 @@ def _stress_flags(p: argparse.ArgumentParser) -> None:
                    help="what auto optimises on every edge")
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--sample-every", type=float, default=2.0, help="seconds between RSS samples")
+    p.add_argument("--xv", action="store_true", help="the cross-vocabulary pair (demo-draft-xv)")
 
 
 def _report_flags(p: argparse.ArgumentParser) -> None:

@@ -36,7 +36,6 @@ def bench_step(args) -> dict:
     import torch
 
     from ..cloud_worker.config import VerifierConfig
-    from ..cloud_worker.scheduler import ChunkedPrefill
     from ..cloud_worker.verifier import OPEN_HEADROOM, Verifier
     from ..common.runner import ModelRunner
 
@@ -71,6 +70,7 @@ def bench_step(args) -> dict:
 def _step_row(runner, verifiers: dict, ctx: int, batch: int, reps: int) -> dict:
     import torch
 
+    from ..cloud_worker.scheduler import ChunkedPrefill
     from ..common import protocol as P
     from ..common.runner import BatchRow, append_kv
 

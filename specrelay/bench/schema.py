@@ -26,6 +26,7 @@ SWEEP_ROW: dict[str, tuple[tuple[type, ...], str]] = {
     "generated_tokens": ((int,), "tokens generated over all runs"),
     "cloud_calls_per_token": (NUM, "VERIFYs the cloud workers ran (their /metrics) / generated tokens"),
     "cloud_forward_passes_per_token": (NUM, "batched forward passes the workers ran / generated tokens"),
+    "cloud_forward_ms_per_token": (NUM, "the workers' forward-pass time / generated tokens (what a cloud call costs)"),
     "theoretical_cloud_calls_per_token": (OPT_NUM, "rounds / sum of E(d) at the measured per-position acceptance "
                                                    "and the draft lengths used (bench/theory.py)"),
     "calls_vs_theory": (OPT_NUM, "cloud_calls_per_token / theoretical_cloud_calls_per_token (bar: <= 1.02)"),

@@ -260,6 +260,7 @@ def make_row(args, link: LinkSpec, described: str, probe: dict, c: Config, tally
         "speedup_vs_target_alone": round(tps / base_tps, 3), "generated_tokens": tokens,
         "cloud_calls_per_token": round(calls, 4),
         "cloud_forward_passes_per_token": round(tally.cloud.get("forward_passes", 0.0) / tokens, 4),
+        "cloud_forward_ms_per_token": round(tally.cloud.get("forward_seconds", 0.0) * 1e3 / tokens, 3),
         "cloud_forward_ms_per_pass": round(1e3 * tally.cloud.get("forward_seconds", 0.0)
                                            / max(1.0, tally.cloud.get("forward_passes", 0.0)), 2),
         "theoretical_cloud_calls_per_token": None if theo is None else round(theo, 4),

@@ -58,14 +58,14 @@ class OutcomePlan:
     under it the next tree grows, level by level with the next round's shape, each subtree on its own: a node's
     children never depend on another subtree's draws (sample mode's exactness, docs/trees.md)."""
 
-    def __init__(self, sent: list[int], shape, chunks: int) -> None:
-        self.sent, self.shape, self.chunks = set(sent), shape, chunks
+    def __init__(self, sent: list[int], shape, chunks: int, width: int = 32) -> None:
+        self.sent, self.shape, self.chunks, self.width = set(sent), shape, chunks, width
         self.outcomes: dict[int, int] = {}  # guess node -> its subtree's shallowest level not expanded yet
         self.waiting: dict[int, list[int]] = {}  # guess node -> the unfed nodes of that level
 
     def next(self, cursor) -> list[int]:
         """The nodes the next chunk feeds (new outcome nodes included); [] when nothing is worth it."""
-        from .treedraft import GUESSES, PREDRAFT_MIN, PREDRAFT_WIDTH
+        from .treedraft import GUESSES, PREDRAFT_MIN
 
         tree, job = cursor.job.state.tree, cursor.job
         if tree is None or self.chunks <= 0:
@@ -86,7 +86,7 @@ class OutcomePlan:
                     items.append((node.value * p[r], [], (u, node.dist.ranked[r])))
         for o, unfed in self.waiting.items():
             items.append((tree.nodes[o].prob * 0.9 ** self.outcomes[o], unfed, None))
-        return self._pick(tree, sorted(items, key=lambda i: -i[0]), cursor.drafter.eos_ids, PREDRAFT_WIDTH,
+        return self._pick(tree, sorted(items, key=lambda i: -i[0]), cursor.drafter.eos_ids, self.width,
                           PREDRAFT_MIN)
 
     def _pick(self, tree, items, eos, width: int, least: float) -> list[int]:

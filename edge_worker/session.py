@@ -131,8 +131,8 @@ class EdgeSession:
         Tokens a pre-drafted chain already holds are taken from it: the job drafts only the rest (maybe 0)."""
         if self._pending is not None:
             return None
-        if self.trees.on:
-            return self.trees.job()
+        if self.trees.on and (job := self.trees.job()) is not None:
+            return job
         d = self.policy.choose(self.config.max_new_tokens - len(self.generated))
         c = self.config
         context = list(self.drafter.draft_context(self.state, self.tokens))
@@ -152,7 +152,7 @@ class EdgeSession:
         """The VERIFY for the freshly drafted `block` (after whatever the chain provided)."""
         if isinstance(block, TreeBlock):
             return self.trees.request(block)
-        self.trees.block = None
+        self.trees.block, self.trees.last_steps = None, 0
         self._block, reused = self._reused + block, len(self._reused.ids)
         self._reused, self._fresh = DraftBlock(), block.steps  # draft-model forwards waited for
         self._predrafting = False  # until predraft_job starts one for this VERIFY
@@ -202,6 +202,7 @@ class EdgeSession:
         """What the shell measured for the last VERIFY round: seconds waited for its draft (None: not timed)
         and from sending it to its VERDICT. Feeds the auto draft length."""
         self.stats.draft_s += draft_s or 0.0
+        self.trees.record_timing(draft_s, self._fresh)
         self.stats.verify_s += latency_s
         d = len(self._block.ids) if self._block is not None else 0
         self.policy.observe_round(self._fresh, draft_s, latency_s, self._width, d, self._hint, self._predrafting,

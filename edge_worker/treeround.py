@@ -21,7 +21,7 @@ from .draftlen import EdgeEstimates
 from .drafter import DraftBlock, DraftJob
 from .drafttree import ROOT
 from .predraft import OutcomePlan, TreePreDraft
-from .treedraft import PREDRAFT_WIDTH, TreeBlock, TreeJob
+from .treedraft import PREDRAFT_COLUMNS, PREDRAFT_WIDTH, TreeBlock, TreeJob
 from .treeshape import TreeEstimates, TreeShape
 
 MAX_FRAME_ROWS = 6 << 20  # bytes of q rows one VERIFY may carry (common/protocol.py MAX_FRAME is 8 MiB)
@@ -43,6 +43,7 @@ class TreeRounds:
         self.root_len = 0
         self.chains_only = False
         self._planned = 0                     # pre-draft chunks planned for the tree in flight
+        self.last_steps = 0                   # forwards the last tree job ran (0: not a tree round)
 
     @property
     def on(self) -> bool:
@@ -57,11 +58,15 @@ class TreeRounds:
         c = self.s.config
         return self.estimates.shape(self.edge(), c.objective, self.trees, remaining - 1, c.draft_len, self.nodes)
 
-    def job(self) -> TreeJob | DraftJob:
-        """The next tree job (a chain job drafting nothing when the shape is no draft at all)."""
+    def job(self) -> TreeJob | DraftJob | None:
+        """The next tree job; with `auto`, None when the shape policy finds no tree that pays (the session drafts
+        its chain as with trees off: chains lose nothing to the tree engine); with `on`, a chain job drafting
+        nothing when no draft pays at all."""
         s, c = self.s, self.s.config
         retry = self.block is not None and self.root_len == len(s.tokens)
         shape = self.shape if retry else self.next_shape(c.max_new_tokens - len(s.generated))
+        if not retry and self.trees == "auto" and shape.is_chain:
+            return None
         if shape.depth == 0:
             s._job = DraftJob(s.state, list(s.tokens), len(s.tokens), 0, s.mode, c.params, c.seed)
             return s._job
@@ -78,6 +83,7 @@ class TreeRounds:
     def request(self, block: TreeBlock) -> P.Verify:
         s = self.s
         self.block, self.tree, self.root_len = block, s.state.tree, len(s.tokens)
+        self.last_steps = block.steps
         self.chain = all(p == i - 1 for i, p in enumerate(block.parents))
         s._block, s._chain, s._reused = DraftBlock(list(block.ids)), None, DraftBlock()
         s._fresh, s._predrafting, s._opened = block.steps, False, s.prefill_due > 0
@@ -92,7 +98,7 @@ class TreeRounds:
         for width, seconds in block.forwards:
             self.estimates.observe_forward(width, seconds)
         if self.shape.depth:
-            self.estimates.predrafted.observe(max(0.0, 1.0 - block.steps / self.shape.depth))
+            self.estimates.saved.observe(max(0, self.shape.depth - block.steps))
         self.estimates.predicted.observe(sum(self.tree.nodes[u].value for u in block.nodes))
         sample = s.mode == Mode.SAMPLE
         req = P.Verify(s.sid, s.seq, len(s.tokens), s.tokens[s.cloud_len:], list(block.ids),
@@ -103,6 +109,14 @@ class TreeRounds:
                 req.q_rows = [encode_q_row(self.tree.node(ROOT if i < 0 else block.nodes[i]).dist.q)
                               for i in Tree.parse(block.ids, block.parents).branching()]
         return req
+
+    def record_timing(self, draft_s: float | None, forwards: int) -> None:
+        """The shell's wait for this round's draft of `forwards` forwards (a tree's or a chain's: what a forward
+        costs the critical path; None: not timed)."""
+        if draft_s is not None and forwards:
+            self.estimates.observe_wait(draft_s, forwards)
+            if not self.last_steps:  # a chain's forward: one column for each session of the batch
+                self.estimates.width.observe(max(1, self.edge().sessions))
 
     def refused(self) -> None:
         """This worker verifies chains only: chains from now on."""
@@ -140,6 +154,8 @@ class TreeRounds:
             s._rejection = Rejection(q, s.drafter.shared_mask, s.config.seed, len(s.tokens), v.seq, s.sid,
                                      s.config.resample)
             s._resolve(s._rejection.step(v))
+        s.stats.predraft_tries += self._planned > 0 and not s.done  # a next block that could start from it
+        self._planned = 0
         return s.generated[start:]
 
     def _count(self, block: TreeBlock, tree, path: list[int]) -> None:
@@ -152,8 +168,6 @@ class TreeRounds:
         st.cloud_calls += 1
         st.accepted_tokens += n
         st.record_tree(self.shape.depth if self.shape else 0, n, n + 1 if kids[-1] else n)
-        st.predraft_tries += self._planned > 0
-        self._planned = 0
         acc = self.estimates.acceptance
         acc.decay()
         for i, (w, sent_kids) in enumerate(zip(walk, kids)):
@@ -176,7 +190,8 @@ class TreeRounds:
             return None
         c = s.config
         self._planned, s._predrafting = chunks, True
-        plan = OutcomePlan(block.nodes, shape, chunks)
+        width = max(4, min(PREDRAFT_WIDTH, PREDRAFT_COLUMNS // max(1, self.edge().sessions)))  # all sessions share
+        plan = OutcomePlan(block.nodes, shape, chunks, width)                                      # a chunk's forward
         wait = self._wait()
         return TreePreDraft(TreeJob(s.state, list(s.tokens), self.shape, s.mode, c.params, c.seed,
                                     self.estimates.acceptance, plan, self._rows_left()),

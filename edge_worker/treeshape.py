@@ -34,7 +34,7 @@ import torch
 
 from ..common.protocol import MAX_DRAFT, Objective
 from .draftlen import TIE, TIME_DECAY, EdgeEstimates, tolerance
-from .estimators import EWLine, EWMean
+from .estimators import CLIP, EWLine, EWMean
 from .drafttree import DraftTree, TreeNode
 
 BUCKETS = (1.17, 1.5, 2.25, 3.2)  # class edges of the draft's top-1 / top-2 probability ratio (unsure .. sure)
@@ -195,7 +195,9 @@ class TreeEstimates:
 
     acceptance: RankAcceptance = field(default_factory=RankAcceptance)
     level: EWLine = field(default_factory=lambda: EWLine(TIME_DECAY, 0.05))  # seconds per draft forward vs width
-    predrafted: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 0.0))  # share of forwards pre-drafted
+    width: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 1.0))       # columns of those forwards
+    wait: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 0.0, CLIP))  # waited per forward of a tree job
+    saved: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 0.0))       # levels a pre-draft drafted
     predicted: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 0.0))   # sum of sent nodes' values
     realised: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 0.0))    # accepted nodes
     verdicts: int = 0
@@ -208,6 +210,13 @@ class TreeEstimates:
 
     def observe_forward(self, width: int, seconds: float) -> None:
         self.level.observe(width, seconds)
+        self.width.observe(width)
+
+    def observe_wait(self, draft_s: float, forwards: int) -> None:
+        """A round's session waited `draft_s` for a tree job of `forwards` forwards (queueing behind other work of
+        the draft thread included: what the critical path pays, as docs/draftlen.md's t)."""
+        if forwards > 0:
+            self.wait.observe(draft_s / forwards)
 
     def shape(self, edge: EdgeEstimates, objective: Objective, trees: str, top: int,
               depth: int | None = None, nodes: int | None = None) -> TreeShape:
@@ -243,10 +252,14 @@ class TreeEstimates:
         return replace(choose(rows, objective, edge), min_value=least)
 
     def round_time(self, edge: EdgeEstimates, shape: TreeShape) -> float:
-        """T(S): the draft forwards on the critical path, the link and queue, the worker's forward."""
+        """T(S): the draft forwards on the critical path (those a pre-draft did not do: the measured levels
+        saved, the shallowest first), the link and queue, the worker's forward."""
         t0, t1 = self.level.fit() if self.level.known else (1.0, 0.05)
         levels = [1] + [w for w in shape.widths[:-1]] if shape.depth else []  # the root's catch-up, then depth k
-        draft = (1.0 - self.predrafted.value) * sum(t0 + t1 * w for w in levels)
+        base = self.wait.value if self.wait.count else t0 + t1 * self.width.value  # per forward, at the usual width
+        rows = max(1, edge.sessions)  # mean field: every session of the batch drafts this shape
+        left = levels[min(len(levels), round(self.saved.value)):]
+        draft = sum(max(0.0, base + t1 * (rows * w - self.width.value)) for w in left)
         if not edge.forward.known:
             l0, l1 = edge.latency.fit() if edge.latency.known else (10.0, 0.2)
             return draft + l0 + l1 * (shape.nodes + 1)

@@ -86,14 +86,16 @@ class OutcomePlan:
                     items.append((node.value * p[r], [], (u, node.dist.ranked[r])))
         for o, unfed in self.waiting.items():
             items.append((tree.nodes[o].prob * 0.9 ** self.outcomes[o], unfed, None))
-        return self._pick(tree, sorted(items, key=lambda i: -i[0]), cursor.drafter.eos_ids, self.width,
-                          PREDRAFT_MIN)
+        # per column fed: a guess saves its next tree's first forward for 1 column, a subtree's level one more
+        # forward for all its nodes (a wide level after a likely guess must not crowd out the other guesses)
+        items.sort(key=lambda i: -i[0] / max(1, len(i[1])))
+        return self._pick(tree, items, cursor.drafter.eos_ids, self.width, PREDRAFT_MIN)
 
     def _pick(self, tree, items, eos, width: int, least: float) -> list[int]:
         out = []
         for prob, nodes, guess in items:
             if prob < least:
-                break
+                continue
             if len(out) + max(1, len(nodes)) > width:
                 continue
             if guess is not None:

@@ -31,9 +31,9 @@ from .draftkv import LockstepKV, TreeFeed, Workspace
 from .drafttree import ROOT, DraftTree, NodeDist
 from .treeshape import BUCKETS, CANDIDATES, RankAcceptance, TreeShape, bucket_of, expand_level
 
-PREDRAFT_WIDTH = 32     # columns one pre-draft chunk feeds per session at most (a chunk delays a real draft)
-PREDRAFT_COLUMNS = 64   # ... and all sessions of an edge together (each gets its share, at least 4)
-PREDRAFT_MIN = 0.002    # a guess of the verdict less likely than this is not pre-drafted
+PREDRAFT_WIDTH = 64     # columns one pre-draft chunk feeds per session at most (a chunk delays a real draft)
+PREDRAFT_COLUMNS = 128  # ... and all sessions of an edge together (each gets its share, at least 4)
+PREDRAFT_MIN = 0.0003   # a guess of the verdict less likely than this is not pre-drafted
 GUESSES = 6             # guesses of the next token per node (after its children)
 
 

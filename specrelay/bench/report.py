@@ -92,8 +92,8 @@ def bar_lines(bars: dict) -> list[str]:
 def _calls_words(bars: dict) -> list[str]:
     ratio = bars["calls_vs_theory_max"]
     return [] if ratio is None else [
-        f"cloud calls per token vs theory: at most {ratio:.3f}x the calls E(d) predicts at the measured acceptance "
-        f"(bar <= 1.02x: {_met(bars['calls_le_1.02x_theory'])}; above 1, rounds committed fewer tokens than "
+        f"cloud calls per token vs theory (chain rows): at most {ratio:.3f}x the calls E(d) predicts at the measured "
+        f"acceptance (bar <= 1.02x: {_met(bars['calls_le_1.02x_theory'])}; above 1, rounds committed fewer tokens than "
         "their acceptance predicts: generations cut at max_new_tokens or EOS, retries, or auto's varying d)"]
 
 
@@ -114,7 +114,9 @@ def _trees_words(bars: dict) -> list[str]:
     return [f"trees vs chains, {where}: the best tree (by tokens/s: d={t['best_tree']['draft_len']}, "
             f"{t['best_tree']['mean_nodes']} nodes) commits {t['tokens_per_call_ratio']:.3f}x the best chain's tokens "
             f"per cloud call (d={t['best_chain']['draft_len']}) at {t['tokens_per_s_ratio']:.3f}x its tokens/s (bar "
-            f">= 1.2x at >= 1.0x: {_met(t['bar_met'])}); outputs {'identical' if t['outputs_identical'] else 'DIFFERENT'}"
+            f">= 1.2x at >= 1.0x: {_met(t['bar_met'])}); outputs "
+            f"{'identical' if t['outputs_identical'] else 'DIFFERENT'}; its pre-draft hit rate "
+            f"{t['best_tree']['predraft_hit_rate']}"
             for where, t in bars["trees_vs_chains"].items()]
 
 

@@ -291,7 +291,8 @@ def _pct(values: list[float], q: float) -> float | None:
 
 def evaluate(rows: list[dict]) -> dict:
     """The issue's bars, from this run's rows."""
-    calls = [r["calls_vs_theory"] for r in rows if r["draft_len"] != 0 and r["calls_vs_theory"] is not None]
+    calls = [r["calls_vs_theory"] for r in rows  # chains: theory is a chain's E(d) (a tree row's is shown only)
+             if r["draft_len"] != 0 and r["calls_vs_theory"] is not None and r.get("trees", "off") == "off"]
     out: dict = {"calls_vs_theory_max": max(calls) if calls else None,
                  "calls_le_1.02x_theory": bool(calls) and max(calls) <= 1.02, "auto_vs_best_fixed": {},
                  "predraft_gain": {}, "trees_vs_chains": treesweep.trees_vs_chains(rows)}

@@ -11,7 +11,8 @@ from pathlib import Path
 from . import plots as plotting
 
 SWEEP_COLUMNS = [("link", "link"), ("draft_len", "d"), ("objective", "objective"), ("predraft", "pre-draft"),
-                 ("shape", "shape"), ("mean_nodes", "nodes"), ("tokens_per_s", "tokens/s"),
+                 ("trees", "trees"), ("shape", "shape"), ("tree_round_share", "tree rounds"),
+                 ("mean_nodes", "nodes"), ("tokens_per_s", "tokens/s"),
                  ("tokens_per_call", "tokens/call"), ("predraft_hit_rate", "pre-draft hits"),
                  ("uplink_bytes_per_token", "B/token up"), ("downlink_bytes_per_token", "B/token down"),
                  ("speedup_vs_target_alone", "× target alone"), ("cloud_calls_per_token", "cloud calls/token"),
@@ -27,7 +28,8 @@ def row_line(row: dict) -> str:
     """One console line per sweep row / stress summary."""
     if "predraft" in row:  # a sweep row (a stress summary has a draft_len too)
         return (f"{row['link']:<40.40} d={str(row['draft_len']):>4} {row.get('objective') or '':<8} predraft={str(row['predraft']):<5} "
-                f"{row.get('shape', 'chain'):<5} {row['tokens_per_s']:8.1f} tok/s  x{row['speedup_vs_target_alone']:.2f}  "
+                f"trees={row.get('trees', 'off'):<4} {row.get('shape', 'chain'):<5} "
+                f"{row['tokens_per_s']:8.1f} tok/s  x{row['speedup_vs_target_alone']:.2f}  "
                 f"tok/call {row.get('tokens_per_call', 0):.2f}  calls/tok "
                 f"{row['cloud_calls_per_token']:.3f} (theory {row['theoretical_cloud_calls_per_token']})  "
                 f"identical={row['outputs_identical_to_target_alone']}")

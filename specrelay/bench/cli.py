@@ -15,16 +15,25 @@ from pathlib import Path
 
 from .runs import DEFAULT_OUT, DEMO_DRAFT, DEMO_DRAFT_XV, DEMO_TARGET, meta, write_result
 
-# benchmarks that live in their own module: NAME -> (module, function taking argv)
-EXTERNAL: dict[str, tuple[str, str]] = {
-    "kv": ("specrelay.bench.kv", "main"),               # KV store, chunked prefill, determinism (issue 9)
-    "fuzz": ("specrelay.bench.fuzz", "main"),          # legit sessions under malformed / abusive traffic
-    "xvdraft": ("specrelay.bench.xvdraft", "main"),     # cross-vocabulary drafts: plain vs distilled, TLI vs retok
-    "draft": ("specrelay.bench.draft", "main"),        # the edge's lockstep draft step: in-place K/V vs restack
-    "archs": ("specrelay.bench.archmatrix", "main"),         # the architecture matrix and the README's table (issue 19)
-    "httpfuzz": ("specrelay.bench.httpfuzz", "main"),  # the edge's HTTP API and health ports under attack
-    "broker": ("specrelay.bench.broker_load", "main"),  # round trips per broker core, fake workers and edges
-    "worker-abuse": ("specrelay.bench.worker_abuse", "main"),  # RESAMPLE floods, OPEN/CLOSE churn, long prefill
+# benchmarks that live in their own module: NAME -> (module, function taking argv, what it measures)
+EXTERNAL: dict[str, tuple[str, str, str]] = {
+    "kv": ("specrelay.bench.kv", "main", "KV store, chunked prefill, determinism, tree verification"),
+    "fuzz": ("specrelay.bench.fuzz", "main", "legit sessions under malformed / abusive traffic"),
+    "xvdraft": ("specrelay.bench.xvdraft", "main", "cross-vocabulary drafts: plain vs distilled, TLI vs retok"),
+    "draft": ("specrelay.bench.draft", "main", "the edge's lockstep draft step: in-place K/V vs restack"),
+    "archs": ("specrelay.bench.archmatrix", "main", "the architecture matrix and the README's table"),
+    "httpfuzz": ("specrelay.bench.httpfuzz", "main", "the edge's HTTP API and health ports under attack"),
+    "broker": ("specrelay.bench.broker_load", "main", "round trips per broker core, fake workers and edges"),
+    "worker-abuse": ("specrelay.bench.worker_abuse", "main", "RESAMPLE floods, OPEN/CLOSE churn, long prefill"),
+}
+# what each benchmark of specrelay.bench.legacy measures (its --help)
+LEGACY_HELP = {
+    "wire": "bytes on the wire of each message kind, for d = 4 and d = 8",
+    "srdv_k": "SR-DV candidates per round K: downlink bits per token (cross-vocabulary pair, T = 1)",
+    "calls": "cloud calls per token through the broker, greedy, per --draft-len / --objective",
+    "concurrency": "aggregate tokens/s at 16 concurrent sessions against one",
+    "hf": "one session's tokens/s against HF assisted generation, outputs compared",
+    "xvocab": "cross-vocabulary pair at T = 1: bits per token up and down per resampling mode",
 }
 
 
@@ -60,9 +69,9 @@ def parser() -> argparse.ArgumentParser:
     _report_flags(sub.add_parser("report", help="render docs/benchmarks.md (tables + plots) from the JSON in --out"))
     sub.add_parser("schema", help="print the JSON schema of sweep rows and stress results")
     _legacy_parsers(sub)
-    for name, (module, _) in EXTERNAL.items():  # listed for --help; main() hands their arguments to the module
-        sub.add_parser(name, help=f"{module} (specrelay bench {name} --help)")
-    p = sub.add_parser("all", help="every benchmark in specrelay.bench.legacy, default settings")
+    for name, (_, _, what) in EXTERNAL.items():  # listed for --help; main() hands their arguments to the module
+        sub.add_parser(name, help=f"{what} (specrelay bench {name} --help)")
+    p = sub.add_parser("all", help=f"{', '.join(LEGACY_HELP)} at their default settings")
     _models(p)
     _output(p)
     return ap
@@ -132,7 +141,7 @@ def _legacy_parsers(sub) -> None:
 
     xv = {"xvocab", "srdv_k"}
     for name in LEGACY:
-        p = sub.add_parser(name, help=f"the {name} benchmark (see specrelay.bench.legacy)")
+        p = sub.add_parser(name, help=LEGACY_HELP[name])
         _models(p, DEMO_DRAFT_XV if name in xv else DEMO_DRAFT, DEMO_TARGET if name in xv else None)
         _output(p)
         if name == "calls":
@@ -147,7 +156,7 @@ def _legacy_parsers(sub) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in EXTERNAL:
-        module, fn = EXTERNAL[argv[0]]
+        module, fn, _ = EXTERNAL[argv[0]]
         try:
             return getattr(importlib.import_module(module), fn)(argv[1:]) or 0
         except ModuleNotFoundError as exc:

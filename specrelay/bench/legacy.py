@@ -70,6 +70,7 @@ def rounds_by_length(out: list[tuple[list[int], dict]]) -> dict[str, int]:
 
 
 def bench_concurrency(args) -> dict:
+    """Aggregate tokens/s at 16 concurrent sessions against one, through a local broker and worker (greedy)."""
     from ..cluster import LocalCluster
 
     import torch
@@ -90,6 +91,7 @@ def bench_concurrency(args) -> dict:
 
 
 def bench_hf(args) -> dict:
+    """Tokens/s of one session through specrelay against HF assisted generation in one process, outputs compared."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 
 from .drafter import DraftBlock, Drafter, DraftJob
+from .predraft import TreePreDraft
 
 
 class PreDraft:
@@ -33,6 +34,9 @@ class PreDraft:
     def finished(self) -> bool:
         ids = self.block.ids
         return self.stopped or len(ids) >= self.job.d or bool(ids and ids[-1] in self.drafter.eos_ids)
+
+    def absorb(self, block: DraftBlock) -> None:
+        self.block = self.block + block
 
     def next_chunk(self, chunk: int) -> DraftJob | None:
         """A job for the next `chunk` tokens after the ones drafted so far (None: the draft cannot go on)."""
@@ -70,19 +74,21 @@ class DraftBatcher:
         self._wake.set()
         return await future
 
-    def predraft(self, job: DraftJob) -> PreDraft:
-        """Start drafting `job` in the background, whenever the draft thread has nothing better to do."""
-        pre = PreDraft(job, self.drafter)
-        if job.d > 0:
+    def predraft(self, job: DraftJob | TreePreDraft) -> PreDraft | TreePreDraft:
+        """Start drafting `job` in the background, whenever the draft thread has nothing better to do (a tree's
+        pre-draft comes as its TreePreDraft: one forward of its plan per chunk)."""
+        pre = job if isinstance(job, TreePreDraft) else PreDraft(job, self.drafter)
+        if not pre.finished:
             self._ensure_running()
             self._pre.append(pre)
             self._wake.set()
         return pre
 
-    async def collect(self, pre: PreDraft) -> DraftBlock:
-        """Stop `pre` and return what it drafted; a chunk already in the draft thread is waited for."""
+    async def collect(self, pre: PreDraft | TreePreDraft) -> DraftBlock:
+        """Stop `pre` and return what it drafted; a chunk already in the draft thread is waited for (not a tree's:
+        it grows its session's draft tree in place, and the session's next draft queues behind it anyway)."""
         pre.stopped = True
-        if pre.running is not None:
+        if pre.running is not None and not isinstance(pre, TreePreDraft):
             await asyncio.gather(asyncio.shield(pre.running), return_exceptions=True)
         return pre.block
 
@@ -152,7 +158,7 @@ class DraftBatcher:
                     pre.stopped = True
                 return
             for pre, block in zip(live, done.result()):
-                pre.block = pre.block + block
+                pre.absorb(block)
 
         future.add_done_callback(extend)
         for pre in live:

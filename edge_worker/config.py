@@ -21,7 +21,8 @@ from ..common.packing import enum_value
 from ..common.protocol import DEFAULT_OBJECTIVE, DEFAULT_SAMPLED_MODE, DEFAULT_STRATEGY, Mode, Objective, Strategy
 from ..common.sampling import SamplingParams
 
-SEED_LIMIT = 1 << 63  # seeds travel as unsigned 63-bit integers (protocol.U63)
+SEED_LIMIT = 1 << 63
+TREES = ("off", "on", "auto")  # token trees (edge_worker/treeshape.py)  # seeds travel as unsigned 63-bit integers (protocol.U63)
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class SessionConfig:
     draft_len: int | None = None  # None = auto
     resample: Strategy = DEFAULT_STRATEGY
     objective: Objective = DEFAULT_OBJECTIVE  # what `auto` optimises (edge_worker/draftlen.py)
+    trees: str = "off"             # token trees: off (chains), on (trees), auto (the shape policy may choose chains)
+    tree_nodes: int | None = None  # a tree's node budget; None = chosen (edge_worker/treeshape.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "resample", enum_value(Strategy, self.resample, "resample"))
@@ -45,6 +48,10 @@ class SessionConfig:
             raise InvalidRequest("resample must be full, hr or srdv", field="resample")
         if self.objective is None:
             raise InvalidRequest("objective must be speed, balanced or cloud", field="objective")
+        if self.trees not in TREES:
+            raise InvalidRequest(f"trees must be one of {', '.join(TREES)}", field="trees")
+        if self.tree_nodes is not None and not 1 <= self.tree_nodes <= P.MAX_DRAFT:
+            raise InvalidRequest(f"tree_nodes must be in [1, {P.MAX_DRAFT}] or auto", field="tree_nodes")
         if self.draft_len is not None and not 0 <= self.draft_len <= P.MAX_DRAFT:
             raise InvalidRequest(f"draft_len must be in [0, {P.MAX_DRAFT}] or auto", field="draft_len")
         if not 1 <= self.max_new_tokens <= P.MAX_CONTEXT:
@@ -87,6 +94,8 @@ class EdgeConfig:
     sampling_mode: Mode = DEFAULT_SAMPLED_MODE
     default_draft_len: int | None = None  # None = auto
     default_objective: Objective = DEFAULT_OBJECTIVE  # what auto optimises when a request names none
+    default_trees: str = "off"        # token trees: off, on, auto (edge_worker/treeshape.py)
+    default_tree_nodes: int | None = None  # a tree's node budget; None = chosen
     linger_ms: int = 100
     heartbeat_s: float = 1.0          # ZMTP heartbeats on the broker connection (drop a dead TCP peer)
     predraft: bool = True             # draft ahead while a VERIFY is in flight (edge_worker/predraft.py)
@@ -102,7 +111,8 @@ class EdgeConfig:
         if not 0 <= self.linger_ms <= 5000:
             raise ValueError("linger_ms must be in [0, 5000] so shutdown cannot hang")
         check = SessionConfig(resample=self.default_resample, draft_len=self.default_draft_len,
-                              objective=self.default_objective)  # validates all three
+                              objective=self.default_objective, trees=self.default_trees,
+                              tree_nodes=self.default_tree_nodes)  # validates them all
         self.default_resample, self.default_objective = check.resample, check.objective  # names -> members
         self.sampling_mode = enum_value(Mode, self.sampling_mode, "sampling_mode")
         if self.sampling_mode in (None, Mode.GREEDY):
@@ -115,7 +125,8 @@ def session_config(edge: EdgeConfig, *, max_new_tokens: int = SessionConfig.max_
                    temperature: float = SamplingParams.temperature, top_k: int = SamplingParams.top_k,
                    top_p: float = SamplingParams.top_p, seed: int | None = SessionConfig.seed,
                    draft_len: int | str | None = None, mode: Mode | str | None = None,
-                   resample: Strategy | str | None = None, objective: Objective | str | None = None) -> SessionConfig:
+                   resample: Strategy | str | None = None, objective: Objective | str | None = None,
+                   trees: str | None = None) -> SessionConfig:
     """A request's fields -> its SessionConfig, for every front end. None takes the edge's default: the draft
     length ("auto" names auto), the resampling strategy, the objective, and the mode (greedy at temperature 0,
     `edge.sampling_mode` above it). seed None draws a random seed (OpenAI's rule). A refusal is an
@@ -128,7 +139,8 @@ def session_config(edge: EdgeConfig, *, max_new_tokens: int = SessionConfig.max_
                          mode=mode, seed=int.from_bytes(os.urandom(7), "little") if seed is None else seed,
                          draft_len=None if draft_len == "auto" else draft_len,
                          resample=edge.default_resample if resample is None else resample,
-                         objective=edge.default_objective if objective is None else objective)
+                         objective=edge.default_objective if objective is None else objective,
+                         trees=edge.default_trees if trees is None else trees, tree_nodes=edge.default_tree_nodes)
 
 
 @dataclass

@@ -19,6 +19,8 @@ from ..common.rng import Purpose, gumbel, sample_index, uniform
 from ..common.runner import ModelRunner, common_prefix
 from ..common.sampling import SamplingParams, probs_from_logits
 from .draftkv import LockstepKV, SessionKV, Workspace
+from .drafttree import DraftTree, adopt
+from .treedraft import TreeBlock, TreeJob, draft_trees
 
 
 @dataclass
@@ -29,9 +31,15 @@ class DraftState:
     ids: list[int] = field(default_factory=list)
     kv: SessionKV = field(default_factory=SessionKV)
     last_logits: torch.Tensor | None = None  # [V_draft]
+    tree: DraftTree | None = None  # the draft tree hanging from `ids` (edge_worker/treedraft.py), its K/V in kv.nodes
 
     def sync(self, context: list[int]) -> None:
-        """Keep only the cached prefix that `context` still starts with (rejected drafts are dropped)."""
+        """Keep only the cached prefix that `context` still starts with (rejected drafts are dropped); a draft
+        tree's nodes on the committed path join the history, the rest are dropped (drafttree.adopt)."""
+        if self.tree is not None:
+            ids, self.tree = adopt(self.tree, self.kv, self.ids, context)
+            if ids != self.ids:
+                self.ids, self.last_logits = ids, None
         n = len(self.ids)
         if n <= len(context) and self.ids == context[:n]:
             return
@@ -41,7 +49,7 @@ class DraftState:
 
     def reset(self) -> None:
         """Forget everything (a draft batch failed half-way): the next draft re-runs the whole context."""
-        self.ids, self.last_logits = [], None
+        self.ids, self.last_logits, self.tree = [], None, None
         self.kv.clear()
 
 
@@ -77,6 +85,8 @@ class DraftBlock:
 
 class Drafter:
     """Holds the draft model (same vocabulary as the target); proposes blocks for many sessions at once."""
+
+    trees = True  # drafts token trees of target ids (edge_worker/treedraft.py)
 
     def __init__(self, runner: ModelRunner, target_vocab_size: int | None = None) -> None:
         self.runner = runner
@@ -135,18 +145,25 @@ class Drafter:
         block.q_rows.append(q)
         return x
 
-    def draft_batch(self, jobs: list[DraftJob], ready: Callable[[int, DraftBlock], None] | None = None
-                    ) -> list[DraftBlock]:
-        """Draft every job in lockstep: at each step, ONE forward over the sessions still drafting. A job whose
-        block is complete leaves the batch at once, and `ready(index, block)` hands it over then (its session
-        need not wait for the batch's longest job: a cross-vocabulary block's length in draft tokens varies).
-        Every block records the forwards its session waited for (`steps`)."""
-        blocks = [DraftBlock() for _ in jobs]
-        contexts = [list(j.context) for j in jobs]
-        live = [i for i, j in enumerate(jobs) if j.d > 0]
+    def workspace(self) -> Workspace:
         workspace = getattr(self._workspaces, "buffer", None)
         if workspace is None:  # edges sharing this drafter draft in their own threads: never share a buffer
             workspace = self._workspaces.buffer = Workspace()
+        return workspace
+
+    def draft_batch(self, jobs: list[DraftJob | TreeJob], ready: Callable[[int, DraftBlock], None] | None = None
+                    ) -> list[DraftBlock | TreeBlock]:
+        """Draft every job in lockstep: at each step, ONE forward over the sessions still drafting. A job whose
+        block is complete leaves the batch at once, and `ready(index, block)` hands it over then (its session
+        need not wait for the batch's longest job: a cross-vocabulary block's length in draft tokens varies).
+        Every block records the forwards its session waited for (`steps`). Tree jobs (edge_worker/treedraft.py)
+        form a lockstep batch of their own."""
+        if any(isinstance(j, TreeJob) for j in jobs):
+            return self._draft_mixed(jobs, ready)
+        blocks = [DraftBlock() for _ in jobs]
+        contexts = [list(j.context) for j in jobs]
+        live = [i for i, j in enumerate(jobs) if j.d > 0]
+        workspace = self.workspace()
         batch = LockstepKV(self.runner, workspace)
         for i in (i for i, j in enumerate(jobs) if j.d <= 0):  # nothing to draft
             self._hand_over(jobs[i], blocks[i], 0, i, ready)
@@ -164,6 +181,19 @@ class Drafter:
                 job.state.reset()
             raise
         return blocks
+
+    def _draft_mixed(self, jobs: list, ready) -> list:
+        """Tree jobs in one lockstep batch, then the chain jobs in another; blocks in `jobs` order."""
+        trees = [i for i, j in enumerate(jobs) if isinstance(j, TreeJob)]
+        chains = [i for i, j in enumerate(jobs) if not isinstance(j, TreeJob)]
+        out: list = [None] * len(jobs)
+        for order, blocks in ((trees, draft_trees(self, [jobs[i] for i in trees], self.workspace(),
+                                                  _renumbered(ready, trees))),
+                              (chains, self.draft_batch([jobs[i] for i in chains], _renumbered(ready, chains))
+                               if chains else [])):
+            for i, block in zip(order, blocks):
+                out[i] = block
+        return out
 
     def _hand_over(self, job: DraftJob, block: DraftBlock, forwards: int, index: int, ready) -> None:
         """A job's block is complete after `forwards` forwards of its batch: convert it and hand it over."""
@@ -202,3 +232,8 @@ class Drafter:
                 state.ids = list(ctx)
                 state.last_logits = logits[row, len(fed) - 1]
         return True
+
+
+def _renumbered(ready, order: list[int]):
+    """`ready` for a sub-batch whose job k is job order[k] of the whole batch."""
+    return None if ready is None else (lambda k, block: ready(order[k], block))

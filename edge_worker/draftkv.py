@@ -18,19 +18,25 @@ rule (a query at p sees keys k with p - w < k <= p), one per layer type.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ..common.runner import ModelRunner
+from .treekv import NodeKV, TreeColumns
+
+NodeRef = tuple[int, "int | None", int]  # a tree node in a feed: (node id, parent node id or None = the root, position)
 
 
 class SessionKV:
-    """One session's draft K/V: buf [layers, 2, kv_heads, capacity, head_dim], the first `length` positions valid."""
+    """One session's draft K/V: buf [layers, 2, kv_heads, capacity, head_dim], the first `length` positions valid;
+    `nodes`: the K/V of its draft tree's nodes, beside the history (edge_worker/treekv.py)."""
 
     def __init__(self) -> None:
         self.buf: torch.Tensor | None = None
         self.length = 0
+        self.nodes = NodeKV()
 
     def truncate(self, length: int) -> None:
         self.length = max(0, min(self.length, length))
@@ -49,6 +55,16 @@ class SessionKV:
 
     def clear(self) -> None:
         self.buf, self.length = None, 0
+        self.nodes.clear()
+
+
+@dataclass
+class TreeFeed:
+    """A row's tree nodes in one feed: per fed token its NodeRef; `gather`, at the batch's first feed only: nodes
+    already in the session's NodeKV (topological order) to place before them, so the new ones can see them."""
+
+    nodes: list[NodeRef]
+    gather: list[NodeRef] = field(default_factory=list)
 
 
 class BufferLayer(DynamicLayer):
@@ -76,10 +92,15 @@ class BufferLayer(DynamicLayer):
 
 class LockstepKV:
     """The K/V of one lockstep draft batch. `feed` runs one forward over its rows; `close` returns every row's
-    new positions to its session. Rows are identified by the caller's keys (job indices)."""
+    new positions to its session. Rows are identified by the caller's keys (job indices). With `trees`, rows may
+    feed tree nodes (`TreeFeed`): their K/V go to the session's NodeKV, and every forward takes 4-D masks."""
 
-    def __init__(self, runner: ModelRunner, workspace: "Workspace") -> None:
+    def __init__(self, runner: ModelRunner, workspace: "Workspace", trees: bool = False) -> None:
         self.runner, self.workspace = runner, workspace
+        self.trees: TreeColumns | None = None      # the region's visibility (tree batches), from the first feed
+        self.tree_batch = trees
+        self.base = 0                               # first region column (the gathered histories end there)
+        self.node_pending: dict[int, list[tuple[int, int]]] = {}  # key -> (node id, column) fed in this batch
         self.rows: list[int] = []                  # caller's keys, in buffer order
         self.sessions: dict[int, SessionKV] = {}
         self.pending: dict[int, list[int]] = {}   # key -> buffer columns holding its new positions, in order
@@ -91,23 +112,32 @@ class LockstepKV:
 
     @torch.no_grad()
     def feed(self, keys: list[int], sessions: list[SessionKV], lengths: list[int], tokens: list[list[int]],
-             room: int) -> torch.Tensor:
+             room: int, trees: list[TreeFeed | None] | None = None) -> torch.Tensor:
         """Run `tokens[i]` (possibly none) for row keys[i] whose session holds `lengths[i]` positions so far;
-        `room` = columns to reserve for the steps still to come. Returns logits [rows, width, V] in `keys` order."""
+        `room` = columns to reserve for the steps still to come; `trees[i]` (a tree batch): None when the tokens
+        extend the row's history, else their TreeFeed. Returns logits [rows, width, V] in `keys` order."""
+        trees = trees or [None] * len(keys)
         width = max(len(t) for t in tokens)
         if self.buf is None:
-            self._gather(keys, sessions, width + room)
+            self._gather(keys, sessions, width + room, trees)
         else:
             self._keep(keys)
             self._reserve(width)
         b = len(keys)
         ids = torch.zeros(b, width, dtype=torch.long)
         positions = torch.zeros(b, width, dtype=torch.long)
-        for i, (key, n, toks) in enumerate(zip(keys, lengths, tokens)):
+        for i, (key, n, toks, tree) in enumerate(zip(keys, lengths, tokens, trees)):
             ids[i, :len(toks)] = torch.tensor(toks, dtype=torch.long)
             positions[i] = n + torch.arange(width)  # a padded tail keeps counting: harmless, masked
+            cols = range(self.cur, self.cur + len(toks))
+            if tree is None:
+                self.pending[key].extend(cols)
+            else:  # a node at depth k stands at the root's position + k: siblings share positions
+                positions[i, :len(toks)] = torch.tensor([pos for _, _, pos in tree.nodes], dtype=torch.long)
+                self.node_pending[key].extend((node, c) for (node, _, _), c in zip(tree.nodes, cols))
             self.position[i, self.cur:self.cur + len(toks)] = positions[i, :len(toks)]
-            self.pending[key].extend(range(self.cur, self.cur + len(toks)))
+            if self.trees is not None:
+                self._register(i, len(toks), tree, width)
         device = self.runner.device
         out = self.runner.model(input_ids=ids.to(device), position_ids=positions.to(device),
                                 attention_mask=self._mask(positions, self.cur + width), use_cache=True,
@@ -122,16 +152,18 @@ class LockstepKV:
         self.rows = []
 
     # ------------------------------------------------------------------ internals
-    def _gather(self, keys: list[int], sessions: list[SessionKV], extra: int) -> None:
-        past = max(s.length for s in sessions)
-        self.rows, self.cur = list(keys), past
+    def _gather(self, keys: list[int], sessions: list[SessionKV], extra: int, trees: list[TreeFeed | None]) -> None:
+        gathers = [tree.gather if tree is not None else [] for tree in trees]
+        past, nodes = max(s.length for s in sessions), max(map(len, gathers))
+        self.rows, self.base, self.cur = list(keys), past, past + nodes
         self.sessions = dict(zip(keys, sessions))
         self.pending = {key: [] for key in keys}
-        self.position = torch.full((len(keys), past + extra), -1, dtype=torch.long)
+        self.node_pending = {key: [] for key in keys}
+        self.position = torch.full((len(keys), past + nodes + extra), -1, dtype=torch.long)
         for i, s in enumerate(sessions):
             self.position[i, past - s.length:past] = torch.arange(s.length)
         kv = self.runner.kv_shape
-        shape = (kv.layers, 2, len(keys), kv.kv_heads, past + extra, kv.head_dim)
+        shape = (kv.layers, 2, len(keys), kv.kv_heads, past + nodes + extra, kv.head_dim)
         self.buf = self.workspace.take(shape, kv.dtype, self.runner.device)
         for i, s in enumerate(sessions):
             pad = past - s.length
@@ -139,7 +171,36 @@ class LockstepKV:
                 self.buf[:, :, i, :, :pad].zero_()
             if s.length:
                 self.buf[:, :, i, :, pad:past] = s.buf[:, :, :, :s.length]
-        self.cache = Cache(layers=[BufferLayer(self.buf[li, 0], self.buf[li, 1], past) for li in range(kv.layers)])
+        if self.tree_batch:
+            self.trees = TreeColumns(len(keys), nodes + extra)
+            for i, (s, placed) in enumerate(zip(sessions, gathers)):
+                self._place(i, s, placed, nodes)
+        self.cache = Cache(layers=[BufferLayer(self.buf[li, 0], self.buf[li, 1], self.cur) for li in range(kv.layers)])
+
+    def _place(self, row: int, session: SessionKV, nodes: list[NodeRef], width: int) -> None:
+        """A row's gathered tree nodes at region columns 0.. (the rest of the `width` gathered columns: zeros)."""
+        at = self.base
+        if nodes:
+            self.buf[:, :, row, :, at:at + len(nodes)] = session.nodes.get([node for node, _, _ in nodes])
+            self.position[row, at:at + len(nodes)] = torch.tensor([pos for _, _, pos in nodes])
+            for j, (node, parent, _) in enumerate(nodes):
+                self.trees.node(row, j, node, parent)
+        if len(nodes) < width:
+            self.buf[:, :, row, :, at + len(nodes):at + width].zero_()  # never seen; finite all the same
+
+    def _register(self, row: int, fed: int, tree: TreeFeed | None, width: int) -> None:
+        """The region visibility of the columns this feed writes for `row` (a tree batch)."""
+        start = self.cur - self.base
+        for j in range(width):
+            if j >= fed:
+                self.trees.hole(row, start + j)
+            elif tree is None:
+                self.trees.history(row, start + j)
+            else:
+                node, parent, _ = tree.nodes[j]
+                if parent is not None and parent not in self.trees.col[row]:
+                    raise ValueError(f"tree node {node}: its parent {parent} is not in this draft batch")
+                self.trees.node(row, start + j, node, parent)
 
     def _keep(self, keys: list[int]) -> None:
         """Drop the rows not in `keys` (their new positions go back to their sessions first)."""
@@ -152,6 +213,8 @@ class LockstepKV:
         keep = torch.tensor([index[key] for key in keys], device=self.buf.device)
         self.buf = self.buf.index_select(2, keep)
         self.position = self.position.index_select(0, keep.cpu())
+        if self.trees is not None:
+            self.trees.select([index[key] for key in keys])
         self.rows = list(keys)
         self._attach()
 
@@ -167,25 +230,33 @@ class LockstepKV:
         position = self.position.new_full((self.position.shape[0], shape[4]), -1)
         position[:, :self.cur] = self.position[:, :self.cur]
         self.buf, self.position = grown, position
+        if self.trees is not None:
+            self.trees.grow(shape[4] - self.base)
         self._attach()
 
     def _mask(self, queries: torch.Tensor, columns: int):
         """The attention mask of a forward whose queries sit at `queries` [rows, width]: the 2-D padding mask
-        [rows, columns], or for a sliding-window model the 4-D masks [rows, 1, width, columns] (a dict by layer
-        type for a model with `layer_types`)."""
+        [rows, columns], or for a sliding-window model or a tree batch the 4-D masks [rows, 1, width, columns]
+        (a dict by layer type for a model with `layer_types`)."""
         keys = self.position[:, :columns]
         device = self.runner.device
-        if self.windows is None:
+        if self.windows is None and self.trees is None:
             return (keys >= 0).long().to(device)
         q, k = queries[:, None, :, None], keys[:, None, None, :]
-        causal = (k >= 0) & (k <= q)
+        if self.trees is None:
+            visible = (k >= 0) & (k <= q)  # causal by position; -1: padding or a hole
+        else:
+            width = queries.shape[1]
+            past = (keys[:, :self.base] >= 0)[:, None, :].expand(-1, width, -1)
+            region = self.trees.visible(self.cur - self.base, width, columns - self.base)
+            visible = torch.cat([past, region], dim=-1)[:, None]
 
         def mask(window: int | None) -> torch.Tensor:
-            visible = causal & (k > q - window) if window else causal
+            seen = visible & (k > q - window) if window else visible
             if self.runner.model.config._attn_implementation in ("sdpa", "flex_attention"):
-                return visible.to(device)  # flex takes a bool mask too when given one
+                return seen.to(device)  # flex takes a bool mask too when given one
             dtype = self.runner.model.dtype  # eager: an additive float mask
-            return torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min).to(device)
+            return torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, torch.finfo(dtype).min).to(device)
 
         if isinstance(self.windows, dict):
             return {kind: mask(window) for kind, window in self.windows.items()}
@@ -200,6 +271,10 @@ class LockstepKV:
         if cols:
             index = torch.tensor(cols, device=self.buf.device)
             self.sessions[key].append(self.buf[:, :, i].index_select(3, index))
+        nodes = self.node_pending.pop(key, [])
+        if nodes:
+            index = torch.tensor([col for _, col in nodes], device=self.buf.device)
+            self.sessions[key].nodes.add([node for node, _ in nodes], self.buf[:, :, i].index_select(3, index))
 
 
 def attention_windows(config) -> dict[str, int | None] | int | None:

@@ -53,6 +53,7 @@ from .links import DOWN, BrokerLink, BrokerLinks
 from .loading import load_drafter, target_context
 from .route import Retries, Route
 from .session import EdgeSession
+from .treeshape import TreeEstimates
 
 log = structlog.get_logger("specrelay.edge")
 
@@ -98,6 +99,7 @@ class EdgeWorker(transport.Service):
         self._pool: ThreadPoolExecutor | None = None
         self._batcher: DraftBatcher | None = None
         self.estimates = EdgeEstimates(self.config.predraft, self.config.predraft_window)  # shared by sessions
+        self.tree_estimates = TreeEstimates()  # tree shapes (edge_worker/treeshape.py), shared by sessions
         self._log = log.bind(broker=",".join(self.brokers))
 
     @property
@@ -126,6 +128,8 @@ class EdgeWorker(transport.Service):
             self.frontend.open()
         self._log.info("edge worker started", listen=self.endpoint, curve=self._curve is not None,
                        brokers=len(self.brokers))
+        if self.config.default_trees != "off" and not self.drafter.trees:
+            self._log.warning("token trees need the draft and the target to share a vocabulary: chains only")
 
     def _loops(self):
         loops = [self._heartbeat(), *self.links.loops()]
@@ -171,7 +175,8 @@ class EdgeWorker(transport.Service):
         if self.auth_error is not None:
             raise self.auth_error
         self.check_fits(len(prompt_ids), config.max_new_tokens)
-        session = EdgeSession(list(prompt_ids), config, self.drafter, sid=self._new_sid(), estimates=self.estimates)
+        session = EdgeSession(list(prompt_ids), config, self.drafter, sid=self._new_sid(), estimates=self.estimates,
+                              tree_estimates=self.tree_estimates)
         route = self._routes[session.sid] = Route(session, self.links.choose(session.sid))
         slog = self._log.bind(session=session.sid)
         t0, retries, error = time.perf_counter(), Retries(self.config), None

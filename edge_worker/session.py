@@ -26,6 +26,9 @@ from .config import SessionConfig
 from .draftlen import EdgeEstimates, FixedDraftLen, GoodputController
 from .drafter import DraftBlock, Drafter, DraftJob
 from .predraft import DraftChain
+from .treedraft import TreeBlock
+from .treeround import TreeRounds, TreesRefused
+from .treeshape import TreeEstimates
 
 
 class WorkerMisbehaved(InternalError):
@@ -45,6 +48,9 @@ class SessionStats:
     context_full: int = 0          # 1: the generation ended at the target's context (finish_reason length)
     predraft_tokens: int = 0       # draft tokens taken from a pre-drafted chain instead of drafted anew
     predraft_rounds: int = 0       # blocks that started with pre-drafted tokens
+    predraft_tries: int = 0        # tree rounds whose verdict came while a pre-draft of its outcomes ran
+    tree_rounds: int = 0           # VERIFY rounds that carried a tree (not a chain)
+    tree_nodes: int = 0            # draft nodes of those rounds and of the tree engine's chains
     draft_s: float = 0.0           # waited for drafts (the critical path), seconds
     verify_s: float = 0.0          # waited for VERDICTs, seconds
     accepted_per_pos: list[int] = field(default_factory=list)    # accepted draft tokens by position (vLLM)
@@ -59,6 +65,15 @@ class SessionStats:
                 counts[j] += 1
         self.rounds_by_draft_len[d] = self.rounds_by_draft_len.get(d, 0) + 1
 
+    def record_tree(self, depth: int, n: int, tested: int) -> None:
+        """A tree round of `depth` levels, its accepted path n deep; depths 1..tested were tested (the walk
+        reached a node with children there): position j counts as a chain's position j does."""
+        for counts, upto in ((self.reached_per_pos, tested), (self.accepted_per_pos, n)):
+            counts.extend([0] * (max(depth, tested) - len(counts)))
+            for j in range(upto):
+                counts[j] += 1
+        self.rounds_by_draft_len[depth] = self.rounds_by_draft_len.get(depth, 0) + 1
+
 
 @dataclass
 class EdgeSession:
@@ -68,6 +83,7 @@ class EdgeSession:
     sid: int = 1
     stats: SessionStats = field(default_factory=SessionStats)
     estimates: EdgeEstimates | None = None  # shared by an edge's sessions (auto draft length)
+    tree_estimates: TreeEstimates | None = None  # shared by an edge's sessions (tree shapes)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -93,6 +109,8 @@ class EdgeSession:
         self._catchup = False                      # its draft first caught up on a stretch the draft never saw
         self._rejection: Rejection | None = None
         self._pending: P.Resample | None = None
+        self.trees = TreeRounds(self, self.tree_estimates or TreeEstimates(), self.config.trees,
+                                self.config.tree_nodes)  # token trees (edge_worker/treeround.py)
 
     # ---------------------------------------------------------------------------- requests
     def open_message(self) -> P.Open:
@@ -114,6 +132,8 @@ class EdgeSession:
         Tokens a pre-drafted chain already holds are taken from it: the job drafts only the rest (maybe 0)."""
         if self._pending is not None:
             return None
+        if self.trees.on and (job := self.trees.job()) is not None:
+            return job
         d = self.policy.choose(self.config.max_new_tokens - len(self.generated))
         c = self.config
         context = list(self.drafter.draft_context(self.state, self.tokens))
@@ -129,8 +149,12 @@ class EdgeSession:
             self._reused = DraftBlock()
         return rest or self._job
 
-    def request_for(self, block: DraftBlock) -> P.Verify:
+    def request_for(self, block: DraftBlock | TreeBlock) -> P.Verify:
         """The VERIFY for the freshly drafted `block` (after whatever the chain provided)."""
+        if isinstance(block, TreeBlock):
+            self._catchup = False  # a tree round is timed as before (edge_worker/treeround.py)
+            return self.trees.request(block)
+        self.trees.block, self.trees.last_steps = None, 0
         # a block drafted after the session's OPEN or after a round at d = 0 first feeds the draft model the whole
         # stretch it has not seen (the prompt, every token the target alone committed): a one-off cost that is
         # not what a block of d costs while drafting goes on, so its timing does not teach t or s (draftlen)
@@ -155,6 +179,8 @@ class EdgeSession:
     def predraft_job(self) -> DraftJob | None:
         """While the VERIFY is in flight: a job drafting the chain on (the bonus guess, then the next block as
         long as the policy would draft now). None when there is nothing worth drafting."""
+        if self.trees.block is not None:
+            return self.trees.predraft_job()
         chain, job = self._chain, self._job
         if chain is None or job is None or self._pending is not None or self.done:
             return None
@@ -175,13 +201,14 @@ class EdgeSession:
 
     def take_predraft(self, more: DraftBlock) -> None:
         """The pre-drafted continuation of the block in flight (call before `apply` of its VERDICT)."""
-        if self._chain is not None:
+        if self._chain is not None and isinstance(more, DraftBlock):
             self._chain.extend(more)
 
     def record_timing(self, draft_s: float | None, latency_s: float) -> None:
         """What the shell measured for the last VERIFY round: seconds waited for its draft (None: not timed)
         and from sending it to its VERDICT. Feeds the auto draft length."""
         self.stats.draft_s += draft_s or 0.0
+        self.trees.record_timing(draft_s, self._fresh)
         self.stats.verify_s += latency_s
         d = len(self._block.ids) if self._block is not None else 0
         self.policy.observe_round(self._fresh, None if self._catchup else draft_s, latency_s, self._width, d,
@@ -196,6 +223,9 @@ class EdgeSession:
                 return []
             if reply.code == ErrorCode.UNKNOWN_SESSION:
                 self.stats.reopens += 1
+            if reply.code == ErrorCode.BAD_REQUEST and self.trees.block is not None and "chains only" in reply.message:
+                self.trees.refused()
+                raise TreesRefused(f"the worker verifies chains only: {reply.message}")
             raise from_wire(reply.code, reply.message)
         if isinstance(reply, P.Resampled):
             self._check_ids(reply)
@@ -207,6 +237,8 @@ class EdgeSession:
         return self._apply_verdict(reply)
 
     def _apply_verdict(self, v: P.Verdict) -> list[int]:
+        if self.trees.block is not None:
+            return self.trees.apply(v)
         block, n = self._block, v.n_accepted
         if n > len(block.ids):
             raise InvalidRequest(f"n_accepted {n} exceeds the draft length {len(block.ids)}", field="n_accepted")

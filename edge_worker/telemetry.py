@@ -4,7 +4,9 @@ bytes, errors.
 
     GET /metrics   specrelay_edge_spec_decode_num_drafts_total, ..._num_draft_tokens_total,
                    ..._num_accepted_tokens_total, ..._num_accepted_tokens_per_pos_total{position="j"},
-                   specrelay_edge_verify_latency_seconds (histogram), ..._draft_wait_seconds, ...
+                   specrelay_edge_verify_latency_seconds (histogram), ..._draft_wait_seconds, ...,
+                   specrelay_edge_predraft_rounds_total / ..._predraft_tries_total (the pre-draft hit rate of
+                   trees), specrelay_edge_tree_rounds_total
     GET /healthz   200 while the worker's event loop answers
     GET /readyz    200 while at least one of its brokers is up (the body says which)
 """
@@ -28,6 +30,9 @@ class EdgeMetrics:
     generations_failed: int = 0
     generated_tokens: int = 0
     predraft_tokens: int = 0
+    predraft_rounds: int = 0    # blocks that started from a pre-draft (hits)
+    predraft_tries: int = 0     # tree verdicts that came while a pre-draft of their outcomes ran
+    tree_rounds: int = 0        # VERIFY rounds that carried a token tree
     retries: int = 0
     failovers: int = 0          # sessions moved off a lost broker onto another
     uplink_bytes: int = 0
@@ -44,7 +49,8 @@ class EdgeMetrics:
     def on_generation(self, stats: dict, error_code: str | None) -> None:
         self.generations += 1
         self.generated_tokens += int(stats.get("generated_tokens", 0))
-        self.predraft_tokens += int(stats.get("predraft_tokens", 0))
+        for key in ("predraft_tokens", "predraft_rounds", "predraft_tries", "tree_rounds"):
+            setattr(self, key, getattr(self, key) + int(stats.get(key, 0)))
         if error_code is not None:
             self.generations_failed += 1
             self.errors[error_code] += 1
@@ -55,6 +61,8 @@ class EdgeMetrics:
         return {
             **self.spec.as_stats(), "generations": self.generations, "generations_failed": self.generations_failed,
             "generated_tokens": self.generated_tokens, "predraft_tokens": self.predraft_tokens,
+            "predraft_rounds": self.predraft_rounds, "predraft_tries": self.predraft_tries,
+            "tree_rounds": self.tree_rounds,
             "retries": self.retries, "failovers": self.failovers, "uplink_bytes": self.uplink_bytes, "downlink_bytes": self.downlink_bytes,
             "draft_queue_depth": batcher.queued if batcher else 0,
             "draft_batches": batcher.batches if batcher else 0,

@@ -37,7 +37,9 @@ class CrossVocabState(DraftState):
 
 class CrossVocabDrafter(Drafter):
     """retokenize: greedy blocks are drafted as text and re-tokenised with the target tokenizer (default);
-    False drafts greedy blocks on V_c like the sampled modes (TLI)."""
+    False drafts greedy blocks on V_c like the sampled modes (TLI). Chains only (README "Token trees")."""
+
+    trees = False
 
     def __init__(self, runner: ModelRunner, target_tokenizer, target_vocab_size: int | None = None,
                  retokenize: bool = True) -> None:

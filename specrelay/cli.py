@@ -89,7 +89,7 @@ def cmd_edge_worker(args) -> int:
         warning = warn_if_unreachable(args.broker, args.connect_timeout, curve=curve)
         config = EdgeConfig(retry_budget_s=args.retry_budget, max_context=args.max_model_len,
                             insecure_listen=args.insecure, client_keys=args.client_keys,
-                            default_objective=args.objective)
+                            default_objective=args.objective, default_trees=args.trees)
         await serve(args.broker, args.draft_model, args.listen, args.target_tokenizer, device=args.device,
                     dtype=args.dtype, config=config, curve=curve, http=args.http, http_limits=http_limits(args),
                     served_model_name=args.served_model_name, health_port=args.health_port,

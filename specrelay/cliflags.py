@@ -10,7 +10,7 @@ from . import cliargs, defaults
 from .common.brokers import MAX_BROKERS
 from .common.protocol import Mode, Objective, Strategy
 from .common.sampling import SamplingParams
-from .edge_worker.config import EdgeConfig, HttpLimits, SessionConfig
+from .edge_worker.config import TREES, EdgeConfig, HttpLimits, SessionConfig
 from .paths import demo_model
 
 MODES = tuple(m.name.lower() for m in Mode)
@@ -98,6 +98,12 @@ def add_objective(p) -> None:
                    "session's speed); docs/draftlen.md")
 
 
+def add_trees(p) -> None:
+    p.add_argument("--trees", choices=TREES, default=EdgeConfig.default_trees,
+                   help="token trees: off (chains), on (trees: several candidates where the draft is unsure), auto "
+                   "(the shape policy chooses, chains included); same vocabulary only; docs/trees.md")
+
+
 def add_sampling(p) -> None:
     p.add_argument("--max-new-tokens", type=cliargs.positive_int, default=SessionConfig.max_new_tokens,
                    help="tokens to generate per prompt")
@@ -108,6 +114,7 @@ def add_sampling(p) -> None:
     p.add_argument("--draft-len", type=cliargs.draft_len, default="auto",
                    help="tokens drafted per cloud call, or auto (adaptive); 0 = target alone through the same path")
     add_objective(p)
+    add_trees(p)
     p.add_argument("--mode", choices=MODES, default=None,
                    help="greedy at temperature 0, else coupled (shared Gumbel noise: the fewest bytes); sample = "
                    "rejection sampling, its rejections resolved by --resample")
@@ -176,6 +183,7 @@ def edge_worker_flags(p) -> None:
     add_client_keys(p)
     add_retry_budget(p)
     add_objective(p)
+    add_trees(p)
 
 
 def serve_flags(p) -> None:
@@ -184,6 +192,7 @@ def serve_flags(p) -> None:
     add_http(p, defaults.HTTP)
     add_health(p, "the --http port + 1")
     add_objective(p)
+    add_trees(p)
 
 
 def generate_flags(p) -> None:

@@ -53,7 +53,7 @@ def session_config(args, edge):
     return config.session_config(edge, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                  top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                                  draft_len="auto" if args.draft_len == "auto" else int(args.draft_len), mode=mode,
-                                 resample=resample, objective=args.objective)
+                                 resample=resample, objective=args.objective, trees=args.trees)
 
 
 async def generate_all(args, prompts: list[str], edge_config, config, emit, curve=None) -> int:

@@ -27,7 +27,8 @@ async def serve(args, http_limits=None) -> None:
                          context=ctx)
     edge = await load_edge(frontend, args.draft_model, args.target_tokenizer, device=args.device, dtype=args.dtype,
                            config=EdgeConfig(max_context=args.max_model_len or runner.max_context,
-                                             default_objective=args.objective), context=ctx)
+                                             default_objective=args.objective, default_trees=args.trees),
+                           context=ctx)
     stats = HttpStats()
     await serve_all(Broker(frontend, backend, context=ctx), worker, edge,
                     HttpFrontend(edge, *args.http, args.served_model_name, stats, http_limits),

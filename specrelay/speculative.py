@@ -25,6 +25,7 @@ from .edge_worker.config import SessionConfig
 from .edge_worker.draftlen import EdgeEstimates
 from .edge_worker.drafter import Drafter
 from .edge_worker.session import EdgeSession
+from .edge_worker.treeshape import TreeEstimates
 
 
 def speculative_generate(draft: ModelRunner | Drafter, target: ModelRunner | Verifier, prompt_ids: list[int],
@@ -47,7 +48,8 @@ def speculative_generate_batch(draft: ModelRunner | Drafter, target: ModelRunner
         target, VerifierConfig(max_sessions=max(VerifierConfig.max_sessions, len(prompts))))
     drafter = draft if isinstance(draft, Drafter) else Drafter(draft, verifier.runner.vocab_size)
     estimates = EdgeEstimates()  # shared, as on an edge; no timings in-process, so `auto` is deterministic
-    sessions = [EdgeSession(list(p), c, drafter, sid=i + 1, estimates=estimates)
+    trees = TreeEstimates()
+    sessions = [EdgeSession(list(p), c, drafter, sid=i + 1, estimates=estimates, tree_estimates=trees)
                 for i, (p, c) in enumerate(zip(prompts, configs))]
     t0 = time.perf_counter()
     for s in sessions:

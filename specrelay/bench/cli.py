@@ -91,6 +91,11 @@ def _sweep_flags(p: argparse.ArgumentParser) -> None:
                    help="what auto optimises, comma-separated (speed,balanced,cloud): one auto row each")
     p.add_argument("--predraft", choices=("on", "off", "compare"), default="on",
                    help="pre-drafting while a VERIFY is in flight; compare = every draft length with and without")
+    p.add_argument("--trees", choices=("off", "on", "auto", "compare"), default="off",
+                   help="token trees: off (chains), on (trees at every length), auto (auto lengths choose their "
+                        "shape, chains included), compare (chains and trees); rows carry `shape`")
+    p.add_argument("--tree-nodes", default=None, metavar="N[,N...]",
+                   help="node budgets of the tree rows at fixed lengths (default: the shape policy's)")
     p.add_argument("--repeat", type=int, default=1,
                    help="runs per configuration, interleaved (tokens/s over all of them)")
     p.add_argument("--workers", type=int, default=1, help="cloud workers")

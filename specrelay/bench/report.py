@@ -10,7 +10,11 @@ from pathlib import Path
 
 from . import plots as plotting
 
-SWEEP_COLUMNS = [("link", "link"), ("draft_len", "d"), ("objective", "objective"), ("predraft", "pre-draft"), ("tokens_per_s", "tokens/s"),
+SWEEP_COLUMNS = [("link", "link"), ("draft_len", "d"), ("objective", "objective"), ("predraft", "pre-draft"),
+                 ("trees", "trees"), ("shape", "shape"), ("tree_round_share", "tree rounds"),
+                 ("mean_nodes", "nodes"), ("tokens_per_s", "tokens/s"),
+                 ("tokens_per_call", "tokens/call"), ("predraft_hit_rate", "pre-draft hits"),
+                 ("uplink_bytes_per_token", "B/token up"), ("downlink_bytes_per_token", "B/token down"),
                  ("speedup_vs_target_alone", "× target alone"), ("cloud_calls_per_token", "cloud calls/token"),
                  ("theoretical_cloud_calls_per_token", "theory"), ("calls_vs_theory", "ratio"),
                  ("acceptance_rate", "acceptance"), ("mean_draft_len", "mean d"),
@@ -24,7 +28,9 @@ def row_line(row: dict) -> str:
     """One console line per sweep row / stress summary."""
     if "predraft" in row:  # a sweep row (a stress summary has a draft_len too)
         return (f"{row['link']:<40.40} d={str(row['draft_len']):>4} {row.get('objective') or '':<8} predraft={str(row['predraft']):<5} "
-                f"{row['tokens_per_s']:8.1f} tok/s  x{row['speedup_vs_target_alone']:.2f}  calls/tok "
+                f"trees={row.get('trees', 'off'):<4} {row.get('shape', 'chain'):<5} "
+                f"{row['tokens_per_s']:8.1f} tok/s  x{row['speedup_vs_target_alone']:.2f}  "
+                f"tok/call {row.get('tokens_per_call', 0):.2f}  calls/tok "
                 f"{row['cloud_calls_per_token']:.3f} (theory {row['theoretical_cloud_calls_per_token']})  "
                 f"identical={row['outputs_identical_to_target_alone']}")
     return json.dumps(row)
@@ -88,8 +94,8 @@ def bar_lines(bars: dict) -> list[str]:
 def _calls_words(bars: dict) -> list[str]:
     ratio = bars["calls_vs_theory_max"]
     return [] if ratio is None else [
-        f"cloud calls per token vs theory: at most {ratio:.3f}x the calls E(d) predicts at the measured acceptance "
-        f"(bar <= 1.02x: {_met(bars['calls_le_1.02x_theory'])}; above 1, rounds committed fewer tokens than "
+        f"cloud calls per token vs theory (chain rows): at most {ratio:.3f}x the calls E(d) predicts at the measured "
+        f"acceptance (bar <= 1.02x: {_met(bars['calls_le_1.02x_theory'])}; above 1, rounds committed fewer tokens than "
         "their acceptance predicts: generations cut at max_new_tokens or EOS, retries, or auto's varying d)"]
 
 
@@ -106,8 +112,18 @@ def _predraft_words(bars: dict) -> list[str]:
             for where, g in bars["predraft_gain"].items()]
 
 
+def _trees_words(bars: dict) -> list[str]:
+    return [f"trees vs chains, {where}: the best tree (by tokens/s: d={t['best_tree']['draft_len']}, "
+            f"{t['best_tree']['mean_nodes']} nodes) commits {t['tokens_per_call_ratio']:.3f}x the best chain's tokens "
+            f"per cloud call (d={t['best_chain']['draft_len']}) at {t['tokens_per_s_ratio']:.3f}x its tokens/s (bar "
+            f">= 1.2x at >= 1.0x: {_met(t['bar_met'])}); outputs "
+            f"{'identical' if t['outputs_identical'] else 'DIFFERENT'}; its pre-draft hit rate "
+            f"{t['best_tree']['predraft_hit_rate']}"
+            for where, t in bars["trees_vs_chains"].items()]
+
+
 _BAR_WORDS = {"calls_vs_theory_max": _calls_words, "calls_le_1.02x_theory": lambda _: [],
-              "auto_vs_best_fixed": _auto_words, "predraft_gain": _predraft_words}
+              "auto_vs_best_fixed": _auto_words, "predraft_gain": _predraft_words, "trees_vs_chains": _trees_words}
 
 
 def _met(ok) -> str:

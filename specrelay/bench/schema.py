@@ -48,6 +48,19 @@ SWEEP_ROW: dict[str, tuple[tuple[type, ...], str]] = {
     "outputs_identical_to_target_alone": ((bool,), "every output equals the --draft-len 0 run's (greedy and "
                                                    "coupled; false in sample mode, where only the law is equal)"),
     "errors": ((int,), "generations that failed"),
+    "trees": ((str,), "token trees: off (chains), on (trees only), auto (the shape policy, chains included)"),
+    "tree_nodes": ((int, type(None)), "a tree's fixed node budget (null: the shape policy's)"),
+    "shape": ((str,), "chain or tree: what most VERIFY rounds carried"),
+    "tree_round_share": (NUM, "share of VERIFY rounds that carried a tree"),
+    "mean_nodes": (NUM, "draft tokens (tree nodes) per VERIFY"),
+    "tokens_per_call": (NUM, "generated tokens / VERIFYs the cloud workers ran"),
+    "predraft_hit_rate": (OPT_NUM, "rounds whose block started from a pre-draft / rounds that could (trees: the "
+                                   "verdicts that came while a pre-draft of their outcomes ran)"),
+    "predraft_round_share": (NUM, "rounds whose block started from a pre-draft / all rounds"),
+    "draft_ms_per_round": (NUM, "ms a round waited for its draft (the critical path), mean"),
+    "verify_ms_per_round": (NUM, "ms from sending a VERIFY to its VERDICT, mean"),
+    "uplink_bytes_per_token": (NUM, "edge -> cloud bytes per generated token"),
+    "downlink_bytes_per_token": (NUM, "cloud -> edge bytes per generated token"),
 }
 
 STRESS_SUMMARY: dict[str, tuple[tuple[type, ...], str]] = {

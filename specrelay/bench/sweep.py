@@ -18,7 +18,8 @@ import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from . import theory
+from . import theory, treesweep
+from .treesweep import Config
 from .link import LinkRelay, LinkSpec, measure_rtt
 from .runs import SessionRun, cpu_seconds, load_prompts, pin, run_sessions, split_cpus
 
@@ -104,7 +105,8 @@ def run(args) -> dict:
     links = [LinkSpec.parse(x) for x in (args.link or ["0"])]
     lens = parse_lens(args.draft_lens, args.objectives)
     texts = load_prompts(args.prompts, args.num_prompts or max(8, 2 * args.sessions))
-    configs = [(d, p) for d in lens for p in _predraft_modes(args.predraft, d)]
+    configs = treesweep.expand([Config(d, p) for d in lens for p in _predraft_modes(args.predraft, d)],
+                               args.trees, args.tree_nodes)
     rows, itl, tpot = [], {}, {}
     cluster = LocalCluster(args.target, workers=args.workers, max_batch=args.max_batch, threads=args.threads)
     cpus = split_cpus(not args.no_pin)
@@ -119,16 +121,17 @@ def run(args) -> dict:
                 cloud_pids = [proc.pid for proc in cluster.procs] + ([relay.proc.pid] if relay.proc else [])
                 tallies = _run_async(_sweep_link(args, relay.endpoint, cluster.health_ports, cloud_pids, texts,
                                                  configs, drafter, tokenizer))
-            for (d, predraft), tally in tallies.items():
-                row = make_row(args, link, described, probe, d, predraft, tally, tallies[(0, False)], len(texts))
+            for c, tally in tallies.items():
+                row = make_row(args, link, described, probe, c, tally, tallies[Config(0, False)], len(texts))
                 rows.append(row)
-                label = f"{link.label} d={d}{'' if predraft else ' no-predraft'}"
+                label = f"{link.label} {c.label}"
                 itl[label] = sorted(round(g, 2) for r in tally.sessions for g in r.gaps_ms())
                 tpot[label] = sorted(round(t, 2) for r in tally.sessions if (t := r.tpot_ms()) is not None)
     bars = evaluate(rows)
     return {"config": {"links": [x.label for x in links], "draft_lens": lens, "sessions": args.sessions,
                        "prompts": len(texts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeat,
-                       "predraft": args.predraft, "workers": args.workers, "temperature": args.temperature,
+                       "predraft": args.predraft, "trees": args.trees, "tree_nodes": args.tree_nodes,
+                       "workers": args.workers, "temperature": args.temperature,
                        "cpu_pinning": None if cpus is None else {"edge": sorted(cpus[0]), "cloud": sorted(cpus[1])},
                        "mode": args.mode or ("greedy" if args.temperature == 0 else "sample")},
             "rows": rows, "bars": bars, "itl_ms_samples": itl, "tpot_ms_samples": tpot}
@@ -190,36 +193,40 @@ async def _sweep_link(args, endpoint: str, worker_ports: list[int], pids: list[i
     slices = [texts[i:i + args.sessions] for i in range(0, len(texts), args.sessions)]
     async with AsyncExitStack() as stack:
         edges = {}
-        for key in {_edge_key(d, predraft) for d, predraft in configs}:
-            config = EdgeConfig(request_timeout_s=120.0, retry_budget_s=120.0, predraft=key[1])
+        for c in configs:
+            key = _edge_key(c)
+            if key in edges:
+                continue
+            config = EdgeConfig(request_timeout_s=120.0, retry_budget_s=120.0, predraft=c.predraft)
             edges[key] = await stack.enter_async_context(EdgeWorker(endpoint, drafter, tokenizer, config))
-            if is_auto(key[0]):  # warm-up: the controller learns this link and this load
-                await run_sessions(edges[key], slices[0], _session_config(args, key[0]), args.sessions)
+            if is_auto(c.d) or c.trees != "off":  # warm-up: the controller learns this link and this load
+                await run_sessions(edges[key], slices[0], _session_config(args, c), args.sessions)
         total = len(configs) * args.repeat * len(texts) * args.max_new_tokens
         with tqdm(total=total, unit="tok", desc="sweep", leave=False, disable=None) as bar:
             for r in range(args.repeat):
                 for i, part in enumerate(slices):
                     turn = (r * len(slices) + i) % len(configs)
-                    for d, predraft in configs[turn:] + configs[:turn]:
-                        edge = edges[_edge_key(d, predraft)]
+                    for c in configs[turn:] + configs[:turn]:
+                        edge = edges[_edge_key(c)]
                         before = await asyncio.to_thread(scrape, worker_ports) | _cpu(pids)
-                        runs, wall = await run_sessions(edge, part, _session_config(args, d), args.sessions, bar)
+                        runs, wall = await run_sessions(edge, part, _session_config(args, c), args.sessions, bar)
                         after = await asyncio.to_thread(scrape, worker_ports) | _cpu(pids)
-                        tallies[(d, predraft)].add(r, runs, wall, {k: after[k] - before[k] for k in after})
+                        tallies[c].add(r, runs, wall, {k: after[k] - before[k] for k in after})
     return tallies
 
 
-def _edge_key(d, predraft: bool) -> tuple[str, bool]:
-    return (d if is_auto(d) else "fixed", predraft)
+def _edge_key(c: Config) -> tuple:
+    """Each auto configuration and each trees setting on an edge of its own (its own estimates)."""
+    return (c.d if is_auto(c.d) else "fixed", c.predraft, c.trees)
 
 
-def _session_config(args, d):
+def _session_config(args, c: Config):
     from ..common.sampling import SamplingParams
     from ..edge_worker.config import SessionConfig
 
     return SessionConfig(max_new_tokens=args.max_new_tokens, params=SamplingParams(args.temperature),
-                         mode=args.mode, seed=args.seed, draft_len=None if is_auto(d) else d,
-                         objective=objective_of(d) or "balanced")
+                         mode=args.mode, seed=args.seed, draft_len=None if is_auto(c.d) else c.d,
+                         objective=objective_of(c.d) or "balanced", trees=c.trees, tree_nodes=c.nodes)
 
 
 def _cpu(pids: list[int]) -> dict[str, float]:
@@ -228,8 +235,9 @@ def _cpu(pids: list[int]) -> dict[str, float]:
     return {"edge_cpu_s": cpu_seconds(), "other_cpu_s": sum(cpu_seconds(pid) for pid in pids)}
 
 
-def make_row(args, link: LinkSpec, described: str, probe: dict, d, predraft: bool, tally: Tally, base: Tally,
+def make_row(args, link: LinkSpec, described: str, probe: dict, c: Config, tally: Tally, base: Tally,
              n_prompts: int) -> dict:
+    d, predraft = c.d, c.predraft
     sessions = tally.sessions
     ok = [r for r in sessions if r.error is None]
     stats = [r.stats for r in ok]
@@ -253,6 +261,8 @@ def make_row(args, link: LinkSpec, described: str, probe: dict, d, predraft: boo
         "cloud_calls_per_token": round(calls, 4),
         "cloud_forward_passes_per_token": round(tally.cloud.get("forward_passes", 0.0) / tokens, 4),
         "cloud_forward_ms_per_token": round(tally.cloud.get("forward_seconds", 0.0) * 1e3 / tokens, 3),
+        "cloud_forward_ms_per_pass": round(1e3 * tally.cloud.get("forward_seconds", 0.0)
+                                           / max(1.0, tally.cloud.get("forward_passes", 0.0)), 2),
         "theoretical_cloud_calls_per_token": None if theo is None else round(theo, 4),
         "calls_vs_theory": None if not theo else round(calls / theo, 4),
         "acceptance_per_position": [round(x, 4) for x in a],
@@ -268,6 +278,7 @@ def make_row(args, link: LinkSpec, described: str, probe: dict, d, predraft: boo
         "downlink_bits_per_token": round(8 * total("downlink_bytes") / tokens, 1),
         "outputs_identical_to_target_alone": bool(ok) and all(r.ids == reference.get(r.prompt) for r in ok),
         "errors": len(sessions) - len(ok),
+        **treesweep.fields(c, stats, tokens, tally.cloud.get("verify_requests", 0.0)),
     }
 
 
@@ -280,11 +291,12 @@ def _pct(values: list[float], q: float) -> float | None:
 
 def evaluate(rows: list[dict]) -> dict:
     """The issue's bars, from this run's rows."""
-    calls = [r["calls_vs_theory"] for r in rows if r["draft_len"] != 0 and r["calls_vs_theory"] is not None]
+    calls = [r["calls_vs_theory"] for r in rows  # chains: theory is a chain's E(d) (a tree row's is shown only)
+             if r["draft_len"] != 0 and r["calls_vs_theory"] is not None and r.get("trees", "off") == "off"]
     out: dict = {"calls_vs_theory_max": max(calls) if calls else None,
                  "calls_le_1.02x_theory": bool(calls) and max(calls) <= 1.02, "auto_vs_best_fixed": {},
-                 "predraft_gain": {}}
-    for (link, predraft), group in _groups(rows).items():
+                 "predraft_gain": {}, "trees_vs_chains": treesweep.trees_vs_chains(rows)}
+    for (link, predraft, _), group in _groups(rows).items():
         fixed = [r for r in group if r["draft_len"] != AUTO]
         best = max(fixed, key=lambda r: r["tokens_per_s"]) if fixed else None
         for auto in (r for r in group if r["draft_len"] == AUTO and best):
@@ -298,21 +310,22 @@ def evaluate(rows: list[dict]) -> dict:
                 "best_fixed_cloud_calls_per_token": best["cloud_calls_per_token"]}
     for r in rows:
         twin = next((x for x in rows if x["link"] == r["link"] and x["draft_len"] == r["draft_len"]
+                     and x["trees"] == r["trees"] and x["tree_nodes"] == r["tree_nodes"]
                      and r["predraft"] and not x["predraft"]), None)
         if twin:
             gain = r["tokens_per_s"] / twin["tokens_per_s"] - 1
-            out["predraft_gain"][f"{r['link']} d={r['draft_len']}"] = {
+            out["predraft_gain"][f"{r['link']} d={r['draft_len']} trees={r['trees']}"] = {
                 "gain": round(gain, 4), "ge_5pct": gain >= 0.05,
                 "outputs_identical": r["outputs_identical_to_target_alone"] and twin["outputs_identical_to_target_alone"]}
     return out
 
 
 def _groups(rows: list[dict]) -> dict:
-    """(link, pre-drafting) -> its speculative rows plus that link's target-alone row."""
+    """(link, pre-drafting, trees or not) -> its speculative rows plus that link's target-alone row."""
     groups: dict = {}
     for r in rows:
         if r["draft_len"] != 0:
-            groups.setdefault((r["link"], r["predraft"]), []).append(r)
-    for (link, _), group in groups.items():
+            groups.setdefault((r["link"], r["predraft"], r["trees"] != "off"), []).append(r)  # chains, trees
+    for (link, _, _), group in groups.items():
         group += [r for r in rows if r["link"] == link and r["draft_len"] == 0]
     return groups

@@ -1,0 +1,163 @@
+"""A session's draft tree on the edge (pure: no model): the nodes drafted after its committed tokens, what the
+draft said after each node it ran, which of them a VERIFY carries, and what a verdict leaves of it.
+
+Node ids are stable for the tree's life (the node K/V in `treekv.NodeKV` are keyed by them), so a verdict that
+commits a path re-roots the tree at the path's end without renumbering (`reroot`). A node at depth k stands at
+absolute position root_len - 1 + k; the draft's distribution after node u (`NodeDist`, once u was fed to the draft
+model) is about position root_len + depth(u): where u's children stand.
+
+`outcome` nodes are pre-drafted guesses of a verdict (the path to their parent accepted, then their token as the
+next token): they are never sent; when a verdict matches one, the tree re-roots there and its subtree, drafted
+while the VERIFY was in flight, starts the next block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+ROOT = -1
+
+
+@dataclass
+class NodeDist:
+    """The draft after a node: candidate children best first (greedy: the top of q; coupled: of log q + g_t; sample:
+    drawn from q without replacement), its confidence class, and q' itself in sample mode ([V_target])."""
+
+    ranked: list[int]
+    bucket: int
+    q: torch.Tensor | None = None
+
+
+@dataclass
+class TreeNode:
+    token: int
+    parent: int            # node id, ROOT for a child of the last committed token
+    depth: int             # 1: a child of the root
+    rank: int              # index among its parent's children (draw order)
+    value: float           # estimated chance the accepted path passes through it (1 for the root)
+    q: float = 0.0         # q'(token) under its parent (sample mode)
+    dist: NodeDist | None = None  # once fed: the draft after it
+    kids: list[int] = field(default_factory=list)
+    expanded: bool = False  # its children were chosen (a level is expanded once: sample mode's exactness)
+    outcome: bool = False   # a pre-drafted guess of a verdict's next token (never sent)
+    prob: float = 0.0       # outcome nodes: the estimated chance of that verdict
+    final: bool = False     # EOS: the generation ends here, nothing is drafted after it
+
+
+class DraftTree:
+    def __init__(self, root_len: int, root_dist: NodeDist | None, next_id: int = 0) -> None:
+        self.root_len = root_len  # committed tokens the tree hangs from
+        self.root = TreeNode(-1, ROOT, 0, 0, 1.0, dist=root_dist)
+        self.nodes: dict[int, TreeNode] = {}
+        self.next_id = next_id
+
+    def node(self, nid: int) -> TreeNode:
+        return self.root if nid == ROOT else self.nodes[nid]
+
+    def position(self, nid: int) -> int:
+        """The absolute position of node `nid`'s token."""
+        return self.root_len - 1 + self.node(nid).depth
+
+    def add(self, parent: int, token: int, value: float, q: float = 0.0, outcome: bool = False,
+            final: bool = False) -> int:
+        up = self.node(parent)
+        nid, self.next_id = self.next_id, self.next_id + 1
+        self.nodes[nid] = TreeNode(token, parent, up.depth + 1, len(up.kids), value, q, outcome=outcome,
+                                   final=final, expanded=final)
+        up.kids.append(nid)
+        return nid
+
+    def kids(self, nid: int, outcomes: bool = False) -> list[int]:
+        return [k for k in self.node(nid).kids if outcomes or not self.nodes[k].outcome]
+
+    def path(self, nid: int) -> list[int]:
+        """Node ids from the root's child down to `nid` (empty for the root)."""
+        out = []
+        while nid != ROOT:
+            out.append(nid)
+            nid = self.nodes[nid].parent
+        return out[::-1]
+
+    def child_with(self, nid: int, token: int) -> int | None:
+        return next((k for k in self.node(nid).kids if self.nodes[k].token == token), None)
+
+    def levels(self, top: int, start: int = ROOT) -> list[list[int]]:
+        """The subtree under `start` by depth below it (0: [start]), down to `top` levels below, outcome nodes left
+        out (except `start` itself); within a level parents in order, siblings in rank order."""
+        out, level = [], [start]
+        while level and len(out) <= top:
+            out.append(level)
+            level = [k for u in level for k in self.kids(u)]
+        return out
+
+    def sent_order(self, depth: int) -> list[int]:
+        """The nodes a VERIFY of this depth carries, in wire order (each parent first, siblings in draw order)."""
+        return [u for level in self.levels(depth)[1:] for u in level]
+
+    def wire(self, order: list[int]) -> tuple[list[int], list[int]]:
+        """(tokens, parents) as a VERIFY carries them: parents by index into `order`, -1 for the root."""
+        index = {nid: i for i, nid in enumerate(order)}
+        nodes = [self.nodes[u] for u in order]
+        return [n.token for n in nodes], [index[n.parent] if n.parent != ROOT else -1 for n in nodes]
+
+    def reroot(self, nid: int) -> "DraftTree":
+        """The subtree under node `nid` as the tree after it (`nid` committed): ids kept, depths shifted."""
+        top = self.nodes[nid]
+        tree = DraftTree(self.root_len + top.depth, top.dist, self.next_id)
+        tree.root.expanded, tree.root.kids = top.expanded, list(top.kids)
+        for k in self.descendants(nid):
+            n = self.nodes[k]
+            parent = ROOT if n.parent == nid else n.parent
+            tree.nodes[k] = TreeNode(n.token, parent, n.depth - top.depth, n.rank, n.value, n.q, n.dist,
+                                     list(n.kids), n.expanded, n.outcome, n.prob, n.final)
+        return tree
+
+    def descendants(self, nid: int) -> list[int]:
+        out, stack = [], list(self.node(nid).kids)
+        while stack:
+            k = stack.pop()
+            out.append(k)
+            stack.extend(self.nodes[k].kids)
+        return out
+
+    def fed(self) -> list[int]:
+        """Nodes the draft model ran (their K/V and dist are known), parents first."""
+        return [u for u in self.topological() if self.nodes[u].dist is not None]
+
+    def topological(self) -> list[int]:
+        out, level = [], list(self.root.kids)
+        while level:
+            out += level
+            level = [k for u in level for k in self.nodes[u].kids]
+        return out
+
+
+def adopt(tree: DraftTree, kv, ids: list[int], context: list[int]) -> tuple[list[int], DraftTree | None]:
+    """After a verdict: follow the committed tokens past the tree's root down the tree and move the K/V of every fed
+    node on that path into the session's history (kv: draftkv.SessionKV), dropping the rest. Returns (the ids the
+    history now holds, what is left of the tree: the subtree under the path's end when it covers the whole
+    context, else None)."""
+    n = len(ids)
+    if tree.root_len != n or ids != context[:n]:
+        kv.nodes.clear()
+        return ids, None
+    if len(context) == n:  # nothing committed since (a retry): the tree stands
+        return ids, tree
+    path, at = [], ROOT
+    for token in context[n:]:
+        child = tree.child_with(at, token)
+        if child is None or tree.nodes[child].dist is None:  # not drafted, or never fed: the history catches up
+            break
+        path.append(child)
+        at = child
+    if path:
+        kv.append(kv.nodes.get(path))
+        ids = ids + [tree.nodes[u].token for u in path]
+    if path and len(ids) == len(context):
+        rest = tree.reroot(path[-1])
+        kv.nodes.keep(set(rest.nodes))
+        return ids, rest
+    kv.nodes.clear()
+    return ids, None

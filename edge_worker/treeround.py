@@ -1,0 +1,218 @@
+"""A session's token-tree rounds (edge_worker/session.py hands them here while trees are on): the shape of the next
+tree, the VERIFY that carries it, the pre-draft of the likely verdicts while it is in flight, and what a VERDICT
+commits. The wire contract is common/tree.py's (docs/exactness.md "Token trees").
+
+A tree that came out a path (every level one node) travels as a chain (parents = []): byte for byte a chain's
+VERIFY, answered by a chain's VERDICT. A worker that predates trees answers a tree without `node`, and one that
+verifies chains only (Falcon, Bloom: the model's own cache) refuses it: either way the session re-OPENs and drafts
+chains from then on (`TreesRefused`). A retried round (re-OPEN after a failure) sends the very tree it sent
+before: its levels are drafted already, so the job only rebuilds the wire form.
+"""
+
+from __future__ import annotations
+
+from ..common import protocol as P
+from ..common.errors import InternalError, InvalidRequest
+from ..common.packing import f32
+from ..common.protocol import Mode
+from ..common.resample import Rejection
+from ..common.tree import Tree, encode_q_row
+from .draftlen import EdgeEstimates
+from .drafter import DraftBlock, DraftJob
+from .drafttree import ROOT
+from .predraft import OutcomePlan, TreePreDraft
+from .treedraft import PREDRAFT_COLUMNS, PREDRAFT_WIDTH, TreeBlock, TreeJob
+from .treeshape import TreeEstimates, TreeShape
+
+MAX_FRAME_ROWS = 6 << 20  # bytes of q rows one VERIFY may carry (common/protocol.py MAX_FRAME is 8 MiB)
+PREDRAFT_SHARE = 0.9      # pre-draft chunks end within this share of the expected wait for the VERDICT
+
+
+class TreesRefused(InternalError):
+    """The worker cannot verify trees (it predates them, or serves its model through the model's own cache):
+    retried by re-OPENing, and the session drafts chains from then on."""
+
+
+class TreeRounds:
+    def __init__(self, session, estimates: TreeEstimates, trees: str, nodes: int | None) -> None:
+        self.s, self.estimates, self.trees, self.nodes = session, estimates, trees, nodes
+        self.block: TreeBlock | None = None   # the tree in flight
+        self.tree = None                      # its DraftTree (state.tree when sent)
+        self.shape: TreeShape | None = None
+        self.chain = False                    # it travelled as a chain
+        self.root_len = 0
+        self.chains_only = False
+        self._planned = 0                     # pre-draft chunks planned for the tree in flight
+        self.last_steps = 0                   # forwards the last tree job ran (0: not a tree round)
+
+    @property
+    def on(self) -> bool:
+        return self.trees != "off" and getattr(self.s.drafter, "trees", False) and not self.chains_only
+
+    def edge(self) -> EdgeEstimates:
+        if self.s.estimates is None:
+            self.s.estimates = EdgeEstimates()
+        return self.s.estimates
+
+    def next_shape(self, remaining: int) -> TreeShape:
+        c = self.s.config
+        return self.estimates.shape(self.edge(), c.objective, self.trees, remaining - 1, c.draft_len, self.nodes)
+
+    def job(self) -> TreeJob | DraftJob | None:
+        """The next tree job; with `auto`, None when the shape policy finds no tree that pays (the session drafts
+        its chain as with trees off: chains lose nothing to the tree engine); with `on`, a chain job drafting
+        nothing when no draft pays at all."""
+        s, c = self.s, self.s.config
+        retry = self.block is not None and self.root_len == len(s.tokens)
+        shape = self.shape if retry else self.next_shape(c.max_new_tokens - len(s.generated))
+        if not retry and self.trees == "auto" and shape.is_chain:
+            return None
+        if shape.depth == 0:
+            s._job = DraftJob(s.state, list(s.tokens), len(s.tokens), 0, s.mode, c.params, c.seed)
+            return s._job
+        self.shape, s._job = shape, None
+        return TreeJob(s.state, list(s.tokens), shape, s.mode, c.params, c.seed, self.estimates.acceptance,
+                       branching=self._rows_left())
+
+    def _rows_left(self) -> int | None:
+        """Sample mode: branching nodes a VERIFY can carry (a dense q row is 4 bytes per target id)."""
+        if self.s.mode != Mode.SAMPLE:
+            return None
+        return min(P.MAX_DRAFT // 2, MAX_FRAME_ROWS // (4 * self.s.drafter.target_vocab_size))
+
+    def request(self, block: TreeBlock) -> P.Verify:
+        s = self.s
+        self.block, self.tree, self.root_len = block, s.state.tree, len(s.tokens)
+        self.last_steps = block.steps
+        self.chain = all(p == i - 1 for i, p in enumerate(block.parents))
+        s._block, s._chain, s._reused = DraftBlock(list(block.ids)), None, DraftBlock()
+        s._fresh, s._predrafting, s._opened = block.steps, False, s.prefill_due > 0
+        s._width = len(s.tokens) - s.cloud_len + len(block.ids) + 1
+        s.seq += 1
+        st = s.stats
+        st.draft_tokens += len(block.ids)
+        st.tree_rounds += not self.chain
+        st.tree_nodes += len(block.ids)
+        st.predraft_tokens += block.reused
+        st.predraft_rounds += block.reused > 0
+        for width, seconds in block.forwards:
+            self.estimates.observe_forward(width, seconds)
+        if self.shape.depth:
+            self.estimates.saved.observe(max(0, self.shape.depth - block.steps))
+        self.estimates.predicted.observe(sum(self.tree.nodes[u].value for u in block.nodes))
+        sample = s.mode == Mode.SAMPLE
+        req = P.Verify(s.sid, s.seq, len(s.tokens), s.tokens[s.cloud_len:], list(block.ids),
+                       f32(block.q_tok) if sample else b"")
+        if not self.chain:
+            req.parents = list(block.parents)
+            if sample:
+                req.q_rows = [encode_q_row(self.tree.node(ROOT if i < 0 else block.nodes[i]).dist.q)
+                              for i in Tree.parse(block.ids, block.parents).branching()]
+        return req
+
+    def record_timing(self, draft_s: float | None, forwards: int) -> None:
+        """The shell's wait for this round's draft of `forwards` forwards (a tree's or a chain's: what a forward
+        costs the critical path; None: not timed)."""
+        if draft_s is not None and forwards:
+            self.estimates.observe_wait(draft_s, forwards)
+            if not self.last_steps:  # a chain's forward: one column for each session of the batch
+                self.estimates.width.observe(max(1, self.edge().sessions))
+
+    def refused(self) -> None:
+        """This worker verifies chains only: chains from now on."""
+        self.chains_only, self.block = True, None
+
+    # ------------------------------------------------------------------------------------ the verdict
+    def apply(self, v: P.Verdict) -> list[int]:
+        s, block, tree = self.s, self.block, self.tree
+        n = v.n_accepted
+        if self.chain:
+            if n > len(block.ids) or v.node is not None:
+                raise InvalidRequest(f"n_accepted {n} exceeds the draft length {len(block.ids)}", field="n_accepted")
+            path = block.nodes[:n]
+        elif v.node is None:
+            self.refused()
+            raise TreesRefused(f"the worker answered session {s.sid}'s tree as a chain (it predates token trees): "
+                               "re-OPEN and send chains")
+        else:
+            if not -1 <= v.node < len(block.nodes):
+                raise InvalidRequest(f"node {v.node} is not one of the tree's {len(block.nodes)} nodes", field="node")
+            path = tree.path(block.nodes[v.node]) if v.node >= 0 else []
+            if len(path) != n:
+                raise InvalidRequest(f"node {v.node} is at depth {len(path)}, n_accepted is {n}", field="n_accepted")
+        self.block = None
+        self._count(block, tree, path)
+        s._hint, s.prefill_due = v.load, 0
+        start = len(s.generated)
+        s._commit([tree.nodes[u].token for u in path])
+        if v.next_token >= 0:
+            s._commit([v.next_token])
+            s.cloud_len = len(s.tokens) if not s.done else s.cloud_len
+        elif not s.done:  # a one-child node's sampled rejection: the edge, holding its q', finishes the draw
+            s.cloud_len = len(s.tokens)
+            q = tree.node(path[-1] if path else ROOT).dist.q
+            s._rejection = Rejection(q, s.drafter.shared_mask, s.config.seed, len(s.tokens), v.seq, s.sid,
+                                     s.config.resample)
+            s._resolve(s._rejection.step(v))
+        s.stats.predraft_tries += self._planned > 0 and not s.done  # a next block that could start from it
+        self._planned = 0
+        return s.generated[start:]
+
+    def _count(self, block: TreeBlock, tree, path: list[int]) -> None:
+        """Stats per depth (a depth counts as tested when the walk reached a node with children there), and the
+        rank acceptance of every node the walk reached."""
+        st, n = self.s.stats, len(path)
+        sent = set(block.nodes)
+        walk = [ROOT] + path
+        kids = [[c for c in tree.node(w).kids if c in sent] for w in walk]
+        st.cloud_calls += 1
+        st.accepted_tokens += n
+        st.record_tree(self.shape.depth if self.shape else 0, n, n + 1 if kids[-1] else n)
+        acc = self.estimates.acceptance
+        acc.decay()
+        for i, (w, sent_kids) in enumerate(zip(walk, kids)):
+            dist = tree.node(w).dist
+            if sent_kids and dist is not None:
+                acc.observe(dist.bucket, len(sent_kids), sent_kids.index(walk[i + 1]) if i + 1 < len(walk) else None)
+        self.estimates.realised.observe(n)
+        self.estimates.verdicts += 1
+
+    # ------------------------------------------------------------------------------------ pre-drafting
+    def predraft_job(self) -> TreePreDraft | None:
+        """While the tree is in flight: guesses of its verdict and the next tree under each (OutcomePlan)."""
+        s, block = self.s, self.block
+        if block is None or s.done or s._pending is not None or self.tree is not s.state.tree:
+            return None
+        remaining = s.config.max_new_tokens - len(s.generated) - 1
+        shape = self.next_shape(remaining)
+        chunks = self._chunks(shape)
+        if shape.depth == 0 or chunks <= 0 or remaining <= 1:
+            return None
+        c = s.config
+        self._planned, s._predrafting = chunks, True
+        width = max(4, min(PREDRAFT_WIDTH, PREDRAFT_COLUMNS // max(1, self.edge().sessions)))  # all sessions share
+        plan = OutcomePlan(block.nodes, shape, chunks, width)                                      # a chunk's forward
+        wait = self._wait()
+        return TreePreDraft(TreeJob(s.state, list(s.tokens), self.shape, s.mode, c.params, c.seed,
+                                    self.estimates.acceptance, plan, self._rows_left()),
+                            None if wait is None else PREDRAFT_SHARE * wait)
+
+    def _wait(self) -> float | None:
+        """The expected seconds from sending the tree to its VERDICT (None: nothing measured yet)."""
+        edge, nodes = self.edge(), len(self.block.ids)
+        if edge.forward.known:
+            return edge.link_rtt() + edge.queue.value + edge.forward_time(nodes)
+        if edge.latency.known:  # no load hints: the measured round trips
+            l0, l1 = edge.latency.fit()
+            return l0 + l1 * (nodes + 1)
+        return None
+
+    def _chunks(self, shape: TreeShape) -> int:
+        """Forwards worth pre-drafting: the guesses, then the next tree's levels (the time budget may stop it
+        sooner); none when not even one chunk fits PREDRAFT_SHARE of the expected wait."""
+        wait = self._wait()
+        if wait is not None and self.estimates.level.known:
+            t0, t1 = self.estimates.level.fit()
+            if PREDRAFT_SHARE * wait < t0 + t1 * PREDRAFT_WIDTH / 2:
+                return 0
+        return shape.depth + 1

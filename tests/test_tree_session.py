@@ -1,0 +1,153 @@
+"""Token trees through the edge's session (edge_worker/session.py -> treeround.py) and the cloud's Verifier,
+in-process: greedy equals the target alone, coupled equals target-alone sampling for the seed, sample mode's
+first two tokens follow p (chi-square); a retried round sends the very tree again; a worker that cannot verify
+trees gets chains from then on; pre-drafts of the likely verdicts start the next tree."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from stats import chi2_pvalue
+
+from specrelay.cloud_worker.verifier import Verifier, VerifierConfig
+from specrelay.common import protocol as P
+from specrelay.common.errors import ErrorCode
+from specrelay.common.protocol import Mode
+from specrelay.common.sampling import SamplingParams, probs_from_logits
+from specrelay.edge_worker.config import SessionConfig
+from specrelay.edge_worker.drafter import Drafter
+from specrelay.edge_worker.session import EdgeSession
+from specrelay.edge_worker.treeround import TreesRefused
+from specrelay.edge_worker.treeshape import TreeEstimates
+from specrelay.speculative import speculative_generate_batch, target_generate
+
+PROMPTS = ["def add(a, b):\n", "class Point:\n", "for i in"]
+
+
+@pytest.mark.parametrize("trees", ["on", "auto"])
+def test_greedy_trees_equal_the_target_alone(tiny_runners, trees):
+    target, draft = tiny_runners
+    ids = [target.tokenizer(p).input_ids for p in PROMPTS]
+    configs = [SessionConfig(max_new_tokens=24, trees=trees, draft_len=d) for d in (None, 3, 6)]
+    for (out, stats), p in zip(speculative_generate_batch(draft, target, ids, configs), ids):
+        assert out == target_generate(target, p, 24)
+        assert stats["tree_nodes"] > 0
+
+
+def test_greedy_trees_of_the_demo_pair_equal_the_target_alone_and_commit_more_per_call(demo_runners):
+    target, draft = demo_runners
+    ids = [target.tokenizer(p).input_ids for p in PROMPTS]
+    chain = speculative_generate_batch(draft, target, ids, [SessionConfig(max_new_tokens=32, draft_len=4)] * 3)
+    tree = speculative_generate_batch(draft, target, ids, [SessionConfig(max_new_tokens=32, draft_len=4,
+                                                                         trees="on")] * 3)
+    for (c, _), (t, stats), p in zip(chain, tree, ids):
+        assert t == c == target_generate(target, p, 32)
+        assert stats["tree_rounds"] > 0
+    calls = lambda runs: sum(s["cloud_calls"] for _, s in runs)  # noqa: E731
+    assert calls(tree) < calls(chain)
+
+
+def test_coupled_trees_equal_target_alone_sampling_for_the_seed(tiny_runners):
+    target, draft = tiny_runners
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    ids = target.tokenizer(PROMPTS[0]).input_ids
+    configs = [SessionConfig(max_new_tokens=16, params=params, mode=Mode.COUPLED, seed=s, trees="on", draft_len=3)
+               for s in range(4)]
+    for seed, (out, _) in enumerate(speculative_generate_batch(draft, target, [ids] * 4, configs)):
+        assert out == target_generate(target, ids, 16, params, Mode.COUPLED, seed), seed
+
+
+def test_sampled_trees_commit_their_first_two_tokens_distributed_as_p(tiny_runners):
+    """1,200 seeds, trees of three levels that branch at the root: the joint law of the first two committed
+    tokens is the target's p(x1) p(x2 | x1) (chi-square over the 36 pairs of its top-6 support)."""
+    target, draft = tiny_runners
+    params = SamplingParams(temperature=1.5, top_k=6)
+    ids = target.tokenizer(PROMPTS[1]).input_ids
+    with torch.no_grad():
+        p1 = probs_from_logits(target.model(torch.tensor([ids])).logits[0, -1].float(), params)
+        support = p1.nonzero().squeeze(1).tolist()
+        p2 = {x: probs_from_logits(target.model(torch.tensor([ids + [x]])).logits[0, -1].float(), params)
+              for x in support}
+    cells = {(a, b): float(p1[a] * p2[a][b]) for a in support for b in p2[a].nonzero().squeeze(1).tolist()}
+    counts = dict.fromkeys(cells, 0)
+    seeds = 1200
+    configs = [SessionConfig(max_new_tokens=2, params=params, mode=Mode.SAMPLE, seed=s, trees="on", draft_len=3,
+                             tree_nodes=8) for s in range(seeds)]
+    runs = speculative_generate_batch(draft, target, [ids] * seeds, configs)
+    for out, _ in runs:
+        counts[tuple(out)] += 1
+    assert sum(s["tree_rounds"] for _, s in runs) >= seeds // 2  # trees, not only chains
+    keys = list(cells)
+    assert chi2_pvalue(np.array([counts[k] for k in keys]), np.array([cells[k] for k in keys])) > 0.001
+
+
+def session_and_verifier(runners, **config):
+    target, draft = runners
+    verifier = Verifier(target, VerifierConfig())
+    s = EdgeSession(target.tokenizer(PROMPTS[0]).input_ids, SessionConfig(max_new_tokens=24, **config),
+                    Drafter(draft, target.vocab_size), tree_estimates=TreeEstimates())
+    verifier.open((b"", 1), s.open_message())
+    return s, verifier
+
+
+def one_round(s, verifier, before_verdict=None):
+    job = s.draft_job()
+    request = s.request_for(s.drafter.draft_batch([job])[0])
+    if before_verdict is not None:
+        before_verdict(s)
+    reply = verifier.verify([((b"", 1), request)])[0]
+    return request, reply
+
+
+def test_a_retried_tree_round_sends_the_same_tree(tiny_runners):
+    s, verifier = session_and_verifier(tiny_runners, trees="on", draft_len=3, params=SamplingParams(1.0),
+                                       mode=Mode.SAMPLE, seed=5)
+    first, _ = one_round(s, verifier)
+    assert first.parents  # a tree
+    verifier.open((b"", 1), s.open_message())  # the round failed (a timeout, a lost worker): re-OPEN
+    again, reply = one_round(s, verifier)
+    assert (again.draft, again.parents, again.q, again.q_rows, again.tail) == \
+           (first.draft, first.parents, first.q, first.q_rows, s.tokens[:0] + first.tail[:0] + again.tail)
+    assert again.seq == first.seq + 1
+    s.apply(reply)
+
+
+def test_a_worker_that_cannot_verify_trees_gets_chains(tiny_runners):
+    s, verifier = session_and_verifier(tiny_runners, trees="on", draft_len=3)
+    request, reply = one_round(s, verifier)
+    old = P.Verdict(reply.session, reply.seq, reply.n_accepted, reply.next_token)  # no `node`: an older worker
+    with pytest.raises(TreesRefused):
+        s.apply(old)
+    verifier.open((b"", 1), s.open_message())
+    request, reply = one_round(s, verifier)
+    assert not request.parents and s.trees.chains_only
+    s.apply(reply)
+    s2, verifier = session_and_verifier(tiny_runners, trees="on", draft_len=3)
+    one_round(s2, verifier)
+    with pytest.raises(TreesRefused):  # the Falcon/Bloom fallback's refusal
+        s2.apply(P.Error(1, 1, ErrorCode.BAD_REQUEST, "this worker ... verifies chains only: send parents = []"))
+    assert s2.trees.chains_only
+
+
+def test_predrafted_verdicts_start_the_next_tree(demo_runners):
+    """Between each VERIFY and its VERDICT the pre-draft runs (as the edge shell runs it when the draft thread is
+    idle): most rounds then start from a pre-drafted tree, and the output is still the target's own."""
+    target, draft = demo_runners
+    s, verifier = session_and_verifier(demo_runners, trees="on", draft_len=4)
+    s.config = SessionConfig(max_new_tokens=40, trees="on", draft_len=4)
+
+    def predraft(session):
+        pre = session.predraft_job()
+        while pre is not None and not pre.finished:
+            pre.absorb(session.drafter.draft_batch([pre.next_chunk(1)])[0])
+        session.take_predraft(pre.block if pre is not None else None)
+
+    while not s.done:
+        _, reply = one_round(s, verifier, predraft)
+        s.apply(reply)
+    assert s.generated == target_generate(target, s.prompt_ids, 40)
+    st = s.stats
+    print(st)
+    assert st.predraft_tries >= st.cloud_calls - 3  # not in the last rounds, with a token or two left
+    assert st.predraft_rounds >= 0.6 * st.predraft_tries and st.predraft_tokens > st.predraft_rounds

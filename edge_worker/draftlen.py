@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..common.protocol import MAX_DRAFT, LoadHint, Objective
-from .estimators import CLIP, AcceptanceCounts, EWLine, EWMean
+from .estimators import CLIP, AcceptanceCounts, EWLine, EWMean, ZeroProbes, conditional, reach_bound, reachable
 
 AUTO_MAX = 32                # longest block auto will draft
 PRIOR_ACCEPT = 0.7           # acceptance assumed at a position nobody has measured yet
@@ -36,7 +36,11 @@ SESSION_DECAY = 0.9          # per round: a session's own counts (memory ~10 rou
 EDGE_DECAY = 0.995           # per round: the edge's pooled acceptance counts (memory ~200 rounds)
 CLOUD_SLOPE_PRIOR = 0.02     # a forward pass's cost per token relative to its fixed cost, until measured
 TIME_DECAY = 0.98            # per round: the edge's timings (memory ~50 rounds of all its sessions)
-EXPLORE_AFTER = 16           # rounds at d = 0 before one round drafts a token again (acceptance may have changed)
+EXPLORE_AFTER = 16           # a cross-vocabulary edge's first probe interval at d = 0 (estimators.ZeroProbes)
+EXPLORE_ROUNDS = 2           # an overdue probe drafts d = 1 for two rounds: the first catches the draft up on the
+                             # stretch at d = 0 (not timed, EdgeSession._catchup), the second times a block
+CAUTION = 1.0                # speed and balanced choose on a lower bound, CAUTION standard errors below the estimate,
+                             # of the chance of reaching each draft position: a long block only on the evidence
 PREDRAFT_SHARE = 0.7         # pre-drafting stops this far into the expected wait: the draft thread is idle (and
                              # the GIL free) when the VERDICT arrives, so its handling is not delayed
 SHARED_EVERY = 8             # rounds (of all sessions) between two choices of a busy edge's shared length
@@ -45,10 +49,10 @@ TIE = 0.01                   # speed: a shorter draft within 1 % of the best rat
 TOLERANCE = {Objective.SPEED: 0.0, Objective.BALANCED: 0.10}  # share of the best rate given up for fewer calls
 SATURATED = 0.40             # speed's and balanced's tolerance when the cloud is saturated (utilisation >= BUSY_FULL)
 BUSY_KNEE, BUSY_FULL = 0.85, 0.98  # the cloud's utilisation from which the price of a call rises, and where it tops
-PROBE_EVERY = 4              # at d = 0, one round in 4 pre-drafts the guess for the next token (an acceptance
-                             # sample): the draft's catch-up and steps are not free on an edge whose CPU is busy,
-                             # (a cross-vocabulary guess takes ~3 draft steps and a re-tokenisation: one round in
-                             # EXPLORE_AFTER then)
+PROBE_EVERY = 4              # at d = 0, the first probe interval: a round pre-drafts the guess for the next token
+                             # (an acceptance sample); the draft's catch-up and steps are not free on an edge whose
+                             # CPU is busy (a cross-vocabulary guess takes ~3 draft steps and a re-tokenisation:
+                             # EXPLORE_AFTER then); the interval doubles while probes keep confirming d = 0
 DRAFT_PRIOR = 0.25           # a draft step's cost relative to the forward pass's fixed cost, until one is timed
 PENALTY_AFTER = 4            # hinted rounds of each kind (pre-drafting, not) before their difference is trusted
 PREDRAFT_EXPLORE = 8         # while pre-drafting does not pay, one round in 8 pre-drafts anyway (is it still so?)
@@ -63,7 +67,8 @@ class EdgeEstimates:
     predraft_window: str = "wait"  # pre-draft during the whole wait, or only while the VERIFY goes up ("uplink")
     acceptance: AcceptanceCounts = field(default_factory=lambda: AcceptanceCounts(EDGE_DECAY))
     step: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 0.0, CLIP))  # draft thread s per step
-    draft: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 0.0, CLIP))  # draft wait s per step
+    draft: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 0.0, CLIP, 1))  # draft wait s per step
+    # (clipped from its second observation: an edge's first rounds wait behind every session's prompt prefill)
     forward: EWLine = field(default_factory=lambda: EWLine(TIME_DECAY, CLOUD_SLOPE_PRIOR))  # s vs its tokens
     latency: EWLine = field(default_factory=lambda: EWLine(TIME_DECAY, CLOUD_SLOPE_PRIOR))  # without hints
     rtt: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 0.0))     # link: latency - cloud time
@@ -77,6 +82,7 @@ class EdgeEstimates:
     lookahead: int = 0  # target tokens drafted past a block (1 for a cross-vocabulary draft: the last may grow)
     rounds: int = 0                                                           # rounds observed (all sessions)
     sessions: int = 1                                                         # sessions in flight (the shell's)
+    zero: ZeroProbes = field(default_factory=ZeroProbes)                     # when d = 0 samples acceptance
     _shared: dict = field(default_factory=dict)                              # objective -> (shared d, at round)
 
     def shared(self, top: int, objective: Objective = Objective.BALANCED) -> int:
@@ -89,13 +95,20 @@ class EdgeEstimates:
             chosen = self._shared[objective] = (d, self.rounds)
         return chosen[0]
 
-    def best_length(self, a: list[float], top: int, objective: Objective) -> int:
+    def best_length(self, a: list[float], top: int, objective: Objective,
+                    cautious: list[float] | None = None) -> int:
         """The objective's d at acceptance a_0..a_top: `speed` and `balanced` trade the session's rate for calls
-        within their tolerance; `cloud` minimises the cloud's time per committed token (cloud_length), and never
-        makes more calls than `balanced` would."""
+        within their tolerance, at the `cautious` rates where given (a lower bound: their promise is a speed, and
+        a length chosen where the estimate happens to be high is slower than it looked); `cloud` minimises the
+        cloud's time per committed token at the estimate itself (cloud_length), and never makes more calls
+        than `balanced` would."""
         if objective == Objective.CLOUD:
-            return max(cloud_length(a, self.row_share, top), self.best_length(a, top, Objective.BALANCED))
-        return best_length(a, self.round_model(), top, self.tolerance(objective))
+            return max(cloud_length(a, self.row_share, top), self.best_length(a, top, Objective.BALANCED, cautious))
+        return best_length(cautious or a, self.round_model(), top, self.tolerance(objective))
+
+    def probe_base(self) -> int:
+        """ZeroProbes' first interval: a cross-vocabulary guess costs ~3 draft steps and a re-tokenisation."""
+        return EXPLORE_AFTER if self.lookahead else PROBE_EVERY
 
     def row_share(self, d: int) -> float:
         """The cloud's time one row drafting d costs: its share F(d) / B of a forward pass (mean field), or,
@@ -115,12 +128,20 @@ class EdgeEstimates:
         tail = rates[-1] if rates else PRIOR_ACCEPT
         return rates + [tail] * (n - len(rates))
 
-    def observe_block_steps(self, steps: int, tokens: int) -> None:
+    def prior_evidence(self, n: int) -> list[float]:
+        """The observations behind prior_rates(n) per position (the prior's worth included); a position past the
+        last measured one has the prior's only: its rate is a guess."""
+        measured = min(n, len(self.acceptance.reached))
+        return self.acceptance.evidence(measured, [PRIOR_WEIGHT] * n, PRIOR_WEIGHT) + [PRIOR_WEIGHT] * (n - measured)
+
+    def observe_block_steps(self, steps: int, tokens: int, timed: bool = True) -> None:
         """A cross-vocabulary block of `tokens` target tokens took `steps` draft-model steps: the draft writes text
         in its own (finer) vocabulary, re-tokenised for the target (edge_worker/xdrafter.py), and drafts one
-        target token past the block (the last may still grow): steps = s * (d + 1)."""
+        target token past the block (the last may still grow): steps = s * (d + 1). `timed` False: the block
+        first caught up on a stretch the draft had not seen (EdgeSession._catchup), its steps are not s's."""
         self.lookahead = 1
-        self.steps_per_token.observe(steps / (tokens + 1))
+        if timed:
+            self.steps_per_token.observe(steps / (tokens + 1))
 
     def draft_steps(self, d: int) -> float:
         """Draft-model steps for a block of d target tokens (d with one vocabulary)."""
@@ -270,24 +291,34 @@ def tolerance(objective: Objective, busy: float) -> float:
 class GoodputController:
     """One session's draft length: its own acceptance (starting from the edge's pooled rates), the edge's costs."""
 
-
     def __init__(self, edge: EdgeEstimates | None = None, max_len: int = AUTO_MAX,
                  objective: Objective = Objective.BALANCED) -> None:
         self.edge, self.objective = edge or EdgeEstimates(), objective
         self.max_len = min(max_len, MAX_DRAFT)
         self.own = AcceptanceCounts(SESSION_DECAY)
-        self.zero_rounds = 0  # consecutive rounds at d = 0 that taught nothing
-        self.rounds_at_zero = 0  # consecutive rounds at d = 0
+        self.exploring = False  # the block in flight drafts one token to sample acceptance (ZeroProbes)
+        self.explore_left = 0  # exploring rounds still to go (EXPLORE_ROUNDS)
         self.unpaid = 0  # rounds whose pre-draft would not have paid (PREDRAFT_EXPLORE)
 
     @property
     def probes(self) -> bool:
-        """Whether the shell may pre-draft the next token at d = 0 (one round in PROBE_EVERY, in EXPLORE_AFTER
-        with a cross-vocabulary draft)."""
-        return self.rounds_at_zero % (EXPLORE_AFTER if self.edge.lookahead else PROBE_EVERY) == 0
+        """Whether the shell may pre-draft the next token at d = 0: the edge's probe is due (ZeroProbes)."""
+        return self.edge.zero.due(self.edge.probe_base())
 
     def rates(self, n: int) -> list[float]:
+        """This session's acceptance estimate a_0..a_{n-1}: its own counts shrunk toward the edge's."""
         return self.own.rates(n, self.edge.prior_rates(n), SESSION_PRIOR_WEIGHT)
+
+    def cautious_rates(self, n: int) -> list[float]:
+        """What speed and balanced choose on: per position k, the edge's pooled chance of reaching it, moved only
+        as far as needed into this session's own confidence interval (CAUTION standard errors either side of its
+        estimate, with the observations behind it). A session's luck or bad luck (a few fully accepted or
+        rejected blocks) moves its blocks only once its own counts say it differs from the edge's."""
+        pooled, evidence, own = self.edge.prior_rates(n), self.edge.prior_evidence(n), self.rates(n)
+        counts = self.own.evidence(n, evidence, SESSION_PRIOR_WEIGHT)
+        low, high = reach_bound(own, counts, CAUTION), reach_bound(own, counts, -CAUTION)
+        edges = reach_bound(pooled, evidence, 0.0)
+        return conditional([min(max(p, lo), hi) for p, lo, hi in zip(edges, low, high)])
 
     def predrafts(self, sent: int, d: int) -> bool:
         """Whether to pre-draft while a block of `sent` tokens is verified, for a next block of d: where it pays
@@ -303,22 +334,33 @@ class GoodputController:
 
     def choose(self, remaining: int) -> int:
         """The best d within 0 <= d <= min(max_len, remaining - 1): the edge's shared length while it runs several
-        sessions, else this session's own; after EXPLORE_AFTER rounds at 0 with nothing learnt meanwhile, one
-        round at d = 1."""
+        sessions, else this session's own; d = 1 for EXPLORE_ROUNDS rounds when the edge's probe at d = 0 is
+        overdue (ZeroProbes)."""
         top = max(0, min(self.max_len, remaining - 1))
-        if top and self.zero_rounds >= EXPLORE_AFTER:
+        if top and (self.explore_left or self.edge.zero.explore(self.edge.probe_base())):
+            self.explore_left = self.explore_left or EXPLORE_ROUNDS
+            self.exploring = True
             return 1
+        return self.policy_length(top)
+
+    def policy_length(self, top: int) -> int:
+        """The objective's d in 0..top (no exploring)."""
         if self.edge.sessions > 1:
             return min(top, self.edge.shared(self.max_len, self.objective))
-        return self.edge.best_length(self.rates(top + 1), top, self.objective)
+        rates = self.rates(top + 1)
+        top = reachable(rates, top)  # this runs twice a round on the edge's critical path: no dead positions
+        return self.edge.best_length(rates[:top + 1], top, self.objective, self.cautious_rates(top + 1))
 
     def observe_block(self, d: int, n_accepted: int, bonus_match: bool | None = None) -> None:
-        informative = d > 0 or bonus_match is not None
-        self.zero_rounds = 0 if informative else self.zero_rounds + 1
-        self.rounds_at_zero = self.rounds_at_zero + 1 if d == 0 else 0
-        if informative:
+        sampled = d > 0 or bonus_match is not None
+        if sampled:
             self.own.observe(d, n_accepted, bonus_match)
             self.edge.acceptance.observe(d, n_accepted, bonus_match)
+        explored = self.exploring and d > 0  # (a pre-draft's choose may have set it during a round at d = 0)
+        self.explore_left -= explored
+        chosen, self.exploring = d > 0 and not explored, False
+        still_zero = sampled and not chosen and self.policy_length(self.max_len) == 0
+        self.edge.zero.observe(self.edge.probe_base(), d, sampled, chosen, still_zero)
 
     def observe_round(self, fresh: int, draft_s: float | None, latency_s: float, width: int, d: int,
                       hint: LoadHint | None, predrafted: bool = False, opened: bool = False) -> None:

@@ -106,6 +106,7 @@ class EdgeSession:
         self._hint: P.LoadHint | None = None
         self._fresh = self._width = 0              # last block: draft forwards waited for, cloud row width
         self._predrafting = self._opened = False   # pre-drafting while this VERIFY is in flight; first after OPEN
+        self._catchup = False                      # its draft first caught up on a stretch the draft never saw
         self._rejection: Rejection | None = None
         self._pending: P.Resample | None = None
         self.trees = TreeRounds(self, self.tree_estimates or TreeEstimates(), self.config.trees,
@@ -151,8 +152,13 @@ class EdgeSession:
     def request_for(self, block: DraftBlock | TreeBlock) -> P.Verify:
         """The VERIFY for the freshly drafted `block` (after whatever the chain provided)."""
         if isinstance(block, TreeBlock):
+            self._catchup = False  # a tree round is timed as before (edge_worker/treeround.py)
             return self.trees.request(block)
         self.trees.block, self.trees.last_steps = None, 0
+        # a block drafted after the session's OPEN or after a round at d = 0 first feeds the draft model the whole
+        # stretch it has not seen (the prompt, every token the target alone committed): a one-off cost that is
+        # not what a block of d costs while drafting goes on, so its timing does not teach t or s (draftlen)
+        self._catchup = self.prefill_due > 0 or self._block is None or not self._block.ids
         self._block, reused = self._reused + block, len(self._reused.ids)
         self._reused, self._fresh = DraftBlock(), block.steps  # draft-model forwards waited for
         self._predrafting = False  # until predraft_job starts one for this VERIFY
@@ -161,7 +167,7 @@ class EdgeSession:
         self.seq += 1
         self.stats.draft_tokens += len(self._block.ids)
         if block.drafted and self.estimates is not None:  # a cross-vocabulary block: forwards per target token
-            self.estimates.observe_block_steps(block.steps, len(block.ids))
+            self.estimates.observe_block_steps(block.steps, len(block.ids), timed=not self._catchup)
         self.stats.predraft_tokens += reused
         self.stats.predraft_rounds += reused > 0
         job = self._job
@@ -205,8 +211,8 @@ class EdgeSession:
         self.trees.record_timing(draft_s, self._fresh)
         self.stats.verify_s += latency_s
         d = len(self._block.ids) if self._block is not None else 0
-        self.policy.observe_round(self._fresh, draft_s, latency_s, self._width, d, self._hint, self._predrafting,
-                                  self._opened)
+        self.policy.observe_round(self._fresh, None if self._catchup else draft_s, latency_s, self._width, d,
+                                  self._hint, self._predrafting, self._opened)
 
     # ---------------------------------------------------------------------------- replies
     def apply(self, reply: P.Base) -> list[int]:

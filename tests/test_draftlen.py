@@ -45,7 +45,7 @@ def goodput(a: list[float], d: int, t: float) -> float:
 
 def test_speed_picks_the_shortest_draft_within_1_percent_of_the_best_rate():
     ctl = trained(0.8, rtt=0.05, draft_per_token=0.002, forward=(0.01, 0.0005))
-    a = ctl.rates(33)
+    a = ctl.cautious_rates(33)  # what speed chooses on (its own estimate, bounded by the evidence)
     rates = [goodput(a, d, ctl.edge.round_time(d, 0.0)) for d in range(31)]
     chosen = ctl.choose(31)
     assert rates[chosen] >= 0.99 * max(rates) and all(r < 0.99 * max(rates) for r in rates[:chosen])
@@ -82,7 +82,7 @@ def test_a_slow_spell_does_not_become_the_draft_cost():
 
 
 def test_a_busy_edge_drafts_one_length_for_all_its_sessions():
-    ctl = trained(0.8, rtt=0.05, draft_per_token=0.002, forward=(0.01, 0.0005))
+    ctl = trained(0.8, rtt=0.01, draft_per_token=0.002, forward=(0.01, 0.0005))
     easy, hard = (GoodputController(ctl.edge, objective=Objective.SPEED) for _ in range(2))
     for _ in range(30):
         easy.observe_block(8, 8)
@@ -188,17 +188,59 @@ def test_chain_continuation_job_starts_after_the_chain():
 
 
 def test_controller_stuck_at_zero_explores_again():
-    from specrelay.edge_worker.draftlen import EXPLORE_AFTER
+    from specrelay.edge_worker.draftlen import EXPLORE_ROUNDS, PROBE_EVERY
+    from specrelay.edge_worker.estimators import EXPLORE_GRACE
 
     ctl = trained(0.0, rtt=0.02, draft_per_token=0.002, forward=(0.01, 0.0005))
     assert ctl.choose(64) == 0
-    for _ in range(EXPLORE_AFTER):
-        ctl.observe_block(0, 0)          # target-alone rounds teach nothing about acceptance
-    assert ctl.choose(64) == 1
-    ctl.observe_block(1, 0)
-    assert ctl.choose(64) == 0
+    for _ in range(PROBE_EVERY + EXPLORE_GRACE):
+        assert ctl.choose(64) == 0
+        ctl.observe_block(0, 0)          # target-alone rounds teach nothing about acceptance (no probe came)
+    for _ in range(EXPLORE_ROUNDS):      # the probe is overdue: two rounds draft a token (the second is timed)
+        assert ctl.choose(64) == 1
+        ctl.observe_block(1, 0)
+    assert ctl.choose(64) == 0 and ctl.edge.zero.interval(PROBE_EVERY) == 2 * PROBE_EVERY  # d = 0 confirmed
+    for _ in range(2 * PROBE_EVERY):
+        assert not ctl.probes
+        ctl.observe_block(0, 0)
+    assert ctl.probes                    # due again, after the doubled interval
     ctl.observe_block(0, 0, bonus_match=False)  # a pre-drafted guess is an acceptance sample: no exploring needed
-    assert ctl.zero_rounds == 0
+    assert ctl.edge.zero.idle == 0 and ctl.edge.zero.interval(PROBE_EVERY) == 4 * PROBE_EVERY
+
+
+def test_reach_bound_is_a_lower_bound_that_tightens_with_evidence():
+    import math
+
+    from specrelay.edge_worker.estimators import conditional, reach_bound
+
+    rates = [0.8, 0.7, 0.6]
+    exact = [math.log(0.8), math.log(0.8 * 0.7), math.log(0.8 * 0.7 * 0.6)]
+    few, many = reach_bound(rates, [4, 4, 4], 1.0), reach_bound(rates, [400, 400, 400], 1.0)
+    assert all(f < m < e for f, m, e in zip(few, many, exact))
+    assert reach_bound(rates, [4, 4, 4], 0.0) == pytest.approx(exact)
+    assert conditional(exact) == pytest.approx(rates)
+    assert all(0.0 < a <= 1.0 for a in conditional(few))
+
+
+def test_a_session_moves_off_the_edge_estimate_only_once_its_own_counts_say_so():
+    import math
+
+    def reach(blocks: int, accepted: int) -> tuple[float, float, float]:
+        """The chance of reaching position 3: the edge's, the session's own, what it chooses on."""
+        edge = trained(0.7, rtt=0.0, draft_per_token=0.002, forward=(0.01, 0.0005)).edge  # 200 rounds of evidence
+        ctl = GoodputController(edge, objective=Objective.SPEED)
+        for _ in range(blocks):
+            ctl.observe_block(3, accepted)  # (the edge's pooled counts learn them too)
+        return tuple(math.prod(a[:3]) for a in (edge.prior_rates(4), ctl.rates(4), ctl.cautious_rates(4)))
+
+    pooled, own, lucky = reach(2, 3)  # two fully accepted blocks: its estimate jumps; it moves part of the way
+    assert own > 1.3 * pooled and pooled < lucky < pooled + 0.5 * (own - pooled)
+    pooled, own, cautious = reach(1, 0)  # one rejected block: not a shorter block for one round of bad luck
+    assert own < pooled and cautious == pytest.approx(pooled, rel=0.05)
+    pooled, own, cautious = reach(30, 3)  # really easier: its counts take it further (a lower bound)
+    assert lucky < cautious < own
+    pooled, own, cautious = reach(30, 0)  # ... and a harder one too (an upper bound)
+    assert own < cautious < pooled
 
 
 # ------------------------------------------------------------------------------------------ pre-drafting's price
@@ -249,3 +291,57 @@ def test_a_sessions_own_prompt_is_not_a_cost_of_every_round():
     assert first.edge.forward.count == plain.edge.forward.count + 1  # the forward line still learns from it
     plain.observe_round(4, 0.008, 0.08, 5, 4, LoadHint(1, 65, 40_000, 30_000, 65, 60, 0))
     assert plain.edge.queue.value > first.edge.queue.value and plain.edge.prefill.value > first.edge.prefill.value
+
+
+def test_a_block_that_first_catches_the_draft_up_does_not_time_drafting(tiny_runners):
+    """The first block after OPEN and the first after a round at d = 0 feed the draft model a stretch it never
+    saw (the prompt, the target alone's tokens): their wait is not what drafting costs, so it is not timed."""
+    from specrelay.common import protocol as P
+    from specrelay.edge_worker.drafter import Drafter
+    from specrelay.edge_worker.session import EdgeSession, SessionConfig
+
+    class Scripted:  # a policy that drafts the lengths given and records what the session timed
+        probes = False
+
+        def __init__(self, lengths):
+            self.lengths, self.timed = list(lengths), []
+
+        def choose(self, remaining):
+            return self.lengths[0]
+
+        def predrafts(self, sent, d):
+            return False
+
+        def observe_block(self, d, n, bonus_match=None):
+            self.lengths.pop(0)
+
+        def observe_round(self, fresh, draft_s, latency_s, width, d, hint, predrafted=False, opened=False):
+            self.timed.append(draft_s is not None)
+
+    target, draft = tiny_runners
+    session = EdgeSession(target.tokenizer("def f():").input_ids, SessionConfig(max_new_tokens=16, draft_len=2),
+                          Drafter(draft, target.vocab_size), sid=1)
+    session.policy = policy = Scripted([2, 2, 0, 2, 2])
+    session.open_message()
+    for _ in range(5):
+        request = session.next_request()
+        session.apply(P.Verdict(1, request.seq, 0, 5))  # every draft token rejected, the target's token 5
+        session.record_timing(0.01, 0.02)
+    # OPEN's block, a drafting one, d = 0 (no draft: nothing to time either way), the catch-up, drafting again
+    assert policy.timed == [False, True, True, False, True]
+
+
+def test_an_exploring_pair_is_two_drafted_rounds_even_when_a_pre_draft_asked_first():
+    from specrelay.edge_worker.draftlen import EXPLORE_ROUNDS, PROBE_EVERY
+    from specrelay.edge_worker.estimators import EXPLORE_GRACE
+
+    ctl = trained(0.0, rtt=0.02, draft_per_token=0.002, forward=(0.01, 0.0005))
+    for _ in range(PROBE_EVERY + EXPLORE_GRACE):
+        ctl.observe_block(0, 0)
+    assert ctl.choose(63) == 1   # the shell's pre-draft asks what the next block will be, during a round at 0
+    ctl.observe_block(0, 0)      # ... whose VERDICT then arrives
+    drafted = []
+    for _ in range(EXPLORE_ROUNDS + 1):
+        drafted.append(ctl.choose(64))
+        ctl.observe_block(drafted[-1], 0)
+    assert drafted == [1] * EXPLORE_ROUNDS + [0]

@@ -22,7 +22,7 @@ WORLD = dict(alpha=0.85, rtt=0.02, draft_per_token=0.003, forward=(0.02, 0.0004)
 
 def rate_curve(ctl, top: int = 32) -> tuple[list[float], list[float]]:
     """(rate E(d) / T(d), calls per token 1 / E(d)) for d = 0..top, as the controller sees the world."""
-    a, model = ctl.rates(top + 1), ctl.edge.round_model()
+    a, model = ctl.cautious_rates(top + 1), ctl.edge.round_model()  # what speed and balanced choose on
     rates = [goodput(a, d, model(d, 0.0)) for d in range(top + 1)]
     return rates, [goodput(a, d, 1.0) ** -1 for d in range(top + 1)]
 
@@ -174,21 +174,29 @@ def test_report_merge_regenerates_only_what_was_rerun(tmp_path):
     assert "old schema" not in text and text.count("## JSON schema") == 1
 
 
-def test_at_d_0_one_round_in_four_probes():
-    from specrelay.edge_worker.draftlen import PROBE_EVERY, GoodputController
+def test_at_d_0_probes_back_off_while_they_confirm_it():
+    from specrelay.edge_worker.draftlen import EXPLORE_AFTER, PROBE_EVERY, GoodputController
+    from specrelay.edge_worker.estimators import PROBE_MAX
 
-    ctl = GoodputController()
+    ctl = GoodputController(objective=Objective.SPEED)
+    ctl.edge.acceptance.observe(8, 0)  # the draft's first token was rejected, on an edge ...
+    for _ in range(4):  # ... whose cloud passes are cheap and whose draft is slow: d = 0 is best
+        ctl.observe_round(1, 0.05, 0.01, 2, 1, LoadHint(1, 2, 9000, 0, 2, 0, 0))
+    assert ctl.choose(64) == 0
+    due = []
+    for _ in range(PROBE_EVERY * (1 + 2 + 4) + 3):
+        due.append(ctl.probes)
+        ctl.observe_block(0, 0, bonus_match=False if ctl.probes else None)  # each probe: the draft's guess missed
+    gaps = [i for i, p in enumerate(due) if p]
+    assert gaps == [PROBE_EVERY, 3 * PROBE_EVERY + 1, 7 * PROBE_EVERY + 2]  # 4, then 8, then 16 idle rounds
+    for _ in range(40):
+        ctl.observe_block(0, 0, bonus_match=False if ctl.probes else None)
+    assert ctl.edge.zero.interval(PROBE_EVERY) <= PROBE_MAX
+    ctl.observe_block(3, 2)  # drafting by choice: the interval starts over
+    assert ctl.edge.zero.interval(PROBE_EVERY) == PROBE_EVERY and not ctl.probes
+    ctl.edge.observe_block_steps(9, 3)  # a cross-vocabulary draft: its guess is dearer, the first interval longer
     seen = []
-    for _ in range(2 * PROBE_EVERY):
-        seen.append(ctl.probes)
-        ctl.observe_block(0, 0, bonus_match=True if ctl.probes else None)
-    assert seen == ([True] + [False] * (PROBE_EVERY - 1)) * 2
-    ctl.observe_block(3, 2)  # drafting again: the next d = 0 round probes at once
-    assert ctl.probes
-    ctl.edge.observe_block_steps(9, 3)  # a cross-vocabulary draft: one round in EXPLORE_AFTER
-    from specrelay.edge_worker.draftlen import EXPLORE_AFTER
-    seen = []
-    for _ in range(EXPLORE_AFTER):
+    for _ in range(EXPLORE_AFTER + 1):
         seen.append(ctl.probes)
         ctl.observe_block(0, 0)
-    assert seen == [True] + [False] * (EXPLORE_AFTER - 1)
+    assert seen == [False] * EXPLORE_AFTER + [True]

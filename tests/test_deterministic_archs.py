@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM
 from specrelay.archs import ARCHS, Arch, config_for
 from specrelay.cloud_worker import detlayers
 from specrelay.cloud_worker.attention import Row, forward_packed, install, self_check
-from specrelay.cloud_worker.kvcache import KVShape, KVStore
 from specrelay.common.errors import FatalError
+from packed import chunked_logits, store_for
 
 PACKED = [a for a in ARCHS if "no AttentionInterface" not in a.feature]  # the others refuse --deterministic
 EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
@@ -41,26 +41,8 @@ def tiny(arch, dtype=torch.float32, odd: bool = True):
     return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 
 
-def store_for(model, tokens: int = 2048) -> KVStore:
-    return KVStore(KVShape.of(model.config, model.dtype), tokens, block=128)  # the worker's deterministic block
-
-
 def logits_of(model, seqs: dict, key, chunks: list[int], others: list) -> torch.Tensor:
-    """Logits of seqs[key] fed in the given chunk sizes (cycled), every forward shared with `others`' tokens
-    (fed in chunk sizes of their own)."""
-    store = store_for(model)
-    keys = [key] + others
-    for k in keys:
-        store.reserve(k, 8)
-    done, out, step = dict.fromkeys(keys, 0), [], 0
-    while done[key] < len(seqs[key]):
-        rows = [Row(k, seqs[k][done[k]:done[k] + n], keep=n) for k in keys
-                for n in [min(len(seqs[k]) - done[k], chunks[(step + len(str(k))) % len(chunks)])] if n]
-        for row, logits in zip(rows, forward_packed(model, store, rows, deterministic=True)):
-            out += [logits] if row.key == key else []
-            done[row.key] += len(row.ids)
-        step += 1
-    return torch.cat(out)
+    return chunked_logits(model, seqs, key, chunks, others)
 
 
 def sequences() -> dict:

@@ -10,17 +10,11 @@ import sys
 import urllib.request
 
 import pytest
-import torch
 
 from specrelay.cluster import LocalCluster, free_port
+from tiny import hf_greedy
 
 PROMPTS = ["def add(a, b):\n", "class Point:\n", "for i in", "print(", "    return", "import os\n"]
-
-
-def hf_greedy(model, tok, prompt: str, n: int) -> list[int]:
-    ids = tok(prompt).input_ids
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=tok.eos_token_id)
-    return out[0, len(ids):].tolist()
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,8 @@ from specrelay.edge_worker.drafter import Drafter
 from specrelay.edge_worker.session import EdgeSession, SessionConfig
 from specrelay.speculative import speculative_generate_batch
 
+import packed
+
 SHAPE = KVShape(layers=2, kv_heads=2, head_dim=4, dtype=torch.float32)
 
 
@@ -179,19 +181,8 @@ def test_verifier_verdicts_equal_hf_for_ragged_batches(tiny_runners):
 
 def chunked_logits(runner, seqs: dict, key, chunks: list[int], others: list) -> torch.Tensor:
     """Logits of seqs[key] fed in the given chunk sizes, sharing every forward with `others`' tokens."""
-    store = KVStore(KVShape.of(runner.model.config, torch.float32), capacity_tokens=2048, block=128)
-    keys = [key] + others
-    for k in keys:
-        store.reserve(k, 8)
-    done, out, step = dict.fromkeys(keys, 0), [], 0
-    while done[key] < len(seqs[key]):
-        rows = [Row(k, seqs[k][done[k]:done[k] + n], keep=n) for k in keys
-                for n in [min(len(seqs[k]) - done[k], chunks[(step + len(str(k))) % len(chunks)])] if n]
-        for row, logits in zip(rows, forward_packed(runner.model, store, rows, deterministic=True)):
-            out += [logits] if row.key == key else []
-            done[row.key] += len(row.ids)
-        step += 1
-    return torch.cat(out)
+    store = packed.store_for(runner.model, dtype=torch.float32)
+    return packed.chunked_logits(runner.model, seqs, key, chunks, others, store)
 
 
 @pytest.mark.parametrize("gqa", [False, True])

@@ -11,21 +11,15 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from specrelay.cluster import LocalCluster
 from specrelay.common.protocol import Mode
 from specrelay.common.runner import ModelRunner
 from specrelay.common.sampling import SamplingParams
 from specrelay.speculative import target_generate
+from tiny import hf_greedy
 
 PROMPTS = ["def add(a, b):\n", "class Point:\n", "for i in", "print("]
-
-
-def hf_greedy(model, tok, prompt: str, n: int) -> list[int]:
-    ids = tok(prompt).input_ids
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=tok.eos_token_id)
-    return out[0, len(ids):].tolist()
 
 
 @pytest.fixture(scope="module")

@@ -48,15 +48,16 @@ def make_pair(root: Path) -> tuple[Path, Path]:
     return target, draft
 
 
+def hf_greedy(model, tok, prompt: str, n: int) -> list[int]:
+    """The model's own greedy continuation of `prompt` (HF generate): what every distributed run must equal."""
+    ids = tok(prompt).input_ids
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=tok.eos_token_id)
+    return out[0, len(ids):].tolist()
+
+
 def greedy_references(target: Path, prompts: list[str], max_new_tokens: int) -> dict[str, list[int]]:
-    """prompt -> the target model's own greedy continuation (HF generate): what every distributed run must equal."""
+    """prompt -> the target model's own greedy continuation (hf_greedy), loaded once for all prompts."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok, model = AutoTokenizer.from_pretrained(target), AutoModelForCausalLM.from_pretrained(target)
-    refs = {}
-    for prompt in prompts:
-        ids = tok(prompt).input_ids
-        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tok.eos_token_id)
-        refs[prompt] = out[0, len(ids):].tolist()
-    return refs
+    return {prompt: hf_greedy(model, tok, prompt, max_new_tokens) for prompt in prompts}

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # trainlib, xv_distill
 
 import trainlib  # noqa: E402
+from pair_eval import generation_acceptance  # noqa: E402
 from trainlib import log  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -351,35 +352,9 @@ def cmd_eval(args) -> None:
     metrics = {"demo-draft": {"teacher_forced_greedy_agreement": round(agree / n, 4),
                               "teacher_forced_alpha_t1": round(alpha / n, 4), "heldout_positions": n}}
     for name in ("demo-draft", "demo-draft-xv"):
-        metrics.setdefault(name, {}).update(generation_acceptance(name))
+        metrics.setdefault(name, {}).update(generation_acceptance(MODELS, name))
     (MODELS / "metrics.json").write_text(json.dumps(metrics, indent=1))
     log(metrics)
-
-
-def generation_acceptance(draft: str, n_prompts: int = 20, max_new: int = 64) -> dict:
-    """Acceptance while generating from held-out prompts with the specrelay cores (works across vocabularies):
-    greedy (accepted / drafted draft tokens) and sampling at temperature 1 (alpha estimate), draft length 4."""
-    sys.path.insert(0, str(ROOT))
-    from specrelay.common.runner import ModelRunner
-    from specrelay.common.sampling import SamplingParams
-    from specrelay.edge_worker.loading import load_drafter
-    from specrelay.edge_worker.config import SessionConfig
-    from specrelay.speculative import speculative_generate_batch
-
-    target = ModelRunner.load(str(MODELS / "demo-target"))
-    drafter, tok = load_drafter(str(MODELS / draft), str(MODELS / "demo-target"))
-    prompts = [tok(json.loads(x)["prompt"]).input_ids
-               for x in (MODELS / "heldout_prompts.jsonl").read_text().splitlines()[:n_prompts]]
-    out = {}
-    for label, params in (("greedy", SamplingParams()), ("t1", SamplingParams(1.0))):
-        configs = [SessionConfig(max_new_tokens=max_new, params=params, mode=None if params.greedy else "sample",
-                                 seed=i, draft_len=4) for i in range(len(prompts))]
-        res = speculative_generate_batch(drafter, target, prompts, configs)
-        acc = sum(s["accepted_tokens"] for _, s in res) / max(1, sum(s["draft_tokens"] for _, s in res))
-        calls = sum(s["cloud_calls"] for _, s in res) / sum(s["generated_tokens"] for _, s in res)
-        out[f"generation_acceptance_{label}_d4"] = round(acc, 4)
-        out[f"cloud_calls_per_token_{label}_d4"] = round(calls, 4)
-    return out
 
 
 def main() -> None:

@@ -1,0 +1,144 @@
+"""A busy edge's shared draft length, measured (docs/draftlen.md "One length for a busy edge").
+
+While an edge runs several sessions they all draft one length d, chosen every choice period (an *epoch*) at the
+edge's pooled estimates (edge_worker/draftlen.py). A model of one session cannot see the regime all sessions
+create together: at d = 0 the event loop handles a round per token for every session and the draft thread gets
+less of the core; while all draft, the draft's forwards take the CPU of a cloud worker sharing the machine; the
+draft thread's queue grows with everyone's d; acceptance per position measured at one length does not carry over
+to another (agreement comes in runs). So the edge *measures* the regimes it chooses between:
+
+- every round of an epoch but each session's first (a catch-up after d = 0, or a block chosen under the previous
+  length) adds its committed tokens and wall time, and the model's E(d) and T(d) at the epoch's choice, to the
+  shared length's decayed sums (`LengthRates`);
+- the model's rate curve is corrected by a trend in d fitted to the measured log ratios (measured rate / model
+  rate) of the lengths actually run: model proposes, measurement disposes. Only the trend matters (a ratio common
+  to all lengths does not move the choice); it is shrunk toward none by evidence (`TREND_PRIOR`) and applied only
+  up to `EXTRAPOLATE` tokens past the measured lengths;
+- an epoch at d = 0 is probed by a *shared* epoch at the best d > 0 (every session drafts: what is timed is the
+  drafting regime), after 4 epochs at d = 0, the interval doubling (to 64) while probes confirm d = 0;
+- every `NEIGHBOUR_EVERY`-th epoch that keeps a length d > 0 runs a neighbour (d - d/3 and d + d/3 in turn) so a
+  length once measured bad is not banned forever and the trend has two lengths to be fitted on.
+
+Ratios to the model, not raw rates, are compared, because rates drift along a generation and with the prompt mix
+(the model's pooled acceptance follows them). Pure: numbers in, numbers out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MEASURE_DECAY = 0.995    # per measured round (all sessions): a length's sums (memory ~200 rounds)
+TREND_PRIOR = 200.0      # ridge on the trend: rounds x tokens^2 of evidence at which the fitted slope counts half
+TREND_MAX = 0.08         # |slope| of log(measured / model) per draft token at most
+EXTRAPOLATE = 4          # the trend is applied up to this many tokens past the measured lengths
+EPOCH_PER_SESSION = 3    # an epoch lasts at least this many rounds per session in flight (one is not measured)
+NEIGHBOUR_EVERY = 4      # every 4th epoch that keeps a length d > 0 runs a neighbour instead
+PROBE_EPOCHS = 4         # epochs at d = 0 before a shared probe epoch; doubles while probes confirm d = 0
+PROBE_LEVELS = 4         # ... up to 4 << 4 = 64 epochs
+CLIP = 3.0               # a round's wall time counts at most CLIP x the model's T(d)
+
+
+class LengthRates:
+    """Per shared length d: decayed sums of measured rounds, committed tokens, wall seconds, and the model's
+    E(d) and T(d) for those rounds. `trend()` fits log(measured rate / model rate) against d."""
+
+    def __init__(self, decay: float = MEASURE_DECAY) -> None:
+        self.decay = decay
+        self.sums: dict[int, list[float]] = {}  # d -> [rounds, tokens, seconds, model tokens, model seconds]
+
+    def observe(self, d: int, tokens: int, seconds: float, model_tokens: float, model_seconds: float) -> None:
+        for row in self.sums.values():
+            for i in range(5):
+                row[i] *= self.decay
+        row = self.sums.setdefault(d, [0.0] * 5)
+        seconds = min(seconds, CLIP * model_seconds) if model_seconds > 0 else seconds
+        for i, x in enumerate((1.0, tokens, seconds, model_tokens, model_seconds)):
+            row[i] += x
+
+    def evidence(self, d: int) -> float:
+        """Decayed measured rounds at length d."""
+        return self.sums.get(d, [0.0])[0]
+
+    def ratio(self, d: int) -> float | None:
+        """Measured rate / the model's rate at length d (None: not measured)."""
+        rounds, tokens, seconds, e, t = self.sums.get(d, [0.0] * 5)
+        if rounds <= 0 or tokens <= 0 or seconds <= 0 or e <= 0 or t <= 0:
+            return None
+        return (tokens / seconds) / (e / t)
+
+    def trend(self) -> tuple[float, int, int]:
+        """(slope, lowest, highest): log(measured / model) ~ c + slope * d over the measured lengths (weighted by
+        their rounds, ridge toward slope 0), and the range of lengths it was measured on."""
+        points = [(d, r[0], math.log(q)) for d, r in self.sums.items() if (q := self.ratio(d)) is not None]
+        if len(points) < 2:
+            return 0.0, min((p[0] for p in points), default=0), max((p[0] for p in points), default=0)
+        w = sum(p[1] for p in points)
+        mx, my = sum(p[0] * p[1] for p in points) / w, sum(p[2] * p[1] for p in points) / w
+        sxx = sum(p[1] * (p[0] - mx) ** 2 for p in points)
+        sxy = sum(p[1] * (p[0] - mx) * (p[2] - my) for p in points)
+        slope = max(-TREND_MAX, min(TREND_MAX, sxy / (sxx + TREND_PRIOR)))
+        return slope, min(p[0] for p in points), max(p[0] for p in points)
+
+    def corrections(self, top: int) -> list[float]:
+        """Factors on the model's rate at d = 0..top: exp(slope * d), d clamped to EXTRAPOLATE past the range."""
+        slope, low, high = self.trend()
+        return [math.exp(slope * min(max(d, low - EXTRAPOLATE), high + EXTRAPOLATE)) for d in range(top + 1)]
+
+
+@dataclass
+class Epoch:
+    d: int          # the length every session drafts
+    at: int         # the edge's round count when it was chosen
+    serial: int     # which epoch (a session's round is measured when its previous one was in the same epoch)
+    model: tuple[float, float] = (0.0, 0.0)  # the model's E(d), T(d) at the choice
+
+
+@dataclass
+class SharedLength:
+    """The epochs of a busy edge's shared length (per objective) and what was measured at each length."""
+
+    measured: LengthRates = field(default_factory=LengthRates)
+    epochs: dict = field(default_factory=dict)  # objective -> Epoch
+    serial: int = 0
+    kept: int = 0          # epochs in a row at a length d > 0 chosen by the model (NEIGHBOUR_EVERY)
+    zero_epochs: int = 0   # epochs at d = 0 since the last probe epoch
+    zero_level: int = 0    # the probe interval is PROBE_EPOCHS << zero_level
+
+    def current(self, objective) -> Epoch | None:
+        return self.epochs.get(objective)
+
+    def due(self, objective, rounds: int, sessions: int, every: int) -> bool:
+        """Whether the objective's epoch is over (or none was chosen yet)."""
+        epoch = self.epochs.get(objective)
+        return epoch is None or rounds - epoch.at >= max(every, EPOCH_PER_SESSION * sessions)
+
+    def begin(self, objective, chosen: int, curve: list[tuple[float, float]], rates: list[float],
+              rounds: int) -> int:
+        """Start the next epoch: the objective's `chosen` length at the corrected `rates`, or a probe of drafting
+        at d = 0, or a neighbour of `chosen`. `curve`: the model's (E(d), T(d)) for d = 0..top."""
+        d = self._explore(chosen, rates)
+        self.serial += 1
+        self.epochs[objective] = Epoch(d, rounds, self.serial, curve[min(d, len(curve) - 1)])
+        return d
+
+    def _explore(self, chosen: int, rates: list[float]) -> int:
+        top = len(rates) - 1
+        if chosen == 0:
+            self.kept, self.zero_epochs = 0, self.zero_epochs + 1
+            if top < 1 or self.zero_epochs < PROBE_EPOCHS << self.zero_level:
+                return 0
+            self.zero_epochs, self.zero_level = 0, min(self.zero_level + 1, PROBE_LEVELS)
+            return max(range(1, top + 1), key=lambda d: rates[d])  # every session drafts: the drafting regime
+        self.zero_epochs = self.zero_level = 0
+        self.kept += 1
+        if self.kept % NEIGHBOUR_EVERY:
+            return chosen
+        step = max(1, chosen // 3)
+        shorter = (self.kept // NEIGHBOUR_EVERY) % 2 == 1
+        return max(0, chosen - step) if shorter else min(top, chosen + step)
+
+    def observe(self, epoch: Epoch, d: int, tokens: int, seconds: float) -> None:
+        """A measured round of `epoch` (d <= epoch.d: a block cut by the generation's end counts at epoch.d)."""
+        if (d > 0) == (epoch.d > 0) and d <= epoch.d:
+            self.measured.observe(epoch.d, tokens, seconds, *epoch.model)

@@ -29,6 +29,22 @@ def rate_curve(a: list[float], round_time, top: int) -> list[tuple[float, float]
     return curve
 
 
+def mixture_curve(after_miss: list[float], after_full: list[float], round_time, top: int) -> list[tuple[float, float]]:
+    """(E(d), T(d)) for d = 0..top when a block's acceptance depends on how the block before it ended (agreement
+    comes in runs): rates a_j after a rejected block (`after_miss`) and after a fully accepted one (`after_full`).
+    Blocks of d form a two-state chain: from state s the block is fully accepted with P^s_d, so the share of
+    blocks that follow a full acceptance is pi = P^miss_d / (1 - P^full_d + P^miss_d), and E(d) = (1 - pi)
+    E_miss(d) + pi E_full(d). A long block is rejected more often, so more of its blocks start after a rejection,
+    where acceptance is lower: per-position rates pooled over one length overstate E at a longer one."""
+    curve, e_m, e_f, p_m, p_f = [], 0.0, 0.0, 1.0, 1.0  # E and P_d from each state
+    for d in range(top + 1):
+        e_m, e_f = e_m + p_m, e_f + p_f
+        share = p_m / max(1e-9, 1.0 - p_f + p_m) if d else 0.0
+        p_m, p_f = p_m * after_miss[d], p_f * after_full[d]
+        curve.append(((1 - share) * e_m + share * e_f, round_time(d, (1 - share) * p_m + share * p_f)))
+    return curve
+
+
 def pick(rates: list[float], tolerance: float) -> int:
     """With tolerance 0 (speed) the shortest d within TIE of the best rate; else the longest within tolerance."""
     best = max(rates)

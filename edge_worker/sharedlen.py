@@ -10,10 +10,10 @@ to another (agreement comes in runs). So the edge *measures* the regimes it choo
 - every round of an epoch but each session's first (a catch-up after d = 0, or a block chosen under the previous
   length) adds its committed tokens and wall time, and the model's E(d) and T(d) at the epoch's choice, to the
   shared length's decayed sums (`LengthRates`);
-- the model's rate curve is corrected by a trend in d fitted to the measured log ratios (measured rate / model
-  rate) of the lengths actually run: model proposes, measurement disposes. Only the trend matters (a ratio common
-  to all lengths does not move the choice); it is shrunk toward none by evidence (`TREND_PRIOR`) and applied only
-  up to `EXTRAPOLATE` tokens past the measured lengths;
+- the model's rate curve is corrected by the measured ratios (measured rate / model rate) of the lengths actually
+  run: model proposes, measurement disposes. Only differences between lengths matter (a ratio common to all does
+  not move the choice), each shrunk toward the common one by its evidence; a correction only marks lengths down
+  (a noisy ratio that looks good does not pull the choice to a length nobody ran);
 - an epoch at d = 0 is probed by a *shared* epoch at the best d > 0 (every session drafts: what is timed is the
   drafting regime), after 4 epochs at d = 0, the interval doubling (to 64) while probes confirm d = 0;
 - every `NEIGHBOUR_EVERY`-th epoch that keeps a length d > 0 runs a neighbour (d - d/3 and d + d/3 in turn) so a
@@ -29,9 +29,7 @@ import math
 from dataclasses import dataclass, field
 
 MEASURE_DECAY = 0.995    # per measured round (all sessions): a length's sums (memory ~200 rounds)
-TREND_PRIOR = 200.0      # ridge on the trend: rounds x tokens^2 of evidence at which the fitted slope counts half
-TREND_MAX = 0.08         # |slope| of log(measured / model) per draft token at most
-EXTRAPOLATE = 4          # the trend is applied up to this many tokens past the measured lengths
+SHRINK = 8.0             # rounds of evidence at which a length's own ratio counts half (the rest: the common one)
 EPOCH_PER_SESSION = 3    # an epoch lasts at least this many rounds per session in flight (one is not measured)
 NEIGHBOUR_EVERY = 4      # every 4th epoch that keeps a length d > 0 runs a neighbour instead
 PROBE_EPOCHS = 4         # epochs at d = 0 before a shared probe epoch; doubles while probes confirm d = 0
@@ -61,29 +59,33 @@ class LengthRates:
         return self.sums.get(d, [0.0])[0]
 
     def ratio(self, d: int) -> float | None:
-        """Measured rate / the model's rate at length d (None: not measured)."""
-        rounds, tokens, seconds, e, t = self.sums.get(d, [0.0] * 5)
-        if rounds <= 0 or tokens <= 0 or seconds <= 0 or e <= 0 or t <= 0:
-            return None
-        return (tokens / seconds) / (e / t)
-
-    def trend(self) -> tuple[float, int, int]:
-        """(slope, lowest, highest): log(measured / model) ~ c + slope * d over the measured lengths (weighted by
-        their rounds, ridge toward slope 0), and the range of lengths it was measured on."""
-        points = [(d, r[0], math.log(q)) for d, r in self.sums.items() if (q := self.ratio(d)) is not None]
-        if len(points) < 2:
-            return 0.0, min((p[0] for p in points), default=0), max((p[0] for p in points), default=0)
-        w = sum(p[1] for p in points)
-        mx, my = sum(p[0] * p[1] for p in points) / w, sum(p[2] * p[1] for p in points) / w
-        sxx = sum(p[1] * (p[0] - mx) ** 2 for p in points)
-        sxy = sum(p[1] * (p[0] - mx) * (p[2] - my) for p in points)
-        slope = max(-TREND_MAX, min(TREND_MAX, sxy / (sxx + TREND_PRIOR)))
-        return slope, min(p[0] for p in points), max(p[0] for p in points)
+        """Measured round time / the model's T(d) at length d (None: not measured)."""
+        rounds, _, seconds, _, t = self.sums.get(d, [0.0] * 5)
+        return seconds / t if rounds > 0 and seconds > 0 and t > 0 else None
 
     def corrections(self, top: int) -> list[float]:
-        """Factors on the model's rate at d = 0..top: exp(slope * d), d clamped to EXTRAPOLATE past the range."""
-        slope, low, high = self.trend()
-        return [math.exp(slope * min(max(d, low - EXTRAPOLATE), high + EXTRAPOLATE)) for d in range(top + 1)]
+        """Factors on the model's rate E(d) / T(d) at d = 0..top: 1 / (measured round time / the model's T(d)),
+        each length's ratio shrunk toward the lengths' common one by its evidence (SHRINK rounds count half),
+        interpolated between measured lengths and flat past them. A round's time is a low-noise measurement
+        (its tokens are not: agreement comes in runs), so this is what measurement corrects; a ratio common to
+        all lengths does not move the choice."""
+        points = [(d, r[0], math.log(q)) for d, r in sorted(self.sums.items()) if (q := self.ratio(d)) is not None]
+        if len(points) < 2:
+            return [1.0] * (top + 1)
+        w = sum(p[1] for p in points)
+        mean = sum(p[1] * p[2] for p in points) / w
+        shrunk = [(d, mean + n / (n + SHRINK) * (y - mean)) for d, n, y in points]
+        return [math.exp(mean - _between(shrunk, d)) for d in range(top + 1)]
+
+
+def _between(points: list[tuple[int, float]], d: int) -> float:
+    """The value at d of the piecewise-linear curve through `points` (sorted by d), flat past its ends."""
+    if d <= points[0][0]:
+        return points[0][1]
+    for (d0, y0), (d1, y1) in zip(points, points[1:]):
+        if d <= d1:
+            return y0 + (y1 - y0) * (d - d0) / (d1 - d0)
+    return points[-1][1]
 
 
 @dataclass
@@ -91,7 +93,7 @@ class Epoch:
     d: int          # the length every session drafts
     at: int         # the edge's round count when it was chosen
     serial: int     # which epoch (a session's round is measured when its previous one was in the same epoch)
-    model: tuple[float, float] = (0.0, 0.0)  # the model's E(d), T(d) at the choice
+    model: tuple[float, float] | None = None  # the model's E(d), T(d) at the choice (None: not timed yet)
 
 
 @dataclass
@@ -114,12 +116,13 @@ class SharedLength:
         return epoch is None or rounds - epoch.at >= max(every, EPOCH_PER_SESSION * sessions)
 
     def begin(self, objective, chosen: int, curve: list[tuple[float, float]], rates: list[float],
-              rounds: int) -> int:
+              rounds: int, timed: bool = True) -> int:
         """Start the next epoch: the objective's `chosen` length at the corrected `rates`, or a probe of drafting
-        at d = 0, or a neighbour of `chosen`. `curve`: the model's (E(d), T(d)) for d = 0..top."""
+        at d = 0, or a neighbour of `chosen`. `curve`: the model's (E(d), T(d)) for d = 0..top; `timed` False:
+        its costs are still priors (nothing to compare a measurement with)."""
         d = self._explore(chosen, rates)
         self.serial += 1
-        self.epochs[objective] = Epoch(d, rounds, self.serial, curve[min(d, len(curve) - 1)])
+        self.epochs[objective] = Epoch(d, rounds, self.serial, curve[min(d, len(curve) - 1)] if timed else None)
         return d
 
     def _explore(self, chosen: int, rates: list[float]) -> int:
@@ -140,5 +143,5 @@ class SharedLength:
 
     def observe(self, epoch: Epoch, d: int, tokens: int, seconds: float) -> None:
         """A measured round of `epoch` (d <= epoch.d: a block cut by the generation's end counts at epoch.d)."""
-        if (d > 0) == (epoch.d > 0) and d <= epoch.d:
+        if epoch.model is not None and (d > 0) == (epoch.d > 0) and d <= epoch.d:
             self.measured.observe(epoch.d, tokens, seconds, *epoch.model)

@@ -21,10 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..common.protocol import MAX_DRAFT, LoadHint, Objective
-from .estimators import CLIP, AcceptanceCounts, EWLine, EWMean, ZeroProbes, conditional, reach_bound, reachable
+from .estimators import CLIP, CLIP_AFTER, AcceptanceCounts, EWLine, EWMean, ZeroProbes, conditional, reach_bound, reachable
 from .ratecurve import (BUSY_FULL, BUSY_KNEE, SATURATED, TIE, TOLERANCE, best_length, cloud_length,
                         mixture_curve, pick, tolerance)
-from .sharedlen import SharedLength
+from .sharedlen import WARM, SharedLength
 
 __all__ = ["BUSY_FULL", "BUSY_KNEE", "SATURATED", "TIE", "TOLERANCE", "best_length", "tolerance"]  # re-exported
 
@@ -96,7 +96,8 @@ class EdgeEstimates:
             d = pick(rates, self.tolerance(Objective.BALANCED if objective == Objective.CLOUD else objective))
             if objective == Objective.CLOUD:
                 d = max(d, cloud_length(a, self.row_share, top))
-            self.epochs.begin(objective, d, curve, rates, self.rounds, self.draft.count > 0 and self.forward.known)
+            warm = self.draft.count >= CLIP_AFTER and self.forward.known and self.rounds >= WARM * self.sessions
+            self.epochs.begin(objective, d, curve, rates, self.rounds, warm)
         return self.epochs.current(objective).d
 
     def best_length(self, a: list[float], top: int, objective: Objective,

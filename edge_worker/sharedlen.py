@@ -10,14 +10,15 @@ to another (agreement comes in runs). So the edge *measures* the regimes it choo
 - every round of an epoch but each session's first (a catch-up after d = 0, or a block chosen under the previous
   length) adds its committed tokens and wall time, and the model's E(d) and T(d) at the epoch's choice, to the
   shared length's decayed sums (`LengthRates`);
-- the model's rate curve is corrected by the measured ratios (measured rate / model rate) of the lengths actually
-  run: model proposes, measurement disposes. Only differences between lengths matter (a ratio common to all does
-  not move the choice), each shrunk toward the common one by its evidence; a correction only marks lengths down
-  (a noisy ratio that looks good does not pull the choice to a length nobody ran);
+- where the measured round times grow with d faster than the model's T(d) (a slope fitted to the log ratios of
+  the lengths actually run, weighted by their rounds and shrunk toward none), longer lengths are marked down by
+  it: model proposes, measurement disposes. A round's time is a low-noise measurement; its tokens are not (they
+  come in runs), so E(d) is the model's, from acceptance split by how the block before ended
+  (ratecurve.mixture_curve). Measurement only vetoes: a ratio that looks good does not pull the choice anywhere;
 - an epoch at d = 0 is probed by a *shared* epoch at the best d > 0 (every session drafts: what is timed is the
   drafting regime), after 4 epochs at d = 0, the interval doubling (to 64) while probes confirm d = 0;
-- every `NEIGHBOUR_EVERY`-th epoch that keeps a length d > 0 runs a neighbour (d - d/3 and d + d/3 in turn) so a
-  length once measured bad is not banned forever and the trend has two lengths to be fitted on.
+- every `NEIGHBOUR_EVERY`-th epoch that keeps a length d > 0 runs its shorter neighbour d - d/3, so the slope has
+  two lengths to be fitted on; old evidence decays, so a length once marked down is not banned forever.
 
 Ratios to the model, not raw rates, are compared, because rates drift along a generation and with the prompt mix
 (the model's pooled acceptance follows them). Pure: numbers in, numbers out.
@@ -29,17 +30,20 @@ import math
 from dataclasses import dataclass, field
 
 MEASURE_DECAY = 0.995    # per measured round (all sessions): a length's sums (memory ~200 rounds)
-SHRINK = 8.0             # rounds of evidence at which a length's own ratio counts half (the rest: the common one)
+TREND_PRIOR = 100.0      # ridge on the slope: rounds x tokens^2 of spread in d at which the fitted slope counts half
+TREND_MAX = 0.05         # the slope of log(measured / model round time) per draft token at most
+EXTRAPOLATE = 4          # the slope is applied up to this many tokens past the longest measured length
 EPOCH_PER_SESSION = 3    # an epoch lasts at least this many rounds per session in flight (one is not measured)
 NEIGHBOUR_EVERY = 4      # every 4th epoch that keeps a length d > 0 runs a neighbour instead
 PROBE_EPOCHS = 4         # epochs at d = 0 before a shared probe epoch; doubles while probes confirm d = 0
 PROBE_LEVELS = 4         # ... up to 4 << 4 = 64 epochs
 CLIP = 3.0               # a round's wall time counts at most CLIP x the model's T(d)
+WARM = 4                 # rounds per session before epochs are measured (start-up: every session's prefill)
 
 
 class LengthRates:
     """Per shared length d: decayed sums of measured rounds, committed tokens, wall seconds, and the model's
-    E(d) and T(d) for those rounds. `trend()` fits log(measured rate / model rate) against d."""
+    E(d) and T(d) for those rounds. `slope()` fits log(measured round time / the model's T(d)) against d."""
 
     def __init__(self, decay: float = MEASURE_DECAY) -> None:
         self.decay = decay
@@ -63,29 +67,28 @@ class LengthRates:
         rounds, _, seconds, _, t = self.sums.get(d, [0.0] * 5)
         return seconds / t if rounds > 0 and seconds > 0 and t > 0 else None
 
-    def corrections(self, top: int) -> list[float]:
-        """Factors on the model's rate E(d) / T(d) at d = 0..top: 1 / (measured round time / the model's T(d)),
-        each length's ratio shrunk toward the lengths' common one by its evidence (SHRINK rounds count half),
-        interpolated between measured lengths and flat past them. A round's time is a low-noise measurement
-        (its tokens are not: agreement comes in runs), so this is what measurement corrects; a ratio common to
-        all lengths does not move the choice."""
-        points = [(d, r[0], math.log(q)) for d, r in sorted(self.sums.items()) if (q := self.ratio(d)) is not None]
+    def slope(self) -> tuple[float, int, int]:
+        """(slope, lowest, highest): log(measured round time / the model's T(d)) ~ c + slope * d over the measured
+        lengths, weighted by their rounds, ridge toward 0 (TREND_PRIOR), kept to 0 <= slope <= TREND_MAX; and the
+        range of lengths it was measured on. A positive slope: rounds grow with d faster than the model says."""
+        points = [(d, r[0], math.log(q)) for d, r in self.sums.items() if (q := self.ratio(d)) is not None]
         if len(points) < 2:
-            return [1.0] * (top + 1)
+            return 0.0, 0, 0
         w = sum(p[1] for p in points)
-        mean = sum(p[1] * p[2] for p in points) / w
-        shrunk = [(d, mean + n / (n + SHRINK) * (y - mean)) for d, n, y in points]
-        return [math.exp(mean - _between(shrunk, d)) for d in range(top + 1)]
+        mx, my = sum(p[0] * p[1] for p in points) / w, sum(p[2] * p[1] for p in points) / w
+        sxx = sum(p[1] * (p[0] - mx) ** 2 for p in points)
+        sxy = sum(p[1] * (p[0] - mx) * (p[2] - my) for p in points)
+        return max(0.0, min(TREND_MAX, sxy / (sxx + TREND_PRIOR))), min(p[0] for p in points), max(p[0] for p in points)
 
-
-def _between(points: list[tuple[int, float]], d: int) -> float:
-    """The value at d of the piecewise-linear curve through `points` (sorted by d), flat past its ends."""
-    if d <= points[0][0]:
-        return points[0][1]
-    for (d0, y0), (d1, y1) in zip(points, points[1:]):
-        if d <= d1:
-            return y0 + (y1 - y0) * (d - d0) / (d1 - d0)
-    return points[-1][1]
+    def corrections(self, top: int) -> list[float]:
+        """Factors (<= 1) on the model's rate E(d) / T(d) at d = 0..top: where the measured round times grow with d
+        faster than the model's (a positive slope), a length past the shortest measured one is marked down by
+        exp(-slope * (d - shortest)), up to EXTRAPOLATE tokens past the longest measured (flat beyond). A round's
+        time is a low-noise measurement (its tokens are not: agreement comes in runs), and a ratio common to all
+        lengths does not move the choice; measurement only vetoes (a noisy ratio that looks good does not pull
+        the choice to a length nobody ran)."""
+        slope, low, high = self.slope()
+        return [math.exp(-slope * (min(max(d, low), high + EXTRAPOLATE) - low)) for d in range(top + 1)]
 
 
 @dataclass
@@ -137,9 +140,7 @@ class SharedLength:
         self.kept += 1
         if self.kept % NEIGHBOUR_EVERY:
             return chosen
-        step = max(1, chosen // 3)
-        shorter = (self.kept // NEIGHBOUR_EVERY) % 2 == 1
-        return max(0, chosen - step) if shorter else min(top, chosen + step)
+        return max(0, chosen - max(1, chosen // 3))  # the shorter neighbour: where a slope shows, it marks d down
 
     def observe(self, epoch: Epoch, d: int, tokens: int, seconds: float) -> None:
         """A measured round of `epoch` (d <= epoch.d: a block cut by the generation's end counts at epoch.d)."""

@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..common.protocol import MAX_DRAFT, LoadHint, Objective
-from .estimators import CLIP, CLIP_AFTER, AcceptanceCounts, EWLine, EWMean, ZeroProbes, conditional, reach_bound, reachable
+from .estimators import (CLIP, CLIP_AFTER, AcceptanceCounts, EWLine, EWMean, ZeroProbes, conditional, reach_bound,
+                         reachable)
 from .ratecurve import (BUSY_FULL, BUSY_KNEE, SATURATED, TIE, TOLERANCE, best_length, cloud_length,
                         mixture_curve, pick, tolerance)
 from .sharedlen import WARM, SharedLength

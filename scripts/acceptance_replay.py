@@ -10,7 +10,8 @@ the acceptance per position that `specrelay bench sweep --draft-lens d` measures
 noise). The extrapolation table is E(d) = sum_k prod_{j<k} a_j at the pooled rates a_j measured while drafting
 another length (the model a lone session evaluates every candidate with), the same per prompt combined as calls
 do (tokens over rounds), and the two-state E(d) a busy edge's shared length uses (acceptance after a rejected
-block vs after a fully accepted one, ratecurve.mixture_curve), against the replayed truth. docs/draftlen.md, "A busy edge over a link", reads it.
+block vs after a fully accepted one, ratecurve.mixture_curve), against the replayed truth. docs/draftlen.md
+("A busy edge over a link", "One length for a busy edge") reads it.
 """
 
 from __future__ import annotations

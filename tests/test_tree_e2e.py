@@ -9,6 +9,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
@@ -62,6 +63,29 @@ def test_coupled_and_sampled_trees_through_real_processes(tiny_cluster, tiny_pai
     for ids, stats in out:  # the law is checked in-process (tests/test_tree_session.py); here the plumbing
         assert len(ids) == stats["generated_tokens"] > 0 and all(0 <= t < runner.vocab_size for t in ids)
         assert stats["tree_rounds"] > 0 and stats["uplink_bytes"] > 0
+
+
+@pytest.mark.timeout(240)
+def test_a_chains_only_worker_answers_chains_only_and_the_edge_sends_chains(tiny_pair, tmp_path):
+    """A cloud worker on a model served through its own cache (Falcon: no AttentionInterface) refuses a tree with
+    CHAINS_ONLY, counted as a bad request; the edge re-OPENs, drafts chains, and its output is still the target's."""
+    from specrelay.archs import ARCHS, build
+    from specrelay.bench import run_edge
+
+    target = build(next(a for a in ARCHS if a.model_type == "falcon"), tiny_pair[0], tmp_path / "falcon")
+    with LocalCluster(str(target), threads=1) as cluster:
+        out, _ = asyncio.run(run_edge(cluster.frontend, str(tiny_pair[1]), PROMPTS[:2], 2, max_new_tokens=12,
+                                      draft_len=3, trees="on"))
+        with urllib.request.urlopen(f"http://127.0.0.1:{cluster.health_ports[0]}/metrics", timeout=5) as r:
+            metrics = r.read().decode()
+        values = cluster.metrics(cluster.health_ports[0])
+    refused = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if 'code="CHAINS_ONLY"' in line and not line.startswith("#")]
+    bad_requests = [v for name, v in values.items() if name.endswith("_bad_requests_total")]
+    assert refused and refused[0] >= 1 and bad_requests == [refused[0]], metrics[-3000:]
+    runner = ModelRunner.load(str(target))
+    for prompt, (ids, stats) in zip(PROMPTS, out):
+        assert ids == hf_greedy(runner.model, runner.tokenizer, prompt, 12), prompt
 
 
 @pytest.mark.demo

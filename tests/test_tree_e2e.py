@@ -90,7 +90,7 @@ def test_a_chains_only_worker_answers_chains_only_and_the_edge_sends_chains(tiny
 
 @pytest.mark.demo
 @pytest.mark.timeout(600)
-def test_demo_trees_over_a_link_equal_hf_and_start_from_predrafts(demo_runners, heldout_prompts):
+def test_demo_trees_over_a_link_equal_hf_and_start_from_predrafts(demo_runners, heldout_prompts, demo_greedy):
     """The demo pair over an emulated 50 ms link: greedy trees equal HF's output and, with the draft thread idle
     during the round trip, most rounds start from a pre-drafted verdict."""
     from specrelay.bench.link import LinkRelay, LinkSpec
@@ -115,5 +115,5 @@ def test_demo_trees_over_a_link_equal_hf_and_start_from_predrafts(demo_runners, 
     tries = sum(r.stats["predraft_tries"] for r in runs)
     hits = sum(r.stats["predraft_rounds"] for r in runs)
     for prompt, r in zip(prompts, runs):
-        assert r.error is None and r.ids == hf_greedy(target.model, target.tokenizer, prompt, 32), prompt
+        assert r.error is None and r.ids == demo_greedy(prompt, 32), prompt
     assert tries > 0 and hits >= 0.5 * tries, (hits, tries)

@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast bench train-models clean
+.PHONY: venv demo test test-all test-fast bench train-models clean
 
 venv: $(STAMP)
 
@@ -19,10 +19,13 @@ demo: venv
 	$(BIN)/specrelay demo
 
 test: venv
+	$(BIN)/python -m pytest -q -ra -m "not extended"
+
+test-all: venv
 	$(BIN)/python -m pytest -q -ra
 
 test-fast: venv
-	$(BIN)/python -m pytest -q -ra -m unit
+	$(BIN)/python -m pytest -q -ra -m "unit and not extended"
 
 bench: venv
 	$(BIN)/python -m specrelay.bench all

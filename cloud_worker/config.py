@@ -89,7 +89,7 @@ class WorkerStats:
     verify_requests: int = 0        # VERIFYs run through the model
     batches: int = 0
     batch_sizes: Counter = field(default_factory=Counter)  # batch size -> batches of that size
-    bad_requests: int = 0
+    bad_requests: int = 0           # BAD_REQUEST and CHAINS_ONLY answered (InvalidRequest)
     internal_errors: int = 0        # batches the model failed on
     errors: Counter = field(default_factory=Counter)       # ERROR replies by code name
     replies: int = 0

@@ -291,7 +291,7 @@ class CloudWorker(transport.Service):
     def _reply(self, item: Item, msg: P.Base) -> None:
         if isinstance(msg, P.Error):
             self._stats.errors[msg.code.name] += 1
-            self._stats.bad_requests += msg.code == ErrorCode.BAD_REQUEST
+            self._stats.bad_requests += msg.code in (ErrorCode.BAD_REQUEST, ErrorCode.CHAINS_ONLY)  # an InvalidRequest
         index, generation = item.conn
         conn = self.connections[index]
         if generation == conn.generation and conn.send(item.peer[1:], msg):  # the broker's own client id

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..common import resample, verify
-from ..common.errors import InvalidRequest
+from ..common.errors import ChainsOnly
 from ..common.protocol import Mode, Verify
 from ..common.rng import Purpose, gumbel, uniform
 from ..common.sampling import probs_from_logits
@@ -22,12 +22,12 @@ from ..common.tree import TreeDraft, from_verify
 def admit(req: Verify, mode: Mode, vocab_size: int, room: int, trees: bool) -> TreeDraft | None:
     """The request's tree, checked and pruned to the `room` positions left in the model's context (None: a
     chain). trees: this worker verifies trees (its forward is the packed one over the KV store). Raises
-    InvalidRequest naming the field."""
+    ChainsOnly for a tree it cannot verify, InvalidRequest (from_verify) for a malformed one, naming the field."""
     if not (req.parents or req.q_rows):
         return None
     if not trees:
-        raise InvalidRequest("this worker serves its model through the model's own cache (no AttentionInterface) "
-                             "and verifies chains only: send parents = []", field="parents")
+        raise ChainsOnly("this worker serves its model through the model's own cache (no AttentionInterface) "
+                         "and verifies chains only: send parents = []", field="parents")
     draft = from_verify(req, vocab_size, mode == Mode.SAMPLE)
     return draft.pruned(room)
 

@@ -3,6 +3,7 @@
     SpecRelayError
     ├── RequestError            a request failed; the process keeps serving (wire code in `.code`)
     │   ├── InvalidRequest      malformed frame, wrong type, out-of-range field       -> BAD_REQUEST
+    │   │   └── ChainsOnly      a token tree to a worker that verifies chains only    -> CHAINS_ONLY
     │   ├── UnknownSession      no live state for this (peer, session): re-OPEN       -> UNKNOWN_SESSION
     │   ├── WorkerLost          the worker holding the session vanished (retryable)   -> WORKER_LOST
     │   ├── Overloaded          no live worker / a limit reached (retryable)          -> UNAVAILABLE
@@ -35,6 +36,7 @@ class ErrorCode(enum.IntEnum):
     INTERNAL = 6         # a bug or a failed forward pass: re-OPEN
     UNAUTHORIZED = 7     # this key may not send that message
     CONTEXT_FULL = 8     # the session reached the target's context: the generation ends there ("length")
+    CHAINS_ONLY = 9      # this worker cannot verify token trees: re-OPEN and send chains (parents = [])
 
 
 class SpecRelayError(Exception):
@@ -62,6 +64,11 @@ class RequestError(SpecRelayError):
 
 class InvalidRequest(RequestError, ValueError, code=ErrorCode.BAD_REQUEST):
     """A malformed frame, a wrong type, an out-of-range field: do not retry it as is."""
+
+
+class ChainsOnly(InvalidRequest, code=ErrorCode.CHAINS_ONLY):
+    """A token tree sent to a worker that verifies chains only (the model's own cache: Falcon, Bloom). A bad
+    request like any other (counted as one); an edge with a tree in flight re-OPENs and drafts chains."""
 
 
 class UnknownSession(RequestError, code=ErrorCode.UNKNOWN_SESSION, retryable=True):
@@ -110,8 +117,8 @@ class ContextFull(RequestError, code=ErrorCode.CONTEXT_FULL):
     finishes the generation with what it committed (finish_reason "length")."""
 
 
-_BY_CODE = {cls.code: cls for cls in (InvalidRequest, UnknownSession, WorkerLost, Overloaded, GenerationTimeout,
-                                      Unauthorized, InternalError, ContextFull)}
+_BY_CODE = {cls.code: cls for cls in (InvalidRequest, ChainsOnly, UnknownSession, WorkerLost, Overloaded,
+                                      GenerationTimeout, Unauthorized, InternalError, ContextFull)}
 
 
 def from_wire(code: ErrorCode, message: str) -> RequestError:

@@ -31,6 +31,13 @@ from .treeround import TreeRounds, TreesRefused
 from .treeshape import TreeEstimates
 
 
+def _refuses_trees(error: P.Error) -> bool:
+    """The worker cannot verify token trees: CHAINS_ONLY. A worker from before that code answered BAD_REQUEST with
+    "chains only" in its message; that text is still accepted for one release (drop it in the next)."""
+    return error.code == ErrorCode.CHAINS_ONLY or (error.code == ErrorCode.BAD_REQUEST
+                                                   and "chains only" in error.message)
+
+
 class WorkerMisbehaved(InternalError):
     """A reply no honest worker sends (an id outside the vocabulary): counted, and the session re-OPENs."""
 
@@ -223,7 +230,7 @@ class EdgeSession:
                 return []
             if reply.code == ErrorCode.UNKNOWN_SESSION:
                 self.stats.reopens += 1
-            if reply.code == ErrorCode.BAD_REQUEST and self.trees.block is not None and "chains only" in reply.message:
+            if self.trees.block is not None and _refuses_trees(reply):
                 self.trees.refused()
                 raise TreesRefused(f"the worker verifies chains only: {reply.message}")
             raise from_wire(reply.code, reply.message)

@@ -69,13 +69,17 @@ class LocalCluster:
         return proc
 
     def start_worker(self) -> subprocess.Popen:
+        proc, port = self._spawn_worker()
+        self._wait_healthy(port, proc, "cloud worker")
+        return proc
+
+    def _spawn_worker(self) -> tuple[subprocess.Popen, int]:
         port = free_port()
         self.health_ports.append(port)
         proc = self._spawn("cloud-worker", "--broker", ",".join(self.backends), "--model", self.target_model,
                            "--max-batch", str(self.max_batch), "--health-port", str(port), *self.extra)
-        self._wait_healthy(port, proc, "cloud worker")
         self.worker_procs.append(proc)
-        return proc
+        return proc, port
 
     def start_broker(self, index: int = 0) -> subprocess.Popen:
         """Broker `index` on this cluster's fixed endpoints (so a restarted broker is found by everyone)."""
@@ -120,8 +124,9 @@ class LocalCluster:
         try:
             for index in range(len(self.frontends)):
                 self.start_broker(index)
-            for _ in range(self.workers):
-                self.start_worker()
+            started = [self._spawn_worker() for _ in range(self.workers)]  # they load their models side by side
+            for proc, port in started:
+                self._wait_healthy(port, proc, "cloud worker")
         except BaseException:
             self.stop()
             raise

@@ -24,6 +24,8 @@ os.environ.setdefault("SPECRELAY_THREADS", "1")
 # `process`, every test of a module that starts processes (found in its source, so a new module cannot forget;
 # or marked by hand where a helper starts them);
 # `unit` is the rest: pure cores and sockets inside the test process.
+# `extended` (marked by hand, pyproject.toml): a slow case whose behaviour a default-run sibling covers, named beside
+# it; `make test` and `make test-fast` leave it out, `make test-all` runs it.
 _STARTS_PROCESSES = re.compile(r"LocalCluster|subprocess|Popen|multiprocessing")
 
 
@@ -66,6 +68,22 @@ def demo_runners():
     from specrelay.common.runner import ModelRunner
 
     return ModelRunner.load(str(MODELS / "demo-target")), ModelRunner.load(str(MODELS / "demo-draft"))
+
+
+@pytest.fixture(scope="session")
+def demo_greedy(demo_runners):
+    """demo_greedy(prompt, n) -> the demo target's own HF greedy continuation, computed once per session: several
+    demo tests check the same held-out prompts against it (about 5 s of `generate` each time otherwise)."""
+    from tiny import hf_greedy
+
+    target, cache = demo_runners[0], {}
+
+    def reference(prompt: str, n: int) -> list[int]:
+        if (prompt, n) not in cache:
+            cache[prompt, n] = hf_greedy(target.model, target.tokenizer, prompt, n)
+        return cache[prompt, n]
+
+    return reference
 
 
 @pytest.fixture(scope="session")

@@ -91,7 +91,7 @@ async def test_client_stream_and_cancel_through_edge_worker_process(tiny_cluster
 
 @pytest.mark.demo
 @pytest.mark.timeout(600)
-def test_demo_greedy_through_broker_equals_hf_20_prompts_8_in_flight(demo_runners, heldout_prompts):
+def test_demo_greedy_through_broker_equals_hf_20_prompts_8_in_flight(demo_runners, heldout_prompts, demo_greedy):
     from specrelay.bench import run_edge
 
     target, _ = demo_runners
@@ -102,7 +102,7 @@ def test_demo_greedy_through_broker_equals_hf_20_prompts_8_in_flight(demo_runner
         xv, _ = asyncio.run(run_edge(cluster.frontend, target.name.replace("demo-target", "demo-draft-xv"), prompts,
                                      8, target_tok=target.name, max_new_tokens=32))
     for prompt, (ids, stats), (xv_ids, _) in zip(prompts, out, xv):
-        ref = hf_greedy(target.model, target.tokenizer, prompt, 32)
+        ref = demo_greedy(prompt, 32)
         assert ids == ref, prompt
         assert xv_ids == ref, prompt  # cross-vocabulary draft: still exactly the target's greedy output
 

@@ -13,7 +13,7 @@ from specrelay.cloud_worker.owncache import OwnCacheStore
 from specrelay.cloud_worker.verifier import Verifier, VerifierConfig
 from specrelay.common import protocol as P
 from specrelay.common import verify
-from specrelay.common.errors import ErrorCode
+from specrelay.common.errors import ErrorCode, InvalidRequest, from_wire
 from specrelay.common.protocol import Mode
 from specrelay.common.runner import ModelRunner
 from specrelay.common.sampling import SamplingParams
@@ -91,6 +91,9 @@ def test_the_own_cache_fallback_refuses_trees_and_serves_chains(checkpoints):
     ids = runner.tokenizer("def add(a, b):\n").input_ids
     verifier.open(key, P.Open(1, ids))
     error = verifier.verify([(key, P.Verify(1, 1, len(ids), [], [5, 6], parents=[-1, -1]))])[0]
-    assert error.code == ErrorCode.BAD_REQUEST and "verifies chains only" in error.message
+    assert error.code == ErrorCode.CHAINS_ONLY and "verifies chains only" in error.message
+    assert isinstance(from_wire(error.code, error.message), InvalidRequest)  # a bad request, not a retry
+    bad = verifier.verify([(key, P.Verify(1, 1, len(ids), [], [5, 6], parents=[-1, 7]))])[0]  # malformed too
+    assert bad.code == ErrorCode.CHAINS_ONLY and verifier.sessions[key].tokens == ids
     verdict = verifier.verify([(key, P.Verify(1, 2, len(ids), [], [5, 6]))])[0]
     assert verdict.next_token >= 0 and verdict.node is None

@@ -9,6 +9,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
@@ -64,9 +65,32 @@ def test_coupled_and_sampled_trees_through_real_processes(tiny_cluster, tiny_pai
         assert stats["tree_rounds"] > 0 and stats["uplink_bytes"] > 0
 
 
+@pytest.mark.timeout(240)
+def test_a_chains_only_worker_answers_chains_only_and_the_edge_sends_chains(tiny_pair, tmp_path):
+    """A cloud worker on a model served through its own cache (Falcon: no AttentionInterface) refuses a tree with
+    CHAINS_ONLY, counted as a bad request; the edge re-OPENs, drafts chains, and its output is still the target's."""
+    from specrelay.archs import ARCHS, build
+    from specrelay.bench import run_edge
+
+    target = build(next(a for a in ARCHS if a.model_type == "falcon"), tiny_pair[0], tmp_path / "falcon")
+    with LocalCluster(str(target), threads=1) as cluster:
+        out, _ = asyncio.run(run_edge(cluster.frontend, str(tiny_pair[1]), PROMPTS[:2], 2, max_new_tokens=12,
+                                      draft_len=3, trees="on"))
+        with urllib.request.urlopen(f"http://127.0.0.1:{cluster.health_ports[0]}/metrics", timeout=5) as r:
+            metrics = r.read().decode()
+        values = cluster.metrics(cluster.health_ports[0])
+    refused = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if 'code="CHAINS_ONLY"' in line and not line.startswith("#")]
+    bad_requests = [v for name, v in values.items() if name.endswith("_bad_requests_total")]
+    assert refused and refused[0] >= 1 and bad_requests == [refused[0]], metrics[-3000:]
+    runner = ModelRunner.load(str(target))
+    for prompt, (ids, stats) in zip(PROMPTS, out):
+        assert ids == hf_greedy(runner.model, runner.tokenizer, prompt, 12), prompt
+
+
 @pytest.mark.demo
 @pytest.mark.timeout(600)
-def test_demo_trees_over_a_link_equal_hf_and_start_from_predrafts(demo_runners, heldout_prompts):
+def test_demo_trees_over_a_link_equal_hf_and_start_from_predrafts(demo_runners, heldout_prompts, demo_greedy):
     """The demo pair over an emulated 50 ms link: greedy trees equal HF's output and, with the draft thread idle
     during the round trip, most rounds start from a pre-drafted verdict."""
     from specrelay.bench.link import LinkRelay, LinkSpec
@@ -91,5 +115,5 @@ def test_demo_trees_over_a_link_equal_hf_and_start_from_predrafts(demo_runners, 
     tries = sum(r.stats["predraft_tries"] for r in runs)
     hits = sum(r.stats["predraft_rounds"] for r in runs)
     for prompt, r in zip(prompts, runs):
-        assert r.error is None and r.ids == hf_greedy(target.model, target.tokenizer, prompt, 32), prompt
+        assert r.error is None and r.ids == demo_greedy(prompt, 32), prompt
     assert tries > 0 and hits >= 0.5 * tries, (hits, tries)

@@ -12,7 +12,7 @@ from stats import chi2_pvalue
 
 from specrelay.cloud_worker.verifier import Verifier, VerifierConfig
 from specrelay.common import protocol as P
-from specrelay.common.errors import ErrorCode
+from specrelay.common.errors import ErrorCode, InvalidRequest
 from specrelay.common.protocol import Mode
 from specrelay.common.sampling import SamplingParams, probs_from_logits
 from specrelay.edge_worker.config import SessionConfig
@@ -123,11 +123,19 @@ def test_a_worker_that_cannot_verify_trees_gets_chains(tiny_runners):
     request, reply = one_round(s, verifier)
     assert not request.parents and s.trees.chains_only
     s.apply(reply)
-    s2, verifier = session_and_verifier(tiny_runners, trees="on", draft_len=3)
-    one_round(s2, verifier)
-    with pytest.raises(TreesRefused):  # the Falcon/Bloom fallback's refusal
-        s2.apply(P.Error(1, 1, ErrorCode.BAD_REQUEST, "this worker ... verifies chains only: send parents = []"))
-    assert s2.trees.chains_only
+    refusals = [P.Error(1, 1, ErrorCode.CHAINS_ONLY, "this worker ... verifies chains only"),  # Falcon, Bloom
+                P.Error(1, 1, ErrorCode.BAD_REQUEST, "this worker ... verifies chains only: send parents = []")]
+    for refusal in refusals:  # the second: a worker from before CHAINS_ONLY (accepted for one release)
+        s2, verifier = session_and_verifier(tiny_runners, trees="on", draft_len=3)
+        one_round(s2, verifier)
+        with pytest.raises(TreesRefused):
+            s2.apply(refusal)
+        assert s2.trees.chains_only
+    s3, verifier = session_and_verifier(tiny_runners, trees="on", draft_len=3)
+    one_round(s3, verifier)
+    with pytest.raises(InvalidRequest) as failed:  # any other bad request stays one, trees on
+        s3.apply(P.Error(1, 1, ErrorCode.BAD_REQUEST, "parents[1] = 7 is not an earlier node"))
+    assert not isinstance(failed.value, TreesRefused) and not s3.trees.chains_only
 
 
 def test_predrafted_verdicts_start_the_next_tree(demo_runners):

@@ -32,8 +32,12 @@ def test_synthetic_pair_overlaps_partly(synthetic):
     assert (drafter.vocab.n_draft, drafter.vocab.n_target, drafter.vocab.n_shared) == (10, 12, 6)
 
 
+# coupled-hr's law runs in `make test-all` only (`extended`): coupled mode is exact per seed, so the default run's
+# sibling is test_coupled_cross_vocab_equals_target_alone_coupled (400 seeds equal the target alone's coupled draw,
+# target-only tokens among them) with test_core.py's test_gumbel_argmax_is_a_sample_of_p (that draw's law is p).
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("mode, resample", [("sample", "hr"), ("sample", "srdv"), ("coupled", "hr")])
+@pytest.mark.parametrize("mode, resample", [("sample", "hr"), ("sample", "srdv"),
+                                            pytest.param("coupled", "hr", marks=pytest.mark.extended)])
 def test_first_two_tokens_follow_the_target_law(synthetic, mode, resample):
     target, drafter, prompt = synthetic
     law = exact_two_token_law(target, prompt, PARAMS)
@@ -64,11 +68,17 @@ def test_server_only_tokens_are_reachable(synthetic):
 
 
 def test_coupled_cross_vocab_equals_target_alone_coupled(synthetic):
+    """Token for token the target alone's coupled draw for every seed, target-only tokens (V_o) included."""
     target, drafter, prompt = synthetic
-    for seed in range(20):
-        out, _ = speculative_generate(drafter, target, prompt, max_new_tokens=6, params=PARAMS, mode="coupled",
-                                      seed=seed, draft_len=3)
-        assert out == target_generate(target, prompt, 6, PARAMS, "coupled", seed)
+    configs = [SessionConfig(max_new_tokens=6, params=PARAMS, mode="coupled", seed=s, draft_len=2 + s % 2,
+                             resample="hr") for s in range(400)]
+    results = speculative_generate_batch(drafter, target, [prompt] * 400, configs)
+    for seed, (out, _) in enumerate(results):
+        assert out == target_generate(target, prompt, 6, PARAMS, "coupled", seed), seed
+    assert any(not drafter.shared_mask[t] for out, _ in results for t in out)  # V_o tokens were committed
+    out, _ = speculative_generate(drafter, target, prompt, max_new_tokens=6, params=PARAMS, mode="coupled", seed=7,
+                                  draft_len=3)  # one session alone: the same draw as in the batch
+    assert out == results[7][0]
 
 
 def test_greedy_cross_vocab_equals_target_greedy(synthetic):

@@ -24,6 +24,7 @@ def test_a_run_of_equal_sessions_is_all_occupied_and_the_untimed_part_is_what_th
     assert split["session_ms_per_round"] == 100.0
     assert split["untimed_ms_per_round"] == 20.0
     assert split["full_house_tokens_per_s"] == 80.0  # 4 sessions x 20 tokens in 1 s
+    assert split["steady_tokens_per_s"] == pytest.approx(4 * 18 / 0.9)  # after the first commits at 0.1 s
 
 
 def test_a_slow_generation_leaves_the_others_idle_the_tail_is_occupancy_not_untimed_round_time():
@@ -40,3 +41,4 @@ def test_failed_generations_and_empty_runs_are_left_out():
     split = wall_split([([session(10, 0.1, 0.1), bad], 1.0), ([], 0.0)])
     assert split["session_ms_per_round"] == 100.0
     assert split["full_house_tokens_per_s"] is None  # the failed run has no commits: no full-house span
+    assert split["steady_tokens_per_s"] is None

@@ -66,6 +66,8 @@ SWEEP_ROW: dict[str, tuple[tuple[type, ...], str]] = {
                        "prompts waited for its slowest generations"),
     "full_house_tokens_per_s": (OPT_NUM, "tokens / s until each run's first generation ended (every session "
                                          "in flight)"),
+    "steady_tokens_per_s": (OPT_NUM, "the same from each run's last first commit on (start-up and prefill left "
+                                     "out): a steady state of `sessions` in flight"),
     "uplink_bytes_per_token": (NUM, "edge -> cloud bytes per generated token"),
     "downlink_bytes_per_token": (NUM, "cloud -> edge bytes per generated token"),
 }

@@ -96,7 +96,8 @@ async def run_sessions(edge, texts: list[str], config, concurrency: int, progres
 
 
 def wall_split(slices: list[tuple[list[SessionRun], float]]) -> dict:
-    """Where the wall time of runs of `run_sessions` (each: its runs and its wall) went, per VERIFY round:
+    """Where the wall time of runs of `run_sessions` (each: its runs and its wall; all of a run's generations
+    in flight from its start, as the sweep's slices of `--sessions` prompts are) went, per VERIFY round:
     a session's own wall (OPEN to its last VERDICT) against what the edge times of a round (draft wait +
     VERIFY->VERDICT), and the share of sessions x wall a session was in flight (`occupancy`: below 1, the
     run waited for its slowest generations). `full_house_tokens_per_s`: tokens / s until the first

@@ -1,21 +1,16 @@
 """Goodput-driven draft length (`--draft-len auto`): pick d (0 allowed) to maximise expected committed tokens
 per second, from what the edge measures. The model, in full, is in docs/draftlen.md:
 
-    E(d) = sum_{k=0..d} P_k,   P_0 = 1,  P_k = prod_{j<k} a_j     tokens one round commits (a_j: acceptance at
-                                                                   draft position j, given 0..j-1 accepted)
-    T(d) = t * (d - P_{d+1} * min(d, b - 1))                       seconds one round takes: drafting on the
-           + R + Q + F(d)                                          critical path, less what pre-drafting saves,
-                                                                   the link, the worker's queue, its forward
+    E(d) = sum_{k=0..d} P_k,   P_k = prod_{j<k} a_j                tokens one round commits
+    T(d) = t*s*(d + L) - pre-drafting's net saving + R + Q + F(d)  seconds one round takes
     F(d) = f0 + f1 * (B * (d + 1 + x) + p)                         the forward pass if all B rows drafted d
-                                                                   (mean field): x = a row's tokens besides
-                                                                   d + 1, p = prompt chunks beside the rows
-    b    = pre-draft budget: tokens the draft thread makes while waiting for the VERDICT (or for R/2)
-    d*   = the longest d (fewest cloud calls, 1 / E(d)) whose rate E(d) / T(d) is within the objective's
-           tolerance of the best (speed: the shortest within TIE); the tolerance rises toward SATURATED as the
-           cloud's utilisation (the load hint's `busy`) nears 1: the cloud sets the price of a call
+    d*   = the longest d (fewest cloud calls) whose rate E(d) / T(d) is within the objective's tolerance of the
+           best (speed: the shortest within TIE); the tolerance rises toward SATURATED as the cloud's
+           utilisation (the load hint's `busy`) nears 1: the cloud sets the price of a call
 
-A busy edge (several sessions in flight) drafts one d for all, chosen at the pooled acceptance; a lone session
-follows its own. Pure: no clocks, no sockets. The edge shell feeds it what it measured (`observe_round`,
+A busy edge (several sessions in flight) drafts one d for all, per epoch, at the pooled acceptance, the model
+corrected by what the edge measured at the lengths it ran (edge_worker/sharedlen.py); a lone session follows
+its own. Pure: no clocks, no sockets. The edge shell feeds it what it measured (`observe_round`,
 `observe_steps`) and the verdicts (`observe_block`); the estimates every session of an edge shares (link, cloud
 load, draft speed, pooled acceptance) live in `EdgeEstimates`, each session's own acceptance in its
 `GoodputController`.
@@ -26,7 +21,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..common.protocol import MAX_DRAFT, LoadHint, Objective
-from .estimators import CLIP, AcceptanceCounts, EWLine, EWMean, ZeroProbes, conditional, reach_bound, reachable
+from .estimators import (CLIP, CLIP_AFTER, AcceptanceCounts, EWLine, EWMean, ZeroProbes, conditional, reach_bound,
+                         reachable)
+from .ratecurve import (BUSY_FULL, BUSY_KNEE, SATURATED, TIE, TOLERANCE, best_length, cloud_length, pick,
+                        rate_curve, tolerance)
+from .sharedlen import WARM, SharedLength
+
+__all__ = ["BUSY_FULL", "BUSY_KNEE", "SATURATED", "TIE", "TOLERANCE", "best_length", "tolerance"]  # re-exported
 
 AUTO_MAX = 32                # longest block auto will draft
 PRIOR_ACCEPT = 0.7           # acceptance assumed at a position nobody has measured yet
@@ -44,11 +45,6 @@ CAUTION = 1.0                # speed and balanced choose on a lower bound, CAUTI
 PREDRAFT_SHARE = 0.7         # pre-drafting stops this far into the expected wait: the draft thread is idle (and
                              # the GIL free) when the VERDICT arrives, so its handling is not delayed
 SHARED_EVERY = 8             # rounds (of all sessions) between two choices of a busy edge's shared length
-TIE = 0.01                   # speed: a shorter draft within 1 % of the best rate wins (the rate is flat near its
-                             # top and its estimate noisy; a shorter draft wastes less of the cloud)
-TOLERANCE = {Objective.SPEED: 0.0, Objective.BALANCED: 0.10}  # share of the best rate given up for fewer calls
-SATURATED = 0.40             # speed's and balanced's tolerance when the cloud is saturated (utilisation >= BUSY_FULL)
-BUSY_KNEE, BUSY_FULL = 0.85, 0.98  # the cloud's utilisation from which the price of a call rises, and where it tops
 PROBE_EVERY = 4              # at d = 0, the first probe interval: a round pre-drafts the guess for the next token
                              # (an acceptance sample); the draft's catch-up and steps are not free on an edge whose
                              # CPU is busy (a cross-vocabulary guess takes ~3 draft steps and a re-tokenisation:
@@ -83,17 +79,25 @@ class EdgeEstimates:
     rounds: int = 0                                                           # rounds observed (all sessions)
     sessions: int = 1                                                         # sessions in flight (the shell's)
     zero: ZeroProbes = field(default_factory=ZeroProbes)                     # when d = 0 samples acceptance
-    _shared: dict = field(default_factory=dict)                              # objective -> (shared d, at round)
+    epochs: SharedLength = field(default_factory=SharedLength)               # a busy edge's shared length
 
     def shared(self, top: int, objective: Objective = Objective.BALANCED) -> int:
-        """The length every session of a busy edge drafts (per objective): the best at the pooled acceptance,
-        chosen again every SHARED_EVERY rounds. One length, because a lockstep draft batch lasts as long as its
-        longest job and a session drafting longer than the rest delays them all."""
-        chosen = self._shared.get(objective)
-        if chosen is None or self.rounds - chosen[1] >= SHARED_EVERY:
-            d = self.best_length(self.prior_rates(top + 1), top, objective)
-            chosen = self._shared[objective] = (d, self.rounds)
-        return chosen[0]
+        """The length every session of a busy edge drafts (per objective), for an epoch of at least SHARED_EVERY
+        rounds and 3 per session: the best at the pooled acceptance, the model's rate corrected by what was
+        measured at the lengths run (edge_worker/sharedlen.py), or a shared probe of drafting from d = 0. One length,
+        because a lockstep draft batch lasts as long as its longest job and a session drafting longer than the
+        rest delays them all."""
+        if self.epochs.due(objective, self.rounds, self.sessions, SHARED_EVERY):
+            a, model = self.prior_rates(top + 1), self.round_model()
+            curve = rate_curve(a, model, top)
+            fix = self.epochs.measured.corrections(top)
+            rates = [e / max(t, 1e-9) * c for (e, t), c in zip(curve, fix)]
+            d = pick(rates, self.tolerance(Objective.BALANCED if objective == Objective.CLOUD else objective))
+            if objective == Objective.CLOUD:
+                d = max(d, cloud_length(a, self.row_share, top))
+            warm = self.draft.count >= CLIP_AFTER and self.forward.known and self.rounds >= WARM * self.sessions
+            self.epochs.begin(objective, d, curve, rates, self.rounds, warm)
+        return self.epochs.current(objective).d
 
     def best_length(self, a: list[float], top: int, objective: Objective,
                     cautious: list[float] | None = None) -> int:
@@ -142,10 +146,6 @@ class EdgeEstimates:
         self.lookahead = 1
         if timed:
             self.steps_per_token.observe(steps / (tokens + 1))
-
-    def draft_steps(self, d: int) -> float:
-        """Draft-model steps for a block of d target tokens (d with one vocabulary)."""
-        return self.steps_per_token.value * (d + self.lookahead) if d > 0 else 0.0
 
     def observe_steps(self, steps: int, seconds: float) -> None:
         """The draft thread ran a lockstep batch of `steps` steps in `seconds` (pre-draft chunks included)."""
@@ -253,41 +253,6 @@ class EdgeEstimates:
         return model
 
 
-def best_length(a: list[float], round_time, top: int, tolerance: float = 0.0) -> int:
-    """At acceptance a_0..a_top, 0 <= d <= top: with tolerance 0 (speed) the shortest d within TIE of the best
-    rate E(d) / T(d); else the longest d (the fewest cloud calls per token, 1 / E(d)) within `tolerance` of it."""
-    rates, expected, p = [], 0.0, 1.0  # p = P_d, expected = E(d)
-    for d in range(top + 1):
-        expected += p
-        p_next = p * a[d]
-        rates.append(expected / max(round_time(d, p_next), 1e-9))
-        p = p_next
-    best = max(rates)
-    if tolerance <= 0:
-        return next(d for d, rate in enumerate(rates) if rate >= (1 - TIE) * best)
-    return max(d for d, rate in enumerate(rates) if rate >= (1 - tolerance) * best)
-
-
-def cloud_length(a: list[float], row_share, top: int) -> int:
-    """The longest d within TIE of the least cloud time per committed token, row_share(d) / E(d): a longer draft
-    saves calls (E grows) until the rejected tokens it makes the cloud verify cost more than the calls saved."""
-    costs, expected, p = [], 0.0, 1.0  # p = P_d, expected = E(d)
-    for d in range(top + 1):
-        expected += p
-        p *= a[d]
-        costs.append(row_share(d) / expected)
-    least = min(costs)
-    return max(d for d, cost in enumerate(costs) if cost <= (1 + TIE) * least)
-
-
-def tolerance(objective: Objective, busy: float) -> float:
-    """The share of the best rate an objective gives up for fewer cloud calls, at the cloud's utilisation `busy`
-    (0..1): its own below BUSY_KNEE, rising linearly to SATURATED at BUSY_FULL."""
-    own = TOLERANCE.get(objective, SATURATED)
-    pressure = min(1.0, max(0.0, (busy - BUSY_KNEE) / (BUSY_FULL - BUSY_KNEE)))
-    return own + max(0.0, SATURATED - own) * pressure
-
-
 class GoodputController:
     """One session's draft length: its own acceptance (starting from the edge's pooled rates), the edge's costs."""
 
@@ -299,6 +264,7 @@ class GoodputController:
         self.exploring = False  # the block in flight drafts one token to sample acceptance (ZeroProbes)
         self.explore_left = 0  # exploring rounds still to go (EXPLORE_ROUNDS)
         self.unpaid = 0  # rounds whose pre-draft would not have paid (PREDRAFT_EXPLORE)
+        self.committed, self.serial = 0, None  # the last VERDICT's committed tokens; the epoch of its round
 
     @property
     def probes(self) -> bool:
@@ -337,7 +303,8 @@ class GoodputController:
         sessions, else this session's own; d = 1 for EXPLORE_ROUNDS rounds when the edge's probe at d = 0 is
         overdue (ZeroProbes)."""
         top = max(0, min(self.max_len, remaining - 1))
-        if top and (self.explore_left or self.edge.zero.explore(self.edge.probe_base())):
+        busy = self.edge.sessions > 1  # a busy edge probes d = 0 with a shared epoch (sharedlen.py)
+        if top and not busy and (self.explore_left or self.edge.zero.explore(self.edge.probe_base())):
             self.explore_left = self.explore_left or EXPLORE_ROUNDS
             self.exploring = True
             return 1
@@ -361,10 +328,17 @@ class GoodputController:
         chosen, self.exploring = d > 0 and not explored, False
         still_zero = sampled and not chosen and self.policy_length(self.max_len) == 0
         self.edge.zero.observe(self.edge.probe_base(), d, sampled, chosen, still_zero)
+        self.committed = n_accepted + 1
 
     def observe_round(self, fresh: int, draft_s: float | None, latency_s: float, width: int, d: int,
                       hint: LoadHint | None, predrafted: bool = False, opened: bool = False) -> None:
+        """The edge's timings, and on a busy edge the round's tokens and wall time for its shared length: unless
+        it is the session's first in this epoch (a catch-up, or chosen under the previous length) or its OPEN's."""
         self.edge.observe_round(fresh, draft_s, latency_s, width, d, hint, predrafted, opened)
+        epoch = self.edge.epochs.current(self.objective) if self.edge.sessions > 1 else None
+        serial, self.serial = self.serial, epoch.serial if epoch else None
+        if epoch and serial == epoch.serial and not opened and (draft_s is not None or d == 0):
+            self.edge.epochs.observe(epoch, d, self.committed, (draft_s or 0.0) + latency_s)
 
 
 class FixedDraftLen:

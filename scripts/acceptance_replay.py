@@ -8,8 +8,10 @@ target's own text equals the target's next token, whatever the block: so one pas
 greedy text gives the match bits m(t), and replaying blocks of d over them gives exactly the tokens per call and
 the acceptance per position that `specrelay bench sweep --draft-lens d` measures on the same prompts (no clock, no
 noise). The extrapolation table is E(d) = sum_k prod_{j<k} a_j at the pooled rates a_j measured while drafting
-another length (the model `auto` evaluates every candidate with), and the same per prompt combined as calls do
-(tokens over rounds), against the replayed truth. docs/draftlen.md, "A busy edge over a link", reads it.
+another length (the model a lone session evaluates every candidate with), the same per prompt combined as calls
+do (tokens over rounds), and the two-state E(d) a busy edge's shared length uses (acceptance after a rejected
+block vs after a fully accepted one, ratecurve.mixture_curve), against the replayed truth. docs/draftlen.md
+("A busy edge over a link", "One length for a busy edge") reads it.
 """
 
 from __future__ import annotations
@@ -75,6 +77,32 @@ def expected(a: list[float | None], d: int) -> float:
     return total
 
 
+def two_state(texts: list[list[int]], at: int, top: int, lengths: list[int]) -> dict:
+    """E(d) as a busy edge's shared length evaluates it (edge_worker/ratecurve.mixture_curve): acceptance per
+    position counted apart for blocks after a rejected block (or none) and after a fully accepted one, measured
+    while drafting `at`, each shrunk toward the pooled rates as EdgeEstimates.class_rates does."""
+    from specrelay.edge_worker.draftlen import PRIOR_WEIGHT
+    from specrelay.edge_worker.ratecurve import mixture_curve
+
+    counts = {True: ([0] * top, [0] * top), False: ([0] * top, [0] * top)}  # after a miss -> (reached, accepted)
+    for bits in texts:
+        after_miss = True
+        for sent, k in replay(bits, at):
+            reached, accepted = counts[after_miss]
+            for j in range(min(k + 1, sent, top)):
+                reached[j] += 1
+                accepted[j] += j < k
+            after_miss = not (sent > 0 and k == sent)
+    pooled, last = [], 0.5
+    for a in rates([r for bits in texts for r in replay(bits, at)], top):
+        last = a if a is not None else last
+        pooled.append(last)
+    shrunk = {m: [(a + PRIOR_WEIGHT * p) / (r + PRIOR_WEIGHT) for r, a, p in zip(*counts[m], pooled)]
+              for m in counts}
+    curve = mixture_curve(shrunk[True] + [pooled[-1]], shrunk[False] + [pooled[-1]], lambda d, p: 1.0, top)
+    return {d: round(curve[d][0], 3) for d in lengths}
+
+
 def tokens_per_call(texts: list[list[int]], d: int) -> float:
     rounds = [r for bits in texts for r in replay(bits, d)]
     return sum(map(len, texts)) / len(rounds)
@@ -94,7 +122,8 @@ def report(texts: list[list[int]], lengths: list[int]) -> dict:
         rows.append({"measured_at": at, "acceptance_per_position": [round(x, 4) for x in pooled[:at] if x is not None],
                      "blocks_after_a_rejection": round(restarts, 3),
                      "pooled_product": {d: round(expected(pooled, d), 3) for d in lengths},
-                     "per_prompt": {d: round(v, 3) for d, v in mixture.items()}})
+                     "per_prompt": {d: round(v, 3) for d, v in mixture.items()},
+                     "two_state": two_state(texts, at, top, lengths)})
     return {"tokens_per_call": {d: round(v, 4) for d, v in truth.items()}, "extrapolated": rows}
 
 
@@ -111,7 +140,7 @@ def main() -> None:
     for row in out["extrapolated"]:
         print(f"rates measured at d={row['measured_at']} ({row['blocks_after_a_rejection']:.0%} of blocks start "
               f"after a rejection): a = {row['acceptance_per_position'][:6]}")
-        for name in ("pooled_product", "per_prompt"):
+        for name in ("pooled_product", "per_prompt", "two_state"):
             print(f"  E(d) {name:>14}: " + "  ".join(f"d={d}: {v:.2f}" for d, v in row[name].items()))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1), encoding="utf-8")

@@ -98,3 +98,90 @@ def best_fixed(world: World, lengths=range(0, 9), **kw) -> tuple[int, float]:
     rates = {d: simulate(world, d, **kw).rate for d in lengths}
     d = max(rates, key=rates.get)
     return d, rates[d]
+
+
+# ----------------------------------------------------------------------------- a busy edge: sessions at once
+@dataclass
+class BusyWorld:
+    """Several sessions on one edge at once, each round of all of them together (a wave: one lockstep draft
+    batch, one cloud pass over every row). Agreement comes in runs, as in real text: the draft's guess at text
+    position k matches with probability `after_match` after a match there at k - 1, `after_miss` after a miss, so
+    a block's position j is not the same place in the text at every d and per-position rates measured at one
+    length mislead at another. The couplings a model of one session cannot see: a draft forward waits longer
+    while sessions sit at d = 0 (`loop_gain`: the event loop handles a round per token for each of them) and as
+    the draft thread's load grows (`queue_gain` per draft token of the mean block); the cloud's fixed cost rises
+    while the edge drafts (`cpu_share`: edge and cloud share the cores)."""
+
+    after_match: float
+    after_miss: float
+    sessions: int = 8
+    step_s: float = 0.002            # seconds per draft-model forward, alone
+    steps_per_token: float = 1.0
+    xv: bool = False
+    rtt_s: float = 0.0
+    forward: tuple[float, float] = (0.008, 0.0005)
+    loop_gain: float = 0.0
+    queue_gain: float = 0.0
+    cpu_share: float = 0.0
+
+    def bits(self, rng: random.Random, n: int) -> list[bool]:
+        out, last = [], rng.random() < 0.5
+        for _ in range(n):
+            last = rng.random() < (self.after_match if last else self.after_miss)
+            out.append(last)
+        return out
+
+
+@dataclass
+class _Slot:
+    bits: list[bool]
+    ctl: object
+    k: int = 0          # text position (tokens committed)
+    last_d: int = -1    # the previous round's d (-1: none since the OPEN)
+
+
+def simulate_busy(world: BusyWorld, policy: int | Objective, prompts: int = 64, tokens: int = 64,
+                  seed: int = 0, edge: EdgeEstimates | None = None) -> Run:
+    """`prompts` generations of `tokens`, `world.sessions` at a time, under a fixed length or auto; the edge's
+    tokens per second over the true clock. The text (match bits) depends on the seed only."""
+    rng, edge, run = random.Random(seed), edge or EdgeEstimates(), Run()
+    texts = [world.bits(rng, tokens + 64) for _ in range(prompts)]
+    auto = not (isinstance(policy, int) and not isinstance(policy, Objective))
+    new = lambda: _Slot(texts.pop(), GoodputController(edge, objective=policy) if auto  # noqa: E731
+                        else FixedDraftLen(policy, edge))
+    slots = [new() for _ in range(min(world.sessions, len(texts)))]
+    while slots:
+        edge.sessions = len(slots)
+        run.seconds += _wave(world, slots, edge, tokens, run)
+        slots = [s for s in slots if s.k < tokens] + [new() for s in slots if s.k >= tokens and texts]
+    return run
+
+
+def _wave(world: BusyWorld, slots: list[_Slot], edge: EdgeEstimates, tokens: int, run: Run) -> float:
+    ds = [s.ctl.choose(tokens - s.k) for s in slots]
+    steps = [world.steps_per_token * (d + world.xv) if d else 0.0 for d in ds]
+    idle = sum(d == 0 for d in ds) / len(ds)
+    per_step = world.step_s * (1 + world.loop_gain * idle) * (1 + world.queue_gain * sum(ds) / len(ds))
+    f0, f1 = world.forward
+    rows = sum(d + 1 for d in ds)
+    fwd = f0 * (1 + world.cpu_share * (1 - idle)) + f1 * rows
+    latency = world.rtt_s + fwd
+    wall = 0.0
+    for s, d, n_steps in zip(slots, ds, steps):
+        n = 0
+        while n < d and s.bits[s.k + n]:
+            n += 1
+        if d and world.xv:
+            edge.observe_block_steps(round(n_steps), d)
+        draft_s = per_step * n_steps
+        timed = d > 0 and s.last_d > 0  # a block after the OPEN or a round at d = 0 catches up: not timed
+        hint = LoadHint(len(slots), d + 1, int(fwd * 1e6), 0, rows, 0, 0)
+        s.ctl.observe_block(d, n, None)
+        s.ctl.observe_round(round(n_steps), draft_s if timed else None, latency, d + 1, d, hint,
+                            opened=s.last_d < 0)
+        got = min(tokens - s.k, n + 1)
+        s.k, s.last_d = s.k + got, d
+        run.tokens, run.rounds, run.drafting = run.tokens + got, run.rounds + 1, run.drafting + (d > 0)
+        run.lengths.append(d)
+        wall = max(wall, draft_s + latency)
+    return wall

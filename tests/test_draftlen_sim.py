@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from simworld import World, best_fixed, simulate
+from simworld import BusyWorld, World, best_fixed, simulate, simulate_busy
 from specrelay.common.protocol import Objective
 from specrelay.edge_worker.draftlen import EdgeEstimates
 
@@ -67,3 +67,34 @@ def test_probing_at_d_0_backs_off_and_a_world_that_turns_good_is_found_again():
 def test_same_coin_flips_for_every_policy():
     a, b = simulate(SV_LOOPBACK, 3, seed=5), simulate(SV_LOOPBACK, 3, seed=5)
     assert (a.tokens, a.rounds, a.seconds) == (b.tokens, b.rounds, b.seconds)
+
+
+# 16 sessions over 50 ms, agreement in runs (a match follows a match 90 % of the time, a miss 40 %), the draft
+# thread's wait growing with everyone's d: the setting where `balanced` drafted d ~ 12 at 0.78x the best fixed
+# length on the demo pair (docs/draftlen.md "A busy edge over a link")
+BUSY_50MS = BusyWorld(0.9, 0.4, sessions=16, step_s=0.003, rtt_s=0.05, forward=(0.015, 0.0004), queue_gain=0.05)
+
+
+def _fixed_rates(seed: int) -> dict[int, float]:
+    fixed = {d: simulate_busy(BUSY_50MS, d, seed=seed).rate for d in (2, 4, 6, 8, 12)}
+    assert max(fixed, key=fixed.get) in (4, 6)  # the premise: short drafts are best, d = 12 is 20 % slower
+    return fixed
+
+
+def test_a_busy_edge_over_a_link_keeps_speed_near_the_best_fixed_length():
+    for seed in (0, 1):
+        best = max(_fixed_rates(seed).values())
+        assert simulate_busy(BUSY_50MS, Objective.SPEED, seed=seed).rate >= 0.95 * best
+
+
+@pytest.mark.xfail(strict=True, reason="open (issue 20): balanced drafts too long on a busy edge over a link, "
+                   "docs/draftlen.md 'A busy edge over a link'")
+def test_a_busy_edge_over_a_link_keeps_balanced_near_the_best_fixed_length():
+    """The pooled per-position rates over-rate long blocks here: balanced drafts d ~ 11.5 at 0.755-0.775x the
+    best fixed length (d = 4) over seeds 0-3, with or without the measured round times per shared length. A
+    two-state E(d) (ratecurve.mixture_curve) with forced tries of a shorter length reached 0.849-0.911x in this
+    world but not in the real sweep (0.79x), and cost the calls per token `balanced` promises with one
+    vocabulary on loopback (docs/draftlen.md): not kept. Strict: it fails the suite once this is fixed."""
+    for seed in (0, 1):
+        best = max(_fixed_rates(seed).values())
+        assert simulate_busy(BUSY_50MS, Objective.BALANCED, seed=seed).rate >= 0.82 * best

@@ -81,7 +81,6 @@ def test_cross_vocabulary_steps_per_token_make_drafting_dearer():
     for _ in range(200):  # the draft writes ~2.5 of its own tokens per target token, one target token past d
         xv.edge.observe_block_steps(25, 9)
     assert xv.edge.steps_per_token.value == pytest.approx(2.5, rel=0.05)
-    assert xv.edge.draft_steps(4) == pytest.approx(12.5, rel=0.05) and xv.edge.draft_steps(0) == 0
     assert xv.edge.round_time(4, 0.0) > plain.edge.round_time(4, 0.0)
     assert xv.choose(33) < plain.choose(33)
 

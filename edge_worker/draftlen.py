@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from ..common.protocol import MAX_DRAFT, LoadHint, Objective
 from .estimators import (CLIP, CLIP_AFTER, AcceptanceCounts, EWLine, EWMean, ZeroProbes, conditional, reach_bound,
                          reachable)
-from .ratecurve import (BUSY_FULL, BUSY_KNEE, SATURATED, TIE, TOLERANCE, best_length, cloud_length,
-                        mixture_curve, pick, tolerance)
+from .ratecurve import (BUSY_FULL, BUSY_KNEE, SATURATED, TIE, TOLERANCE, best_length, cloud_length, pick,
+                        rate_curve, tolerance)
 from .sharedlen import WARM, SharedLength
 
 __all__ = ["BUSY_FULL", "BUSY_KNEE", "SATURATED", "TIE", "TOLERANCE", "best_length", "tolerance"]  # re-exported
@@ -62,8 +62,6 @@ class EdgeEstimates:
     predraft: bool = False
     predraft_window: str = "wait"  # pre-draft during the whole wait, or only while the VERIFY goes up ("uplink")
     acceptance: AcceptanceCounts = field(default_factory=lambda: AcceptanceCounts(EDGE_DECAY))
-    after_miss: AcceptanceCounts = field(default_factory=lambda: AcceptanceCounts(EDGE_DECAY))  # blocks after a
-    after_full: AcceptanceCounts = field(default_factory=lambda: AcceptanceCounts(EDGE_DECAY))  # rejected / full one
     step: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 0.0, CLIP))  # draft thread s per step
     draft: EWMean = field(default_factory=lambda: EWMean(TIME_DECAY, 0.0, CLIP, 1))  # draft wait s per step
     # (clipped from its second observation: an edge's first rounds wait behind every session's prompt prefill)
@@ -86,12 +84,12 @@ class EdgeEstimates:
     def shared(self, top: int, objective: Objective = Objective.BALANCED) -> int:
         """The length every session of a busy edge drafts (per objective), for an epoch of at least SHARED_EVERY
         rounds and 3 per session: the best at the pooled acceptance, the model's rate corrected by what was
-        measured at the lengths run (edge_worker/sharedlen.py), or a probe or neighbour it measures. One length,
+        measured at the lengths run (edge_worker/sharedlen.py), or a shared probe of drafting from d = 0. One length,
         because a lockstep draft batch lasts as long as its longest job and a session drafting longer than the
         rest delays them all."""
         if self.epochs.due(objective, self.rounds, self.sessions, SHARED_EVERY):
             a, model = self.prior_rates(top + 1), self.round_model()
-            curve = mixture_curve(self.class_rates(True, top + 1), self.class_rates(False, top + 1), model, top)
+            curve = rate_curve(a, model, top)
             fix = self.epochs.measured.corrections(top)
             rates = [e / max(t, 1e-9) * c for (e, t), c in zip(curve, fix)]
             d = pick(rates, self.tolerance(Objective.BALANCED if objective == Objective.CLOUD else objective))
@@ -133,17 +131,6 @@ class EdgeEstimates:
         rates = self.acceptance.rates(min(n, len(self.acceptance.reached)), [PRIOR_ACCEPT] * n, PRIOR_WEIGHT)
         tail = rates[-1] if rates else PRIOR_ACCEPT
         return rates + [tail] * (n - len(rates))
-
-    def class_rates(self, after_miss: bool, n: int) -> list[float]:
-        """Acceptance per position of blocks that follow a rejected block (or a round at d = 0), or a fully
-        accepted one (ratecurve.mixture_curve), shrunk toward the pooled rates."""
-        counts = self.after_miss if after_miss else self.after_full
-        return counts.rates(n, self.prior_rates(n), PRIOR_WEIGHT)
-
-    def observe_block(self, d: int, n_accepted: int, bonus_match: bool | None, after_miss: bool) -> None:
-        """A VERDICT: the pooled counts, and the counts of the class of blocks this one belongs to."""
-        self.acceptance.observe(d, n_accepted, bonus_match)
-        (self.after_miss if after_miss else self.after_full).observe(d, n_accepted, bonus_match)
 
     def prior_evidence(self, n: int) -> list[float]:
         """The observations behind prior_rates(n) per position (the prior's worth included); a position past the
@@ -278,7 +265,6 @@ class GoodputController:
         self.explore_left = 0  # exploring rounds still to go (EXPLORE_ROUNDS)
         self.unpaid = 0  # rounds whose pre-draft would not have paid (PREDRAFT_EXPLORE)
         self.committed, self.serial = 0, None  # the last VERDICT's committed tokens; the epoch of its round
-        self.after_miss = True  # the block before the next one was rejected (or there was none, or d = 0)
 
     @property
     def probes(self) -> bool:
@@ -336,8 +322,7 @@ class GoodputController:
         sampled = d > 0 or bonus_match is not None
         if sampled:
             self.own.observe(d, n_accepted, bonus_match)
-            self.edge.observe_block(d, n_accepted, bonus_match, self.after_miss)
-        self.after_miss = not (d > 0 and n_accepted == d) and not bonus_match
+            self.edge.acceptance.observe(d, n_accepted, bonus_match)
         explored = self.exploring and d > 0  # (a pre-draft's choose may have set it during a round at d = 0)
         self.explore_left -= explored
         chosen, self.exploring = d > 0 and not explored, False
@@ -363,7 +348,7 @@ class FixedDraftLen:
     probes = False
 
     def __init__(self, d: int, edge: EdgeEstimates | None = None) -> None:
-        self.d, self.edge, self.after_miss = d, edge, True
+        self.d, self.edge = d, edge
 
     def choose(self, remaining: int) -> int:
         return max(0, min(self.d, remaining - 1))
@@ -373,8 +358,7 @@ class FixedDraftLen:
 
     def observe_block(self, d: int, n_accepted: int, bonus_match: bool | None = None) -> None:
         if self.edge is not None and d > 0:
-            self.edge.observe_block(d, n_accepted, bonus_match, self.after_miss)
-        self.after_miss = not (d > 0 and n_accepted == d)
+            self.edge.acceptance.observe(d, n_accepted, bonus_match)
 
     def observe_round(self, fresh: int, draft_s: float | None, latency_s: float, width: int, d: int,
                       hint: LoadHint | None, predrafted: bool = False, opened: bool = False) -> None:

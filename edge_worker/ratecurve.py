@@ -35,7 +35,9 @@ def mixture_curve(after_miss: list[float], after_full: list[float], round_time, 
     Blocks of d form a two-state chain: from state s the block is fully accepted with P^s_d, so the share of
     blocks that follow a full acceptance is pi = P^miss_d / (1 - P^full_d + P^miss_d), and E(d) = (1 - pi)
     E_miss(d) + pi E_full(d). A long block is rejected more often, so more of its blocks start after a rejection,
-    where acceptance is lower: per-position rates pooled over one length overstate E at a longer one."""
+    where acceptance is lower: per-position rates pooled over one length overstate E at a longer one. The policy
+    prices the pooled curve (rate_curve): this one, tried as a busy edge's E(d), shortened its drafts past the
+    calls it promises with one vocabulary (docs/draftlen.md); scripts/acceptance_replay.py prints it."""
     curve, e_m, e_f, p_m, p_f = [], 0.0, 0.0, 1.0, 1.0  # E and P_d from each state
     for d in range(top + 1):
         e_m, e_f = e_m + p_m, e_f + p_f

@@ -13,12 +13,14 @@ to another (agreement comes in runs). So the edge *measures* the regimes it choo
 - where the measured round times grow with d faster than the model's T(d) (a slope fitted to the log ratios of
   the lengths actually run, weighted by their rounds and shrunk toward none), longer lengths are marked down by
   it: model proposes, measurement disposes. A round's time is a low-noise measurement; its tokens are not (they
-  come in runs), so E(d) is the model's, from acceptance split by how the block before ended
-  (ratecurve.mixture_curve). Measurement only vetoes: a ratio that looks good does not pull the choice anywhere;
+  come in runs), so E(d) is the model's, from the pooled acceptance per position. Measurement only vetoes: a
+  ratio that looks good does not pull the choice anywhere;
 - an epoch at d = 0 is probed by a *shared* epoch at the best d > 0 (every session drafts: what is timed is the
   drafting regime), after 4 epochs at d = 0, the interval doubling (to 64) while probes confirm d = 0;
-- every `NEIGHBOUR_EVERY`-th epoch that keeps a length d > 0 runs its shorter neighbour d - d/3, so the slope has
-  two lengths to be fitted on; old evidence decays, so a length once marked down is not banned forever.
+- the slope is fitted on the lengths the epochs ran (the choice moves with acceptance and load, and probe
+  epochs run another length); old evidence decays, so a length once marked down is not banned forever. (Forced
+  tries of a shorter neighbour, every 4th epoch, were tried and not kept: with one vocabulary, 8 sessions on
+  loopback, they and a two-state E(d) raised `balanced`'s calls per token from 0.24 to 0.25-0.28.)
 
 Ratios to the model, not raw rates, are compared, because rates drift along a generation and with the prompt mix
 (the model's pooled acceptance follows them). Pure: numbers in, numbers out.
@@ -34,7 +36,6 @@ TREND_PRIOR = 100.0      # ridge on the slope: rounds x tokens^2 of spread in d 
 TREND_MAX = 0.05         # the slope of log(measured / model round time) per draft token at most
 EXTRAPOLATE = 4          # the slope is applied up to this many tokens past the longest measured length
 EPOCH_PER_SESSION = 3    # an epoch lasts at least this many rounds per session in flight (one is not measured)
-NEIGHBOUR_EVERY = 4      # every 4th epoch that keeps a length d > 0 runs a neighbour instead
 PROBE_EPOCHS = 4         # epochs at d = 0 before a shared probe epoch; doubles while probes confirm d = 0
 PROBE_LEVELS = 4         # ... up to 4 << 4 = 64 epochs
 CLIP = 3.0               # a round's wall time counts at most CLIP x the model's T(d)
@@ -106,7 +107,6 @@ class SharedLength:
     measured: LengthRates = field(default_factory=LengthRates)
     epochs: dict = field(default_factory=dict)  # objective -> Epoch
     serial: int = 0
-    kept: int = 0          # epochs in a row at a length d > 0 chosen by the model (NEIGHBOUR_EVERY)
     zero_epochs: int = 0   # epochs at d = 0 since the last probe epoch
     zero_level: int = 0    # the probe interval is PROBE_EPOCHS << zero_level
 
@@ -121,7 +121,7 @@ class SharedLength:
     def begin(self, objective, chosen: int, curve: list[tuple[float, float]], rates: list[float],
               rounds: int, timed: bool = True) -> int:
         """Start the next epoch: the objective's `chosen` length at the corrected `rates`, or a probe of drafting
-        at d = 0, or a neighbour of `chosen`. `curve`: the model's (E(d), T(d)) for d = 0..top; `timed` False:
+        from d = 0 (a shared probe epoch). `curve`: the model's (E(d), T(d)) for d = 0..top; `timed` False:
         its costs are still priors (nothing to compare a measurement with)."""
         d = self._explore(chosen, rates)
         self.serial += 1
@@ -131,16 +131,13 @@ class SharedLength:
     def _explore(self, chosen: int, rates: list[float]) -> int:
         top = len(rates) - 1
         if chosen == 0:
-            self.kept, self.zero_epochs = 0, self.zero_epochs + 1
+            self.zero_epochs += 1
             if top < 1 or self.zero_epochs < PROBE_EPOCHS << self.zero_level:
                 return 0
             self.zero_epochs, self.zero_level = 0, min(self.zero_level + 1, PROBE_LEVELS)
             return max(range(1, top + 1), key=lambda d: rates[d])  # every session drafts: the drafting regime
         self.zero_epochs = self.zero_level = 0
-        self.kept += 1
-        if self.kept % NEIGHBOUR_EVERY:
-            return chosen
-        return max(0, chosen - max(1, chosen // 3))  # the shorter neighbour: where a slope shows, it marks d down
+        return chosen
 
     def observe(self, epoch: Epoch, d: int, tokens: int, seconds: float) -> None:
         """A measured round of `epoch` (d <= epoch.d: a block cut by the generation's end counts at epoch.d)."""

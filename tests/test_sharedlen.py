@@ -1,5 +1,5 @@
-"""A busy edge's shared draft length, measured (edge_worker/sharedlen.py) and the two-state E(d)
-(ratecurve.mixture_curve): pure, no sockets."""
+"""A busy edge's shared draft length, measured (edge_worker/sharedlen.py), and the two-state E(d) that
+scripts/acceptance_replay.py compares with the truth (ratecurve.mixture_curve): pure, no sockets."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from specrelay.common.protocol import Objective
 from specrelay.edge_worker.draftlen import EdgeEstimates, GoodputController
 from specrelay.edge_worker.ratecurve import mixture_curve, rate_curve
-from specrelay.edge_worker.sharedlen import NEIGHBOUR_EVERY, PROBE_EPOCHS, TREND_MAX, Epoch, LengthRates, SharedLength
+from specrelay.edge_worker.sharedlen import PROBE_EPOCHS, TREND_MAX, Epoch, LengthRates, SharedLength
 
 pytestmark = pytest.mark.unit
 
@@ -58,11 +58,9 @@ def test_an_edge_at_d_0_probes_with_a_shared_epoch_and_backs_off_while_d_0_stays
     assert shared.zero_level == 0
 
 
-def test_a_kept_length_tries_its_shorter_neighbour():
+def test_a_length_chosen_by_the_model_is_kept_epoch_after_epoch():
     shared, curve, rates = SharedLength(), [(1.0, 0.1)] * 17, [1.0] * 17
-    lengths = [shared.begin(Objective.SPEED, 9, curve, rates, i) for i in range(2 * NEIGHBOUR_EVERY)]
-    assert lengths[NEIGHBOUR_EVERY - 1] == lengths[2 * NEIGHBOUR_EVERY - 1] == 6
-    assert lengths.count(9) == 2 * NEIGHBOUR_EVERY - 2
+    assert [shared.begin(Objective.SPEED, 9, curve, rates, i) for i in range(12)] == [9] * 12
 
 
 def test_a_busy_edge_measures_a_session_s_rounds_but_its_first_of_each_epoch_and_untimed_ones():

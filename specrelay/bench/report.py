@@ -32,6 +32,7 @@ def row_line(row: dict) -> str:
                 f"{row['tokens_per_s']:8.1f} tok/s  x{row['speedup_vs_target_alone']:.2f}  "
                 f"tok/call {row.get('tokens_per_call', 0):.2f}  calls/tok "
                 f"{row['cloud_calls_per_token']:.3f} (theory {row['theoretical_cloud_calls_per_token']})  "
+                f"occupancy {row.get('occupancy', 0):.2f} steady {row.get('steady_tokens_per_s')} tok/s  "
                 f"identical={row['outputs_identical_to_target_alone']}")
     return json.dumps(row)
 

@@ -24,7 +24,7 @@ DEMO_DRAFT_XV = str(MODELS / "demo-draft-xv")
 HELDOUT = MODELS / "heldout_prompts.jsonl"
 DEFAULT_OUT = "bench_results"  # relative to the working directory, never inside the installed package
 
-__all__ = ["DEMO_DRAFT", "DEMO_TARGET", "DEMO_DRAFT_XV", "load_prompts", "SessionRun", "run_sessions", "run_edge",
+__all__ = ["DEMO_DRAFT", "DEMO_TARGET", "DEMO_DRAFT_XV", "load_prompts", "SessionRun", "run_sessions", "wall_split", "run_edge",
            "totals", "meta", "write_result"]
 
 
@@ -93,6 +93,36 @@ async def run_sessions(edge, texts: list[str], config, concurrency: int, progres
     t0 = time.perf_counter()
     runs = await asyncio.gather(*(one(t) for t in texts))
     return list(runs), time.perf_counter() - t0
+
+
+def wall_split(slices: list[tuple[list[SessionRun], float]]) -> dict:
+    """Where the wall time of runs of `run_sessions` (each: its runs and its wall; all of a run's generations
+    in flight from its start, as the sweep's slices of `--sessions` prompts are) went, per VERIFY round:
+    a session's own wall (OPEN to its last VERDICT) against what the edge times of a round (draft wait +
+    VERIFY->VERDICT), and the share of sessions x wall a session was in flight (`occupancy`: below 1, the
+    run waited for its slowest generations). `full_house_tokens_per_s`: tokens / s until the first
+    generation of each run ended, while every session was in flight (a run's start-up, prefill included);
+    `steady_tokens_per_s` the same from the last session's first commit on (start-up and prefill left out)."""
+    ok = [(runs, wall) for runs, wall in slices if runs]
+    stats = [r.stats for runs, _ in ok for r in runs if r.error is None and r.stats]
+    total = lambda key: sum(s.get(key, 0.0) for s in stats)  # noqa: E731
+    rounds = max(1, total("cloud_calls"))
+    session_ms = 1e3 * total("wall_s") / rounds
+    full_tokens = full_s = steady_tokens = steady_s = 0.0
+    for runs, _ in ok:
+        if not all(r.commits for r in runs):
+            continue
+        start, end = max(r.commits[0][0] for r in runs), min(r.commits[-1][0] for r in runs)
+        full_s += end
+        full_tokens += sum(n for r in runs for t, n in r.commits if t <= end)
+        if end > start:
+            steady_s += end - start
+            steady_tokens += sum(n for r in runs for t, n in r.commits if start < t <= end)
+    return {"session_ms_per_round": round(session_ms, 2),
+            "untimed_ms_per_round": round(session_ms - 1e3 * (total("draft_s") + total("verify_s")) / rounds, 2),
+            "occupancy": round(total("wall_s") / max(1e-9, sum(len(runs) * wall for runs, wall in ok)), 4),
+            "full_house_tokens_per_s": round(full_tokens / full_s, 2) if full_s else None,
+            "steady_tokens_per_s": round(steady_tokens / steady_s, 2) if steady_s else None}
 
 
 async def run_edge(frontend: str, draft: str, texts: list[str], concurrency: int, target_tok: str | None = None,

@@ -59,6 +59,15 @@ SWEEP_ROW: dict[str, tuple[tuple[type, ...], str]] = {
     "predraft_round_share": (NUM, "rounds whose block started from a pre-draft / all rounds"),
     "draft_ms_per_round": (NUM, "ms a round waited for its draft (the critical path), mean"),
     "verify_ms_per_round": (NUM, "ms from sending a VERIFY to its VERDICT, mean"),
+    "session_ms_per_round": (NUM, "a session's own wall time (OPEN to its last VERDICT) per VERIFY round, mean"),
+    "untimed_ms_per_round": (NUM, "session_ms_per_round less draft_ms_per_round and verify_ms_per_round: what "
+                                  "the edge does not time of a round"),
+    "occupancy": (NUM, "sessions' own wall time / (sessions x the run's wall): below 1, a run of `sessions` "
+                       "prompts waited for its slowest generations"),
+    "full_house_tokens_per_s": (OPT_NUM, "tokens / s until each run's first generation ended (every session "
+                                         "in flight)"),
+    "steady_tokens_per_s": (OPT_NUM, "the same from each run's last first commit on (start-up and prefill left "
+                                     "out): a steady state of `sessions` in flight"),
     "uplink_bytes_per_token": (NUM, "edge -> cloud bytes per generated token"),
     "downlink_bytes_per_token": (NUM, "cloud -> edge bytes per generated token"),
 }

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from . import theory, treesweep
 from .treesweep import Config
 from .link import LinkRelay, LinkSpec, measure_rtt
-from .runs import SessionRun, cpu_seconds, load_prompts, pin, run_sessions, split_cpus
+from .runs import SessionRun, cpu_seconds, load_prompts, pin, run_sessions, split_cpus, wall_split
 
 AUTO = "auto"
 OBJECTIVES = ("speed", "balanced", "cloud")
@@ -61,9 +61,11 @@ class Tally:
     tokens: dict[int, int] = field(default_factory=dict)    # by repeat
     wall: dict[int, float] = field(default_factory=dict)    # by repeat
     cloud: dict[str, float] = field(default_factory=dict)   # cloud counters and CPU seconds, summed
+    walls: list[float] = field(default_factory=list)        # each run's wall, in `runs` order
 
     def add(self, repeat: int, runs: list[SessionRun], wall: float, cloud_delta: dict[str, float]) -> None:
         self.runs.append(runs)
+        self.walls.append(wall)
         self.tokens[repeat] = self.tokens.get(repeat, 0) + sum(len(r.ids) for r in runs)
         self.wall[repeat] = self.wall.get(repeat, 0.0) + wall
         for k, v in cloud_delta.items():
@@ -279,6 +281,7 @@ def make_row(args, link: LinkSpec, described: str, probe: dict, c: Config, tally
         "outputs_identical_to_target_alone": bool(ok) and all(r.ids == reference.get(r.prompt) for r in ok),
         "errors": len(sessions) - len(ok),
         **treesweep.fields(c, stats, tokens, tally.cloud.get("verify_requests", 0.0)),
+        **wall_split(list(zip(tally.runs, tally.walls))),
     }
 
 

@@ -100,7 +100,7 @@ class ResampleKind(enum.IntEnum):
 
 
 DEFAULT_SAMPLED_MODE = Mode.COUPLED  # at temperature > 0 when no mode is named: fewest bytes and round trips
-DEFAULT_STRATEGY = Strategy.SRDV     # in SAMPLE mode when no strategy is named (docs/benchmarks-first.md)
+DEFAULT_STRATEGY = Strategy.SRDV     # in SAMPLE mode when no strategy is named (docs/modes.md)
 DEFAULT_OBJECTIVE = Objective.BALANCED  # what auto optimises when nobody names it (docs/draftlen.md)
 
 

@@ -198,10 +198,31 @@ def check_paths(text: str, page: str) -> list[str]:
     return sorted(f"{p.relative_to(ROOT)}: no such file" for p in wanted if not p.exists() and p not in pending)
 
 
+CONSTANT = re.compile(r"`([A-Z][A-Z0-9_]{2,})`? = `?([0-9][0-9._]*)")  # `SRDV_MAX_ROUNDS` = 6, `HEARTBEAT_LIVENESS = 3`
+
+
+def _constants() -> dict[str, set[str]]:
+    """Module-level `NAME = number` of the package's code -> the values it is given (a name may recur)."""
+    found: dict[str, set[str]] = {}
+    for folder in ("broker", "cloud_worker", "edge_worker", "common", "specrelay"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for name, value in re.findall(r"^([A-Z][A-Z0-9_]+)(?:: [\w\[\], ]+)? = ([0-9][0-9._]*)\b", path.read_text(),
+                                          flags=re.M):
+                found.setdefault(name, set()).add(value)
+    return found
+
+
+def check_constants(text: str) -> list[str]:
+    """A constant the text quotes with its value has that value in the code."""
+    code = _constants()
+    return [f"{name} = {value}: the code says {sorted(code.get(name, ())) or 'no such constant'}"
+            for name, value in CONSTANT.findall(text) if not any(float(value) == float(v) for v in code.get(name, ()))]
+
+
 def problems(text: str, page: str) -> list[str]:
     makefile = (ROOT / "Makefile").read_text()
     found = [problem for argv in commands(text) for problem in check_command(argv, makefile)]
-    return found + check_defaults(text) + check_ports(text) + check_paths(text, page)
+    return found + check_defaults(text) + check_ports(text) + check_paths(text, page) + check_constants(text)
 
 
 # ------------------------------------------------------------------------------------------ the tests
@@ -238,6 +259,13 @@ def test_a_stale_readme_fails(edit, says):
     assert old in text and not problems(text, "README.md")
     found = problems(text.replace(old, new, 1), "README.md")
     assert any(says in problem for problem in found), found
+
+
+def test_a_stale_constant_fails():
+    text = (ROOT / "docs" / "modes.md").read_text()
+    assert "`SRDV_MAX_ROUNDS` = 6" in text and not check_constants(text)
+    assert check_constants(text.replace("`SRDV_MAX_ROUNDS` = 6", "`SRDV_MAX_ROUNDS` = 4")) == \
+        ["SRDV_MAX_ROUNDS = 4: the code says ['6']"]
 
 
 def test_pending_pages_and_commands_are_checked_once_they_exist(tmp_path):

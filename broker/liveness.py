@@ -14,14 +14,12 @@ import structlog
 
 from specrelay.common import protocol
 from specrelay.common.errors import ErrorCode
-from specrelay.common.protocol import MsgType
+from specrelay.common.protocol import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, MsgType
 from specrelay.common.ratelimit import LogLimiter
 
 from .quotas import Limits
 from .table import FRONTEND, Action, Tables
 
-HEARTBEAT_INTERVAL = 1.0   # seconds between heartbeats to each worker
-HEARTBEAT_LIVENESS = 3     # a worker silent for LIVENESS intervals is dead
 
 log = structlog.get_logger("specrelay.broker")
 limited = LogLimiter(log)  # failed sends are counted exactly but logged at a bounded rate

@@ -23,8 +23,8 @@ from specrelay.common import auth, health, transport
 from specrelay.common.pump import Pump, wake_sent
 from specrelay.common.errors import FatalError
 from specrelay.common.membudget import MemoryBudget
+from specrelay.common.protocol import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS
 
-from .liveness import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS
 from .quotas import Limits
 from .routing import Router
 from .table import BACKEND, FRONTEND, Action

@@ -7,6 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..common.metrics import Histogram, SpecDecodeCounters
+from ..common.protocol import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS
 
 
 def _check(checks: list[tuple[bool, str]]) -> None:
@@ -57,8 +58,8 @@ class WorkerConfig(SchedulerConfig, VerifierConfig):
     """A cloud worker's settings: the Verifier's and the Scheduler's (it is both configs), and how it heartbeats,
     reconnects and reports. Every default is defined here once; the CLI's flags take theirs from these fields."""
 
-    heartbeat_interval: float = 1.0
-    heartbeat_liveness: int = 3          # broker silent this many intervals = dead: reconnect
+    heartbeat_interval: float = HEARTBEAT_INTERVAL
+    heartbeat_liveness: int = HEARTBEAT_LIVENESS  # broker silent this many intervals = dead: reconnect
     health_port: int | None = None       # HTTP /healthz /readyz /metrics (0 = any free port)
     health_host: str = "127.0.0.1"
     identity: bytes | None = None        # explicit DEALER identity (default: chosen by the broker's ROUTER)

@@ -86,9 +86,6 @@ class KVStore:
     def round_up(self, tokens: int) -> int:
         return -(-max(tokens, 1) // self.block) * self.block
 
-    def fits(self, tokens: int) -> bool:
-        return self.round_up(tokens) <= self.free_tokens
-
     # ---- spans ----------------------------------------------------------------------------------------
 
     def __contains__(self, key: object) -> bool:

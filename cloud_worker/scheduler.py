@@ -12,7 +12,7 @@ Rules:
   ready (below), with every later message of that session; other sessions' messages behind them go ahead. A
   CLOSE is the exception: it drops its session's held messages and goes at once, so a worker never keeps
   prefilling for an edge that gave up.
-- At most `max_batch` VERIFYs per step, and at most `max_control` other messages handled per plan (then the
+- At most `max_batch` VERIFYs per step, and at most MAX_CONTROL other messages handled per plan (then the
   plan yields to the event loop, so heartbeats and /healthz keep time under a flood of control messages).
 - Chunked prefill: a session is ready when what of its context the KV store does not hold fits in
   `prefill_tokens`. Each step carries up to `prefill_tokens` of the contexts not ready (oldest session first),
@@ -121,9 +121,9 @@ class ChunkedPrefill:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, contexts: Contexts, max_control: int = MAX_CONTROL) -> None:
+    def __init__(self, config: SchedulerConfig, contexts: Contexts) -> None:
         self.max_batch, self.max_wait_s = config.max_batch, config.max_wait_ms / 1000
-        self.idle_after_s, self.max_control = config.idle_after_s, max_control
+        self.idle_after_s = config.idle_after_s
         self.contexts = contexts
         self.prefill = ChunkedPrefill(contexts, config.prefill_tokens)
         self.queue: deque[Item] = deque()
@@ -173,13 +173,13 @@ class Scheduler:
     def _take(self, control: Callable[[Item], None]) -> tuple[bool, bool]:
         """Move queued VERIFYs into the forming step and pass every other message to `control`, in arrival order
         per session; messages of a session whose earlier message must wait stay queued, in order. Returns
-        (a queued message waits for this step, `max_control` messages were handled with more queued)."""
+        (a queued message waits for this step, MAX_CONTROL messages were handled with more queued)."""
         in_batch = {item.key for item in self.batch}
         held: set[SessionKey] = set()
         kept: deque[Item] = deque()
         waits_for_step = False
         handled = 0
-        while self.queue and len(self.batch) < self.max_batch and handled < self.max_control:
+        while self.queue and len(self.batch) < self.max_batch and handled < MAX_CONTROL:
             item = self.queue.popleft()
             if isinstance(item.msg, P.Close) and item.key in held and item.key not in in_batch:
                 kept = deque(i for i in kept if i.key != item.key)  # the edge gave up: its held work goes
@@ -196,7 +196,7 @@ class Scheduler:
                 handled += 1
                 if isinstance(item.msg, P.Close):
                     self.last_seen.pop(item.key, None)
-        flooded = handled >= self.max_control and bool(self.queue)
+        flooded = handled >= MAX_CONTROL and bool(self.queue)
         self.queue.extendleft(reversed(kept))
         return waits_for_step, flooded
 

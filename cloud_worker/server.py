@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import structlog
@@ -56,9 +56,10 @@ class CloudWorker(transport.Service):
     name = "cloud-worker"
 
     def __init__(self, broker: str | Sequence[str], runner: ModelRunner, config: WorkerConfig | None = None, *,
-                 context: zmq.asyncio.Context | None = None, clock: Callable[[], float] = time.monotonic,
+                 context: zmq.asyncio.Context | None = None,
                  curve: transport.Curve | Sequence[transport.Curve] | None = None) -> None:
         super().__init__()
+        clock = time.monotonic
         self.brokers = broker_list(broker, "broker")
         self.config = c = config or WorkerConfig()
         self.verifier = Verifier(runner, c, clock=clock)

@@ -94,10 +94,6 @@ class Allowlists:
         self._read()  # refuse a bad directory at start-up, with one line
         self._auth = ThrottledAuthenticator(ctx, handshakes_per_s=handshakes_per_s, handshake_burst=handshake_burst)
 
-    @property
-    def zap(self) -> ThrottledAuthenticator:
-        return self._auth
-
     def start(self) -> None:
         try:
             self._auth.start()

@@ -10,8 +10,7 @@
     │   ├── ConnectionLost      the link to the broker dropped mid-request (local)    -> UNAVAILABLE
     │   ├── GenerationTimeout   the client gave up waiting                            -> TIMEOUT
     │   ├── InternalError       the cloud failed on this request; its state is gone  -> INTERNAL
-    │   ├── ContextFull         the session reached the target's context: it ends     -> CONTEXT_FULL
-    │   └── Unauthorized        the peer's key may not do this                        -> UNAUTHORIZED
+    │   └── ContextFull         the session reached the target's context: it ends     -> CONTEXT_FULL
     └── FatalError              the component cannot go on (model failed to load, socket gone)
         ├── AuthenticationFailed  the broker refused this process's CURVE key
         └── ConfigError           a setting names something that is not there (model directory, CUDA): the
@@ -34,7 +33,7 @@ class ErrorCode(enum.IntEnum):
     UNAVAILABLE = 4      # no worker has room, or a per-client limit was reached: retry later
     TIMEOUT = 5
     INTERNAL = 6         # a bug or a failed forward pass: re-OPEN
-    UNAUTHORIZED = 7     # this key may not send that message
+    # 7 is reserved (an unused key-permission code in 0.1.0): never reuse it, a peer of 0.1.0 may know it
     CONTEXT_FULL = 8     # the session reached the target's context: the generation ends there ("length")
     CHAINS_ONLY = 9      # this worker cannot verify token trees: re-OPEN and send chains (parents = [])
 
@@ -91,10 +90,6 @@ class GenerationTimeout(RequestError, TimeoutError, code=ErrorCode.TIMEOUT, retr
     """No reply within the timeout."""
 
 
-class Unauthorized(RequestError, code=ErrorCode.UNAUTHORIZED):
-    """The peer's key may not send that message."""
-
-
 class InternalError(RequestError, code=ErrorCode.INTERNAL, retryable=True):
     """The cloud failed on this request (a bug, or the model's forward pass raised); its state is gone."""
 
@@ -118,7 +113,7 @@ class ContextFull(RequestError, code=ErrorCode.CONTEXT_FULL):
 
 
 _BY_CODE = {cls.code: cls for cls in (InvalidRequest, ChainsOnly, UnknownSession, WorkerLost, Overloaded,
-                                      GenerationTimeout, Unauthorized, InternalError, ContextFull)}
+                                      GenerationTimeout, InternalError, ContextFull)}
 
 
 def from_wire(code: ErrorCode, message: str) -> RequestError:

@@ -31,6 +31,8 @@ MAX_TAIL = 64               # committed tokens the cloud has not seen, carried b
 MAX_FRAME = 8 * 1024 * 1024  # MAXMSGSIZE on every socket (per frame)
 MAX_FRAMES = 4              # ZeroMQ's MAXMSGSIZE limits frames, not their number: we cap it ourselves
 MAX_PROMPT_CHARS = 1_000_000
+HEARTBEAT_INTERVAL = 1.0    # seconds between HEARTBEATs on every link (broker <-> worker, edge -> broker)
+HEARTBEAT_LIVENESS = 3      # a peer silent this many intervals is dead (lost worker, lost broker, reconnect)
 DEFAULT_MAX_NEW_TOKENS = 64  # a GENERATE / HTTP request / Client call that names none (edge_worker/config.py)
 
 U63 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
@@ -98,7 +100,7 @@ class ResampleKind(enum.IntEnum):
 
 
 DEFAULT_SAMPLED_MODE = Mode.COUPLED  # at temperature > 0 when no mode is named: fewest bytes and round trips
-DEFAULT_STRATEGY = Strategy.SRDV     # in SAMPLE mode when no strategy is named (docs/benchmarks-first.md)
+DEFAULT_STRATEGY = Strategy.SRDV     # in SAMPLE mode when no strategy is named (docs/modes.md)
 DEFAULT_OBJECTIVE = Objective.BALANCED  # what auto optimises when nobody names it (docs/draftlen.md)
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+LOG_LINES_PER_S = 5.0  # per event name: enough to see a flood's shape, too few to fill a disk
+LOG_BURST = 20.0       # a short burst of distinct failures is logged whole
+
 
 class TokenBucket:
     """`rate` tokens per second, at most `burst` saved up; `take(now)` spends one if there is one."""
@@ -24,17 +27,16 @@ class TokenBucket:
 
 
 class LogLimiter:
-    """At most `rate` log lines per second per event name (burst `burst`); the lines that were held back are
-    reported as `suppressed=N` on the next line that passes."""
+    """At most LOG_LINES_PER_S log lines per second per event name (burst LOG_BURST); the lines that were held
+    back are reported as `suppressed=N` on the next line that passes."""
 
-    def __init__(self, logger, rate: float = 5.0, burst: float = 20.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.logger, self.rate, self.burst, self.clock = logger, rate, burst, clock
+    def __init__(self, logger, clock: Callable[[], float] = time.monotonic) -> None:
+        self.logger, self.clock = logger, clock
         self._buckets: dict[str, TokenBucket] = {}
         self._suppressed: dict[str, int] = {}
 
     def log(self, level: str, event: str, **fields) -> None:
-        bucket = self._buckets.setdefault(event, TokenBucket(self.rate, self.burst))
+        bucket = self._buckets.setdefault(event, TokenBucket(LOG_LINES_PER_S, LOG_BURST))
         if not bucket.take(self.clock()):
             self._suppressed[event] = self._suppressed.get(event, 0) + 1
             return

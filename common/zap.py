@@ -57,7 +57,7 @@ class ThrottledAuthenticator(AsyncioAuthenticator):
     def __init__(self, ctx, *, handshakes_per_s: float, handshake_burst: int) -> None:
         super().__init__(ctx)
         self.budget = HandshakeBudget(handshakes_per_s, handshake_burst)
-        self.refused = self.throttled = self.delayed = 0
+        self.refused = self.delayed = 0
         self._held: set[asyncio.Task] = set()
 
     async def handle_zap_message(self, msg: list[bytes]) -> None:
@@ -70,7 +70,7 @@ class ThrottledAuthenticator(AsyncioAuthenticator):
             return
         wait = self.budget.delay((domain, address, key)) if len(self._held) < MAX_PENDING else None
         if wait is None:
-            self.throttled += 1  # unanswered: libzmq drops the connection at its handshake timeout
+            # unanswered: libzmq drops the connection at its handshake timeout
             limited.warning("handshake left unanswered: too many from this key and address", domain=domain,
                             address=address, key=z85.encode(key).decode())
         elif wait == 0:

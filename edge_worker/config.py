@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from ..common import protocol as P
 from ..common.errors import InvalidRequest
 from ..common.packing import enum_value
-from ..common.protocol import DEFAULT_OBJECTIVE, DEFAULT_SAMPLED_MODE, DEFAULT_STRATEGY, Mode, Objective, Strategy
+from ..common.protocol import (DEFAULT_OBJECTIVE, DEFAULT_SAMPLED_MODE, DEFAULT_STRATEGY, HEARTBEAT_INTERVAL, Mode,
+                               Objective, Strategy)
 from ..common.sampling import SamplingParams
 
 SEED_LIMIT = 1 << 63
@@ -88,16 +89,10 @@ class EdgeConfig:
     retry_budget_s: float = 30.0
     retry_backoff_s: float = 0.1      # doubled per consecutive failure, capped at max_backoff_s
     max_backoff_s: float = 1.0
-    default_resample: Strategy = DEFAULT_STRATEGY
-    # the mode at temperature > 0 when a request names none: coupled sends the fewest bytes both ways, needs no
-    # RESAMPLE round trips and is exact (its output is target-alone's with the same seed); docs/benchmarks-first.md
-    sampling_mode: Mode = DEFAULT_SAMPLED_MODE
-    default_draft_len: int | None = None  # None = auto
     default_objective: Objective = DEFAULT_OBJECTIVE  # what auto optimises when a request names none
     default_trees: str = "off"        # token trees: off, on, auto (edge_worker/treeshape.py)
-    default_tree_nodes: int | None = None  # a tree's node budget; None = chosen
     linger_ms: int = 100
-    heartbeat_s: float = 1.0          # ZMTP heartbeats on the broker connection (drop a dead TCP peer)
+    heartbeat_s: float = HEARTBEAT_INTERVAL  # ZMTP heartbeats on the broker connection (drop a dead TCP peer)
     predraft: bool = True             # draft ahead while a VERIFY is in flight (edge_worker/predraft.py)
     predraft_window: str = "wait"     # the whole wait for the VERDICT, or only while it goes up ("uplink":
                                       # when a cloud worker shares this machine's CPU)
@@ -110,13 +105,8 @@ class EdgeConfig:
             raise ValueError("retry_budget_s and retry_backoff_s must be >= 0")
         if not 0 <= self.linger_ms <= 5000:
             raise ValueError("linger_ms must be in [0, 5000] so shutdown cannot hang")
-        check = SessionConfig(resample=self.default_resample, draft_len=self.default_draft_len,
-                              objective=self.default_objective, trees=self.default_trees,
-                              tree_nodes=self.default_tree_nodes)  # validates them all
-        self.default_resample, self.default_objective = check.resample, check.objective  # names -> members
-        self.sampling_mode = enum_value(Mode, self.sampling_mode, "sampling_mode")
-        if self.sampling_mode in (None, Mode.GREEDY):
-            raise ValueError("sampling_mode is the mode at temperature > 0: sample or coupled")
+        check = SessionConfig(objective=self.default_objective, trees=self.default_trees)  # validates both
+        self.default_objective = check.objective  # a name -> its member
         if self.predraft_window not in ("uplink", "wait"):
             raise ValueError("predraft_window must be 'uplink' or 'wait'")
 
@@ -127,20 +117,16 @@ def session_config(edge: EdgeConfig, *, max_new_tokens: int = SessionConfig.max_
                    draft_len: int | str | None = None, mode: Mode | str | None = None,
                    resample: Strategy | str | None = None, objective: Objective | str | None = None,
                    trees: str | None = None) -> SessionConfig:
-    """A request's fields -> its SessionConfig, for every front end. None takes the edge's default: the draft
-    length ("auto" names auto), the resampling strategy, the objective, and the mode (greedy at temperature 0,
-    `edge.sampling_mode` above it). seed None draws a random seed (OpenAI's rule). A refusal is an
-    InvalidRequest naming the field; each front end says it in its own words."""
-    if mode is None and temperature != 0:
-        mode = edge.sampling_mode
-    if draft_len is None:
-        draft_len = edge.default_draft_len
+    """A request's fields -> its SessionConfig, for every front end. None takes the default: auto for the draft
+    length ("auto" names it too), the protocol's resampling strategy, the edge's objective and trees, and the mode
+    (greedy at temperature 0, DEFAULT_SAMPLED_MODE above it). seed None draws a random seed (OpenAI's rule). A
+    refusal is an InvalidRequest naming the field; each front end says it in its own words."""
     return SessionConfig(max_new_tokens=max_new_tokens, params=SamplingParams(float(temperature), top_k, top_p),
                          mode=mode, seed=int.from_bytes(os.urandom(7), "little") if seed is None else seed,
                          draft_len=None if draft_len == "auto" else draft_len,
-                         resample=edge.default_resample if resample is None else resample,
+                         resample=DEFAULT_STRATEGY if resample is None else resample,
                          objective=edge.default_objective if objective is None else objective,
-                         trees=edge.default_trees if trees is None else trees, tree_nodes=edge.default_tree_nodes)
+                         trees=edge.default_trees if trees is None else trees)
 
 
 @dataclass

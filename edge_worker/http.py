@@ -21,7 +21,7 @@ import socket
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import structlog
 import uvicorn
@@ -355,6 +355,3 @@ def _listen(host: str, port: int) -> socket.socket:
     sock.setblocking(False)
     return sock
 
-
-def stats_dict(stats: HttpStats) -> dict:
-    return asdict(stats)

@@ -31,7 +31,7 @@ from .route import Route
 log = structlog.get_logger("specrelay.edge")
 
 CONNECTING, UP, DOWN = "connecting", "up", "down"
-GRACE_BEATS = 3  # heartbeat intervals a broker may take to answer the first handshake, or stay silent
+GRACE_BEATS = P.HEARTBEAT_LIVENESS  # heartbeat intervals a broker may take to answer the first handshake, or stay silent
 
 
 class BrokerLink:

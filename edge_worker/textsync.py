@@ -85,7 +85,6 @@ class DraftContext:
         self._table = target_table
         self._prefix = list(prefix_ids)
         self._enc, self._backoff = _encoder_and_backoff(draft_tokenizer)
-        self._raw = bytearray()  # exact committed bytes, incomplete UTF-8 tail included
         self._text = bytearray()  # UTF-8 of the text the draft sees: complete chars, invalid bytes -> U+FFFD
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # holds back half a char
         self._ids: list[int] = []  # draft ids of self._text
@@ -96,11 +95,6 @@ class DraftContext:
     def draft_ids(self) -> list[int]:
         """prefix_ids + the draft ids of the complete committed text."""
         return self._prefix + self._ids
-
-    @property
-    def text_bytes(self) -> bytes:
-        """Every committed byte, including a held-back incomplete UTF-8 sequence."""
-        return bytes(self._raw)
 
     @property
     def pending(self) -> bytes:
@@ -117,7 +111,6 @@ class DraftContext:
 
     def append_bytes(self, data: bytes) -> tuple[int, list[int]]:
         """Commit raw text bytes (a prompt given as text, or target token bytes); same result as above."""
-        self._raw += data
         new_text = self._utf8.decode(data)
         if not new_text:  # nothing complete yet (or nothing at all): every id stays
             return len(self), []

@@ -8,7 +8,7 @@ import argparse
 
 from . import cliargs, defaults
 from .common.brokers import MAX_BROKERS
-from .common.protocol import Mode, Objective, Strategy
+from .common.protocol import DEFAULT_STRATEGY, Mode, Objective, Strategy
 from .common.sampling import SamplingParams
 from .edge_worker.config import TREES, EdgeConfig, HttpLimits, SessionConfig
 from .paths import demo_model
@@ -118,7 +118,7 @@ def add_sampling(p) -> None:
     p.add_argument("--mode", choices=MODES, default=None,
                    help="greedy at temperature 0, else coupled (shared Gumbel noise: the fewest bytes); sample = "
                    "rejection sampling, its rejections resolved by --resample")
-    p.add_argument("--resample", choices=(*STRATEGIES, "coupled"), default=EdgeConfig.default_resample.name.lower(),
+    p.add_argument("--resample", choices=STRATEGIES, default=DEFAULT_STRATEGY.name.lower(),
                    help="what a rejection sends down in --mode sample: srdv (fewest bytes) | hr | full")
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import warnings
 
 from .cliargs import UsageError
 from .preflight import check_edge_models, client_curve
@@ -41,19 +40,13 @@ def read_prompts(args) -> list[str]:
 
 
 def session_config(args, edge):
-    """The sampling flags -> SessionConfig through the one door (edge_worker/config.py), before torch loads.
-    `--resample coupled` (before --mode existed) still selects the coupled mode, with a deprecation warning."""
+    """The sampling flags -> SessionConfig through the one door (edge_worker/config.py), before torch loads."""
     from .edge_worker import config
 
-    mode, resample = args.mode, args.resample
-    if resample == "coupled":
-        warnings.warn("--resample coupled is deprecated: use --mode coupled", DeprecationWarning, stacklevel=2)
-        print("specrelay: --resample coupled is deprecated, use --mode coupled", file=sys.stderr)
-        mode, resample = "coupled", "srdv"
     return config.session_config(edge, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                  top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                                 draft_len="auto" if args.draft_len == "auto" else int(args.draft_len), mode=mode,
-                                 resample=resample, objective=args.objective, trees=args.trees)
+                                 draft_len="auto" if args.draft_len == "auto" else int(args.draft_len),
+                                 mode=args.mode, resample=args.resample, objective=args.objective, trees=args.trees)
 
 
 async def generate_all(args, prompts: list[str], edge_config, config, emit, curve=None) -> int:

@@ -68,7 +68,7 @@ async def test_a_bad_reload_keeps_the_lists_in_force(zctx, keys):
         (edges / "broken.key").write_text("not a certificate")
         shutil.copy(secrets / "worker.key", edges / "worker-too.key")
         assert allow.reload() is None  # refused: the two keys above stay admitted, nothing new
-        assert len(allow.zap.certs["edge"]) == 2 and len(allow.zap.certs["worker"]) == 1
+        assert len(allow._auth.certs["edge"]) == 2 and len(allow._auth.certs["worker"]) == 1
 
 
 def test_startup_refusal_is_one_line(keys):
@@ -102,7 +102,7 @@ async def test_refused_keys_are_counted_and_a_worker_id_is_bound_to_its_key(zctx
         rogue = auth.client(secrets / "rogue.key_secret", secrets / "broker.key")
         with pytest.raises(ConnectionRefusedError):
             await asyncio.to_thread(_handshake, broker.frontend, rogue, None)
-        assert broker._allowlists.zap.refused >= 1
+        assert broker._allowlists._auth.refused >= 1
         worker = transport.make_socket(zctx, zmq.DEALER, linger_ms=0, identity=b"w-1",
                                        curve=auth.client(secrets / "worker.key_secret", secrets / "broker.key"))
         worker.connect(broker.backend)
@@ -158,7 +158,7 @@ async def test_handshakes_past_the_budget_are_held_not_refused(zctx, keys):
     secrets, edges, workers = keys
     async with Broker(ANY, ANY, context=zctx, linger_ms=0, curve_secret=str(secrets / "broker.key_secret"),
                       edge_keys=str(edges), worker_keys=str(workers)) as broker:
-        zap = broker._allowlists.zap
+        zap = broker._allowlists._auth
         zap.budget = HandshakeBudget(rate=0.5, burst=2)
         edge = auth.client(secrets / "edge.key_secret", secrets / "broker.key")
         for _ in range(2):

@@ -33,7 +33,7 @@ def flags(*argv: str):
 def test_the_three_front_ends_reach_the_same_settings():
     edge = EdgeConfig()
     fields = dict(max_new_tokens=8, temperature=0.7, top_k=5, top_p=0.9, seed=3)
-    want = SessionConfig(8, SamplingParams(0.7, 5, 0.9), Mode.COUPLED, 3, None, edge.default_resample,
+    want = SessionConfig(8, SamplingParams(0.7, 5, 0.9), Mode.COUPLED, 3, None, Strategy.SRDV,
                          edge.default_objective)
     assert session_config(edge, **fields) == want
     assert http({"temperature": 0.7, "top_k": 5, "top_p": 0.9, "seed": 3}, edge) == want
@@ -43,13 +43,13 @@ def test_the_three_front_ends_reach_the_same_settings():
 
 
 def test_what_a_request_leaves_out_is_the_edges_default():
-    edge = EdgeConfig(default_resample="hr", sampling_mode="sample", default_draft_len=3, default_objective="cloud")
+    edge = EdgeConfig(default_objective="cloud", default_trees="on")
     for config in (session_config(edge, temperature=1.0), http({}, edge),
                    frontend.session_config(Edge(edge), P.Generate(1, "x", temperature=1.0))):
-        assert (config.mode, config.resample, config.draft_len, config.objective) == \
-            (Mode.SAMPLE, Strategy.HR, 3, Objective.CLOUD)
+        assert (config.mode, config.resample, config.draft_len, config.objective, config.trees) == \
+            (Mode.COUPLED, Strategy.SRDV, None, Objective.CLOUD, "on")
     assert session_config(edge).mode == Mode.GREEDY  # temperature 0 is greedy whatever the edge samples with
-    assert session_config(edge, draft_len="auto").draft_len is None  # auto, named, beats the edge's fixed length
+    assert session_config(edge, draft_len="auto").draft_len is None and session_config(edge, draft_len=3).draft_len == 3
     assert session_config(edge, seed=None).seed != session_config(edge, seed=None).seed  # no seed: a random one
 
 
@@ -58,7 +58,7 @@ def test_the_cli_flags_defaults_are_the_dataclasses():
     assert generate.session_config(args, EdgeConfig()) == SessionConfig(max_new_tokens=args.max_new_tokens)
     assert args.max_new_tokens == SessionConfig.max_new_tokens and args.retry_budget == EdgeConfig.retry_budget_s
     assert args.objective == EdgeConfig.default_objective.name.lower()
-    assert args.resample == EdgeConfig.default_resample.name.lower()
+    assert args.resample == SessionConfig.resample.name.lower()
     edge = cliargs.parse(cli.parser(), ["edge-worker"], environ={})
     assert (edge.max_concurrent_requests, edge.max_prompt_tokens_in_flight, edge.http_read_timeout) == \
         (HttpLimits.max_concurrent, HttpLimits.max_prompt_tokens, HttpLimits.header_timeout_s)

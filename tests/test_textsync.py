@@ -50,7 +50,6 @@ def check_sync(draft, target, text: str, seed: int) -> None:
     ids = target(text, add_special_tokens=False).input_ids
     ctx = DraftContext(draft, table)
     mirror = replay(ctx, random_chunks(ids, random.Random(seed)), ctx.append_target_tokens)
-    assert ctx.text_bytes == text.encode("utf-8")
     assert mirror == full_ids(draft, text)
 
 
@@ -89,7 +88,7 @@ def test_byte_by_byte_holds_back_partial_chars(make):
         complete = data[: i + 1].decode("utf-8", errors="ignore")
         assert ctx.pending == data[len(complete.encode()): i + 1]
         assert ctx.draft_ids == full_ids(draft, complete)
-    assert ctx.draft_ids == full_ids(draft, text) and ctx.text_bytes == data
+    assert ctx.draft_ids == full_ids(draft, text) and ctx.pending == b""
 
 
 def test_single_byte_target_tokens(byte_level, metaspace):
@@ -155,13 +154,12 @@ def test_special_token_text_stays_text(metaspace, byte_level):
 def test_special_target_tokens_add_no_text(byte_level, metaspace):
     ctx = DraftContext(metaspace, token_bytes(byte_level))
     n_keep, new = ctx.append_target_tokens([byte_level.eos_token_id])
-    assert (n_keep, new, ctx.text_bytes) == (0, [], b"")
+    assert (n_keep, new, ctx.draft_ids) == (0, [], [])
 
 
 def test_invalid_utf8_becomes_replacement_char(metaspace):
     ctx = DraftContext(metaspace, [])
     ctx.append_bytes(b"a\xffb")
-    assert ctx.text_bytes == b"a\xffb"
     assert ctx.draft_ids == full_ids(metaspace, "a\ufffdb")
 
 
@@ -198,9 +196,9 @@ def test_extended_ids_are_the_ids_after_committing(byte_level, metaspace):
     i = 0
     while i < len(ids):
         n, k = rng.randint(1, 5), rng.randint(1, 6)
-        before = (list(ctx.draft_ids), ctx.text_bytes)
+        before = (list(ctx.draft_ids), ctx.pending)
         ahead = ctx.extended_ids(ids[i:i + n + k])
-        assert (ctx.draft_ids, ctx.text_bytes) == before
+        assert (ctx.draft_ids, ctx.pending) == before
         assert ahead == full_ids(metaspace, text_of(table, ids[:i + n + k]))
         ctx.append_target_tokens(ids[i:i + n])
         i += n

@@ -3,7 +3,7 @@
     specrelay bench sweep  [--link 50ms,20mbit] [--sessions 16] --draft-lens 0,2,4,8,auto [--json]
     specrelay bench stress --edges 4 --sessions-per-edge 16 --cloud-workers 2 --duration 600 [--link 50ms]
     specrelay bench calls | concurrency | hf | xvocab | wire | srdv_k | all     (the first benchmarks)
-    specrelay bench report                                                     (docs/benchmarks.md)
+    specrelay bench report                                         (bench_results/benchmarks.md)
     specrelay bench schema                                                     (the JSON schema)
     specrelay bench kv | fuzz | xvdraft | draft | archs | broker | httpfuzz | worker-abuse   (modules of their own)
 

@@ -1,3 +1,5 @@
+"""`python -m specrelay.bench`: the same program as `specrelay bench`."""
+
 import sys
 
 from .cli import main

@@ -1,8 +1,8 @@
 """`specrelay bench NAME ...` (also `python -m specrelay.bench NAME ...`): every benchmark's command line.
 
-Each run writes OUT/<name>.json (schema: `specrelay bench schema`, docs/benchmarks.md), a markdown table
+Each run writes OUT/<name>.json (schema: `specrelay bench schema`), a markdown table
 OUT/<name>.md and PNG plots OUT/<name>_*.png; OUT defaults to ./bench_results. `report` turns whatever JSON is
-in OUT into docs/benchmarks.md with the plots next to it.
+in OUT into bench_results/benchmarks.md with the plots next to it (docs/benchmarks.md says what each measures).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def parser() -> argparse.ArgumentParser:
                                 "link"))
     _stress_flags(sub.add_parser("stress", help="edge-worker, broker and cloud-worker processes under load for a "
                                  "duration"))
-    _report_flags(sub.add_parser("report", help="render docs/benchmarks.md (tables + plots) from the JSON in --out"))
+    _report_flags(sub.add_parser("report", help="render one page (tables + plots) from the JSON in --out"))
     sub.add_parser("schema", help="print the JSON schema of sweep rows and stress results")
     _legacy_parsers(sub)
     for name, (_, _, what) in EXTERNAL.items():  # listed for --help; main() hands their arguments to the module
@@ -129,8 +129,8 @@ def _stress_flags(p: argparse.ArgumentParser) -> None:
 
 def _report_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=DEFAULT_OUT)
-    p.add_argument("--docs", default="docs/benchmarks.md", help="markdown file to write")
-    p.add_argument("--images", default="docs/bench", help="directory the plots are copied to")
+    p.add_argument("--docs", default=f"{DEFAULT_OUT}/benchmarks.md", help="markdown file to write")
+    p.add_argument("--images", default=f"{DEFAULT_OUT}/plots", help="directory the plots are copied to")
     p.add_argument("--merge", action="store_true", help="keep the sections of --docs that no result in --out "
                    "replaces (regenerate only what was rerun)")
 

@@ -1,5 +1,5 @@
 """Results as people read them: a markdown table per run, PNG plots (matplotlib, optional), and
-docs/benchmarks.md assembled from every result in a results directory (`specrelay bench report`)."""
+one page (bench_results/benchmarks.md) assembled from every result in a results directory (`specrelay bench report`)."""
 
 from __future__ import annotations
 

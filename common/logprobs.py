@@ -159,8 +159,10 @@ def completion_logprobs(rows: Rows, ids: Sequence[int], table: Sequence[bytes], 
         if rows.chosen[i] != rows.chosen[i]:
             tops.append(None)
         else:
-            tops.append({_text(table[t]): float(v) for t, v in zip(rows.top_ids[i].tolist(),
-                                                                    rows.top_logprobs[i].tolist())})
+            top: dict[str, float] = {}
+            for t, v in zip(rows.top_ids[i].tolist(), rows.top_logprobs[i].tolist()):
+                top.setdefault(_text(table[t]), float(v))  # strings that coincide keep the likelier one
+            tops.append(top)
     return {"tokens": tokens, "token_logprobs": [_value(v) for v in rows.chosen.tolist()],
             "top_logprobs": tops, "text_offset": offsets}
 

@@ -42,6 +42,34 @@ class ConstraintLogitsProcessor(LogitsProcessor):
         return mask_logits(scores, self.constraint.allowed()[None]).to(scores.dtype)
 
 
+class Unconstrained:
+    """The Constraint interface allowing every token (penalties alone, in the reference)."""
+
+    def __init__(self, vocab_size: int, eos: int) -> None:
+        self.vocab_size, self.eos, self._ended = vocab_size, eos, False
+
+    def allowed(self) -> torch.Tensor:
+        return torch.ones(self.vocab_size, dtype=torch.bool)
+
+    def advance(self, tokens: Sequence[int]) -> int:
+        if self._ended or not len(tokens):
+            return 0
+        tokens = [int(t) for t in tokens]
+        n = tokens.index(self.eos) + 1 if self.eos in tokens else len(tokens)
+        self._ended = self.eos in tokens
+        return n
+
+    def rollback(self, n: int) -> None:
+        self._ended = self._ended and n == 0
+
+    def is_terminated(self) -> bool:
+        return self._ended
+
+    def masks_along(self, drafted: Sequence[int]) -> tuple[torch.Tensor, int]:
+        m = self.advance(drafted)
+        return torch.ones(m + 1, self.vocab_size, dtype=torch.bool), m
+
+
 def _draft(draft, ctx: list[int], cons: Constraint, k: int, params: SamplingParams, seed: int, pen: Penalties,
            prompt_len: int, eos: int):
     """Up to k tokens from the masked, renormalised draft distribution; returns the tokens and their q rows."""
@@ -80,10 +108,14 @@ def _verify(target, ctx: list[int], drafted: list[int], qrows, cons: Constraint,
     return n, int(token)
 
 
-def speculative(target, draft, prompt: Sequence[int], make_constraint: Callable[[], Constraint], max_new: int,
+def speculative(target, draft, prompt: Sequence[int], make_constraint: Callable[[], Constraint] | None, max_new: int,
                 k: int = 4, params: SamplingParams = SamplingParams(), seed: int = 0, eos: int = 0,
                 pen: Penalties = Penalties()) -> list[int]:
-    """Constrained speculative decoding with a same-vocabulary pair; stops after EOS or max_new tokens."""
+    """Constrained speculative decoding with a same-vocabulary pair; stops after EOS or max_new tokens.
+    make_constraint None: no grammar (penalties alone)."""
+    if make_constraint is None:
+        v = target.config.vocab_size
+        make_constraint = lambda: Unconstrained(v, eos)  # noqa: E731
     cons_t, cons_d = make_constraint(), make_constraint()
     out: list[int] = []
     prompt = list(prompt)

@@ -211,6 +211,38 @@ class Constraint:
         return torch.stack(rows), m
 
 
+    def masks_tree(self, tokens: Sequence[int], parents: Sequence[int]) -> tuple[torch.Tensor, list[bool]]:
+        """A token tree's masks (common/tree.py layout: parents in topological order, -1 = the root).
+
+        rows [n + 1, V]: row 0 is the mask at the root, row u + 1 the mask after the path to node u (the decision
+        AT u). allowed[u]: the path to u is allowed; below a refused node the rows repeat its parent's (never
+        used: the target cannot pick a refused token). The state is left at the root: after the verdict, advance
+        over the accepted path and the next token."""
+        import torch
+
+        rows: list[torch.Tensor | None] = [self.allowed()] + [None] * len(tokens)
+        ok = [False] * len(tokens)
+        children: list[list[int]] = [[] for _ in range(len(tokens) + 1)]
+        for u, parent in enumerate(parents):
+            children[parent + 1].append(u)
+        stack = [(u, 0) for u in reversed(children[0])]  # (node, how many tokens the state holds below the root)
+        depth_held = 0
+        while stack:
+            u, parent_depth = stack.pop()
+            self.rollback(depth_held - parent_depth)
+            depth_held = parent_depth
+            parent_row = rows[parents[u] + 1]
+            ok[u] = (parents[u] < 0 or ok[parents[u]]) and bool(parent_row[int(tokens[u])]) \
+                and self.advance([tokens[u]]) == 1
+            if ok[u]:
+                depth_held += 1
+                rows[u + 1] = parent_row if self._ended else self.allowed()
+            else:
+                rows[u + 1] = parent_row
+            stack.extend((c, depth_held if ok[u] else parent_depth) for c in reversed(children[u + 1]))
+        self.rollback(depth_held)
+        return torch.stack(rows), ok
+
 def mask_logits(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """logits [..., V'] with mask [..., V] -> float32 logits with refused tokens at -inf (V' > V: past V refused)."""
     import torch

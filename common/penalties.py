@@ -17,8 +17,11 @@ way. Importing this module loads no torch: `Penalties` is checked before any mod
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
+
+import msgspec
 
 from .errors import InvalidRequest
 
@@ -73,6 +76,35 @@ class Penalties:
             pairs.append((token, float(value)))
         return cls(presence=_number(body, "presence_penalty", 0.0), frequency=_number(body, "frequency_penalty", 0.0),
                    repetition=_number(body, "repetition_penalty", 1.0), logit_bias=tuple(sorted(pairs)))
+
+
+class PenaltiesWire(msgspec.Struct, array_like=True, frozen=True):
+    """What an OPEN carries for a penalised session (None: none). bias_ids int32[n], bias_values float32[n]."""
+
+    presence: float
+    frequency: float
+    repetition: float
+    bias_ids: bytes = b""
+    bias_values: bytes = b""
+
+
+def to_wire(pen: Penalties) -> PenaltiesWire | None:
+    if not pen.active:
+        return None
+    ids, values = [t for t, _ in pen.logit_bias], [b for _, b in pen.logit_bias]
+    return PenaltiesWire(pen.presence, pen.frequency, pen.repetition, struct.pack(f"<{len(ids)}i", *ids),
+                         struct.pack(f"<{len(values)}f", *values))
+
+
+def from_wire(wire: PenaltiesWire, vocab_size: int) -> Penalties:
+    """The cloud's side: every field checked again (InvalidRequest names it), ids inside the target's vocabulary."""
+    if len(wire.bias_ids) % 4 or len(wire.bias_ids) != len(wire.bias_values) or len(wire.bias_ids) > 4 * vocab_size:
+        raise InvalidRequest("logit_bias arrays disagree", field="logit_bias")
+    n = len(wire.bias_ids) // 4
+    ids, values = struct.unpack(f"<{n}i", wire.bias_ids), struct.unpack(f"<{n}f", wire.bias_values)
+    if any(not 0 <= t < vocab_size for t in ids) or len(set(ids)) != n:
+        raise InvalidRequest("logit_bias token outside the vocabulary or repeated", field="logit_bias")
+    return Penalties(wire.presence, wire.frequency, wire.repetition, tuple(sorted(zip(ids, values))))
 
 
 def _number(body: dict, name: str, default: float) -> float:

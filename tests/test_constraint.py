@@ -164,3 +164,35 @@ def test_sampled_constrained_speculative_is_exact_in_law(tiny_runners):
         draws[tok.decode(out[:-1])] += 1
     assert set(draws) <= set(LAW_CHOICES)
     assert chi2_pvalue([draws[c] for c in LAW_CHOICES], [law[c] for c in LAW_CHOICES]) > 0.001
+
+
+def test_tree_masks_equal_each_paths_chain_masks(tiny_runners):
+    """A token tree's rows: every node's row equals the chain mask along its path; refused nodes are marked and
+    the state comes back to the root."""
+    target = tiny_runners[0]
+    vocab, tok = _vocab(target), target.tokenizer
+    cons = Constraint(vocab, ConstraintSpec("choice", json.dumps(CHOICES)))
+    start = cons.allowed().clone()
+    one = lambda s: tok(s, add_special_tokens=False).input_ids  # noqa: E731
+    y, n, z = one("y")[0], one("n")[0], one("z")[0]
+    rest_yes, rest_no = one("es"), one("o")
+    tokens = [y, n, z, *rest_yes, tok.eos_token_id, *rest_no, z]
+    a = 3 + len(rest_yes)  # index of the EOS after "yes"
+    parents = [-1, -1, -1] + [0] + list(range(3, 3 + len(rest_yes) - 1)) + [a - 1, 1] + list(
+        range(a + 1, a + len(rest_no))) + [2]
+    assert len(parents) == len(tokens)
+    rows, ok = cons.masks_tree(tokens, parents)
+    assert rows.shape == (len(tokens) + 1, vocab.vocab_size) and torch.equal(cons.allowed(), start)
+    assert ok[0] and ok[1] and not ok[2] and not ok[-1] and ok[a]
+    for leaf in (a, a + len(rest_no)):
+        path, u = [], leaf
+        while u >= 0:
+            path.append(u)
+            u = parents[u]
+        path.reverse()
+        chain, m = cons.masks_along([tokens[u] for u in path])
+        cons.rollback(m)
+        assert m == len(path)
+        assert torch.equal(rows[0], chain[0])
+        for i, u in enumerate(path[:-1] if tokens[leaf] == tok.eos_token_id else path):
+            assert torch.equal(rows[u + 1], chain[i + 1]), (leaf, u)

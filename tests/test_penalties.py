@@ -5,7 +5,9 @@ import torch
 from transformers import LogitsProcessor, RepetitionPenaltyLogitsProcessor
 
 from specrelay.common.errors import InvalidRequest
-from specrelay.common.penalties import Penalties, apply, penalised_rows
+import msgspec
+
+from specrelay.common.penalties import Penalties, PenaltiesWire, apply, from_wire, penalised_rows, to_wire
 from specrelay.constrained_ref import ConstraintLogitsProcessor, speculative
 
 
@@ -107,3 +109,16 @@ def test_penalised_speculative_equals_hf_generate(tiny_runners, grammar):
     assert ref != plain  # the penalties change the output, so equality below says they were applied
     for k in (1, 4):
         assert speculative(target.model, draft.model, ids, make, n, k=k, eos=tok.eos_token_id, pen=pen) == ref
+
+
+def test_wire_form_round_trips_and_is_checked_again():
+    pen = Penalties(0.5, 0.25, 1.25, ((3, -2.5), (9, 100.0)))
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(to_wire(pen)), type=PenaltiesWire)
+    assert from_wire(wire, vocab_size=10) == pen and to_wire(Penalties()) is None
+    for bad, vocab, field in [(PenaltiesWire(3.0, 0, 1), 10, "presence_penalty"),
+                              (PenaltiesWire(0, 0, -1), 10, "repetition_penalty"),
+                              (PenaltiesWire(0, 0, 1, wire.bias_ids, wire.bias_values[:4]), 10, "logit_bias"),
+                              (PenaltiesWire(0, 0, 1, wire.bias_ids, wire.bias_values), 5, "logit_bias")]:
+        with pytest.raises(InvalidRequest) as e:
+            from_wire(bad, vocab_size=vocab)
+        assert e.value.field == field

@@ -110,9 +110,10 @@ def _verify(target, ctx: list[int], drafted: list[int], qrows, cons: Constraint,
 
 def speculative(target, draft, prompt: Sequence[int], make_constraint: Callable[[], Constraint] | None, max_new: int,
                 k: int = 4, params: SamplingParams = SamplingParams(), seed: int = 0, eos: int = 0,
-                pen: Penalties = Penalties()) -> list[int]:
+                pen: Penalties = Penalties(), stats: dict | None = None) -> list[int]:
     """Constrained speculative decoding with a same-vocabulary pair; stops after EOS or max_new tokens.
-    make_constraint None: no grammar (penalties alone)."""
+    make_constraint None: no grammar (penalties alone). stats, when given, counts "calls" (target verifications)
+    and "drafted" tokens."""
     if make_constraint is None:
         v = target.config.vocab_size
         make_constraint = lambda: Unconstrained(v, eos)  # noqa: E731
@@ -125,6 +126,9 @@ def speculative(target, draft, prompt: Sequence[int], make_constraint: Callable[
             drafted, qrows = _draft(draft, ctx, cons_d, min(k, max_new - len(out)), params, seed, pen,
                                     len(prompt), eos)
             n, token = _verify(target, ctx, drafted, qrows, cons_t, params, seed, pen, len(prompt))
+            if stats is not None:
+                stats["calls"] = stats.get("calls", 0) + 1
+                stats["drafted"] = stats.get("drafted", 0) + len(drafted)
             if n == len(drafted) and drafted and drafted[-1] == eos:
                 out += drafted  # EOS accepted: the generation ends, no bonus after it
                 break

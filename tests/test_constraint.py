@@ -196,3 +196,30 @@ def test_tree_masks_equal_each_paths_chain_masks(tiny_runners):
         assert torch.equal(rows[0], chain[0])
         for i, u in enumerate(path[:-1] if tokens[leaf] == tok.eos_token_id else path):
             assert torch.equal(rows[u + 1], chain[i + 1]), (leaf, u)
+
+
+@pytest.mark.demo
+def test_the_same_spec_constrains_a_draft_vocabulary(demo_runners):
+    """Across vocabularies the edge compiles the same spec against its draft tokenizer (grammars are over bytes):
+    whatever it drafts under its mask, re-tokenized by the target, the target's constraint accepts whole."""
+    from transformers import AutoTokenizer
+
+    from specrelay.paths import demo_model
+
+    target_tok = demo_runners[0].tokenizer
+    draft_tok = AutoTokenizer.from_pretrained(demo_model("demo-draft-xv"))
+    assert len(draft_tok) != len(target_tok)
+    spec = spec_from_request(SPECS["json_schema"])
+    draft_vocab = TokenVocab(draft_tok)
+    target_cons = Constraint(TokenVocab(target_tok, demo_runners[0].model.config.vocab_size), spec)
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(5):
+        cons, out = Constraint(draft_vocab, spec), []
+        while not cons.is_terminated() and len(out) < 60:
+            allowed = cons.allowed().nonzero()[:, 0]
+            out.append(int(allowed[torch.randint(len(allowed), (1,), generator=gen)]))
+            assert cons.advance(out[-1:]) == 1
+        text = draft_tok.decode(out[:-1] if cons.is_terminated() else out)
+        ids = target_tok(text, add_special_tokens=False).input_ids
+        assert target_cons.advance(ids) == len(ids), (trial, text)
+        target_cons.rollback(len(ids))

@@ -7,6 +7,7 @@ repetition penalty (Hugging Face's rule), then frequency and presence (OpenAI's 
     logits[j] += bias[j]
     logits[j] = logits[j] / r  if logits[j] > 0 else logits[j] * r      for j in prompt + generated  (r > 1 damps)
     logits[j] -= c[j] * frequency + (c[j] > 0) * presence               c[j]: count of j among generated tokens
+    logits[s] = -inf  for s in EOS + stop_token_ids while fewer than min_tokens tokens are generated
 
 Exactness: the penalty at position t depends only on the tokens before t. So the row that verifies drafted
 token x_i (after `generated` tokens already committed) uses the counts of generated + x_0 .. x_{i-1}:
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 BIAS_LIMIT = 100.0        # OpenAI's logit_bias range is [-100, 100]
 PENALTY_LIMIT = 2.0       # OpenAI's presence/frequency range is [-2, 2]
 REPETITION_LIMIT = 100.0  # vLLM accepts any r > 0; past 100 every seen token is already gone, so cap there
+MAX_MIN_TOKENS = 1 << 20  # past any context a model has: a larger value is a mistake, not a request
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,8 @@ class Penalties:
     frequency: float = 0.0
     repetition: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = field(default=())  # (token id, bias), sorted by id
+    min_tokens: int = 0  # EOS and the stop token ids are refused until this many tokens are generated
+    stop_ids: tuple[int, ...] = ()  # EOS plus the request's stop_token_ids: what min_tokens holds back
 
     def __post_init__(self) -> None:
         for name, value in (("presence_penalty", self.presence), ("frequency_penalty", self.frequency)):
@@ -49,17 +53,21 @@ class Penalties:
         if not (math.isfinite(self.repetition) and 0.0 < self.repetition <= REPETITION_LIMIT):
             raise InvalidRequest("repetition_penalty must be a number in (0, 100] (1 = off)",
                                  field="repetition_penalty")
+        if not 0 <= self.min_tokens <= MAX_MIN_TOKENS:
+            raise InvalidRequest(f"min_tokens must be in [0, {MAX_MIN_TOKENS}]", field="min_tokens")
         for token, bias in self.logit_bias:
             if not (math.isfinite(bias) and -BIAS_LIMIT <= bias <= BIAS_LIMIT):
                 raise InvalidRequest(f"logit_bias[{token}] must be a number in [-100, 100]", field="logit_bias")
 
     @property
     def active(self) -> bool:
-        return bool(self.presence or self.frequency or self.repetition != 1.0 or self.logit_bias)
+        return bool(self.presence or self.frequency or self.repetition != 1.0 or self.logit_bias
+                    or (self.min_tokens and self.stop_ids))
 
     @classmethod
-    def from_request(cls, body: dict, vocab_size: int) -> "Penalties":
-        """An OpenAI request body (plus vLLM's `repetition_penalty`) -> Penalties; a one-line error per field."""
+    def from_request(cls, body: dict, vocab_size: int, eos: int | None = None) -> "Penalties":
+        """An OpenAI request body (plus vLLM's `repetition_penalty`, `min_tokens`, `stop_token_ids`) ->
+        Penalties; a one-line error per field."""
         bias = body.get("logit_bias") or {}
         if not isinstance(bias, dict):
             raise InvalidRequest("logit_bias must be an object of token id -> bias", field="logit_bias")
@@ -74,8 +82,18 @@ class Penalties:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise InvalidRequest(f"logit_bias[{token}] must be a number", field="logit_bias")
             pairs.append((token, float(value)))
+        stops = body.get("stop_token_ids") or []
+        if not (isinstance(stops, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                and 0 <= t < vocab_size for t in stops)):
+            raise InvalidRequest(f"stop_token_ids must be a list of token ids in [0, {vocab_size})",
+                                 field="stop_token_ids")
+        min_tokens = body.get("min_tokens") or 0
+        if isinstance(min_tokens, bool) or not isinstance(min_tokens, int):
+            raise InvalidRequest("min_tokens must be an integer", field="min_tokens")
+        stop_ids = tuple(sorted(set(stops) | ({eos} if eos is not None else set())))
         return cls(presence=_number(body, "presence_penalty", 0.0), frequency=_number(body, "frequency_penalty", 0.0),
-                   repetition=_number(body, "repetition_penalty", 1.0), logit_bias=tuple(sorted(pairs)))
+                   repetition=_number(body, "repetition_penalty", 1.0), logit_bias=tuple(sorted(pairs)),
+                   min_tokens=min_tokens, stop_ids=stop_ids if min_tokens else ())
 
 
 class PenaltiesWire(msgspec.Struct, array_like=True, frozen=True):
@@ -86,6 +104,8 @@ class PenaltiesWire(msgspec.Struct, array_like=True, frozen=True):
     repetition: float
     bias_ids: bytes = b""
     bias_values: bytes = b""
+    min_tokens: int = 0
+    stop_ids: bytes = b""  # int32[m]
 
 
 def to_wire(pen: Penalties) -> PenaltiesWire | None:
@@ -93,7 +113,8 @@ def to_wire(pen: Penalties) -> PenaltiesWire | None:
         return None
     ids, values = [t for t, _ in pen.logit_bias], [b for _, b in pen.logit_bias]
     return PenaltiesWire(pen.presence, pen.frequency, pen.repetition, struct.pack(f"<{len(ids)}i", *ids),
-                         struct.pack(f"<{len(values)}f", *values))
+                         struct.pack(f"<{len(values)}f", *values), pen.min_tokens,
+                         struct.pack(f"<{len(pen.stop_ids)}i", *pen.stop_ids))
 
 
 def from_wire(wire: PenaltiesWire, vocab_size: int) -> Penalties:
@@ -104,7 +125,13 @@ def from_wire(wire: PenaltiesWire, vocab_size: int) -> Penalties:
     ids, values = struct.unpack(f"<{n}i", wire.bias_ids), struct.unpack(f"<{n}f", wire.bias_values)
     if any(not 0 <= t < vocab_size for t in ids) or len(set(ids)) != n:
         raise InvalidRequest("logit_bias token outside the vocabulary or repeated", field="logit_bias")
-    return Penalties(wire.presence, wire.frequency, wire.repetition, tuple(sorted(zip(ids, values))))
+    if len(wire.stop_ids) % 4 or len(wire.stop_ids) > 4 * vocab_size:
+        raise InvalidRequest("stop_token_ids array has a bad length", field="stop_token_ids")
+    stops = struct.unpack(f"<{len(wire.stop_ids) // 4}i", wire.stop_ids)
+    if any(not 0 <= t < vocab_size for t in stops):
+        raise InvalidRequest("stop_token_ids outside the vocabulary", field="stop_token_ids")
+    return Penalties(wire.presence, wire.frequency, wire.repetition, tuple(sorted(zip(ids, values))),
+                     wire.min_tokens, tuple(sorted(set(stops))))
 
 
 def _number(body: dict, name: str, default: float) -> float:
@@ -132,6 +159,8 @@ def apply(logits: torch.Tensor, pen: Penalties, prompt: Sequence[int], generated
         seen = seen.unique() if len(seen) else seen
         vals = out[seen]
         out[seen] = torch.where(vals > 0, vals / pen.repetition, vals * pen.repetition)
+    if len(generated) < pen.min_tokens and pen.stop_ids:
+        out[torch.tensor(pen.stop_ids, dtype=torch.long)] = float("-inf")
     if (pen.presence or pen.frequency) and len(generated):
         counts = torch.bincount(torch.tensor(list(generated), dtype=torch.long), minlength=v)[:v].float()
         out -= counts * pen.frequency + (counts > 0).float() * pen.presence

@@ -75,10 +75,14 @@ def test_request_fields():
                                   "logit_bias": {"7": 5, "2": -3.5}}, vocab_size=10)
     assert pen == Penalties(1.0, -0.5, 1.1, ((2, -3.5), (7, 5.0))) and pen.active
     assert not Penalties.from_request({}, vocab_size=10).active
+    held = Penalties.from_request({"min_tokens": 4, "stop_token_ids": [5, 2]}, vocab_size=10, eos=0)
+    assert held.stop_ids == (0, 2, 5) and held.active
+    assert not Penalties.from_request({"stop_token_ids": [5]}, vocab_size=10, eos=0).active  # stops: the edge's job
     for body, field in [({"presence_penalty": 3}, "presence_penalty"), ({"frequency_penalty": "x"}, "frequency_penalty"),
                         ({"repetition_penalty": 0}, "repetition_penalty"), ({"logit_bias": {"x": 1}}, "logit_bias"),
                         ({"logit_bias": {"10": 1}}, "logit_bias"), ({"logit_bias": {"1": 101}}, "logit_bias"),
-                        ({"logit_bias": [1]}, "logit_bias")]:
+                        ({"logit_bias": [1]}, "logit_bias"), ({"min_tokens": 1.5}, "min_tokens"),
+                        ({"stop_token_ids": [10]}, "stop_token_ids"), ({"min_tokens": -2}, "min_tokens")]:
         with pytest.raises(InvalidRequest) as e:
             Penalties.from_request(body, vocab_size=10)
         assert e.value.field == field
@@ -112,13 +116,28 @@ def test_penalised_speculative_equals_hf_generate(tiny_runners, grammar):
 
 
 def test_wire_form_round_trips_and_is_checked_again():
-    pen = Penalties(0.5, 0.25, 1.25, ((3, -2.5), (9, 100.0)))
+    pen = Penalties(0.5, 0.25, 1.25, ((3, -2.5), (9, 100.0)), min_tokens=3, stop_ids=(0, 7))
     wire = msgspec.msgpack.decode(msgspec.msgpack.encode(to_wire(pen)), type=PenaltiesWire)
     assert from_wire(wire, vocab_size=10) == pen and to_wire(Penalties()) is None
     for bad, vocab, field in [(PenaltiesWire(3.0, 0, 1), 10, "presence_penalty"),
                               (PenaltiesWire(0, 0, -1), 10, "repetition_penalty"),
                               (PenaltiesWire(0, 0, 1, wire.bias_ids, wire.bias_values[:4]), 10, "logit_bias"),
-                              (PenaltiesWire(0, 0, 1, wire.bias_ids, wire.bias_values), 5, "logit_bias")]:
+                              (PenaltiesWire(0, 0, 1, wire.bias_ids, wire.bias_values), 5, "logit_bias"),
+                              (PenaltiesWire(0, 0, 1, min_tokens=-1), 10, "min_tokens"),
+                              (PenaltiesWire(0, 0, 1, stop_ids=b"\x0b\0\0\0"), 10, "stop_token_ids")]:
         with pytest.raises(InvalidRequest) as e:
             from_wire(bad, vocab_size=vocab)
         assert e.value.field == field
+
+
+def test_min_tokens_equals_hf_min_new_tokens(tiny_runners):
+    """EOS pushed up by a bias: HF's min_new_tokens holds it back exactly as min_tokens does, per position."""
+    target, draft = tiny_runners
+    tok, eos = target.tokenizer, target.tokenizer.eos_token_id
+    ids = tok("for i in").input_ids
+    pen = Penalties(logit_bias=((eos, 8.0),), min_tokens=5, stop_ids=(eos,))
+    ref = target.model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False, min_new_tokens=5,
+                                sequence_bias={(eos,): 8.0}, pad_token_id=eos)[0, len(ids):].tolist()
+    assert len(ref) == 6 and ref[-1] == eos  # the bias wins as soon as min_tokens lets it
+    for k in (1, 4):
+        assert speculative(target.model, draft.model, ids, None, 20, k=k, eos=eos, pen=pen) == ref

@@ -43,7 +43,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from ..common.errors import FatalError
-from . import detattn, detlayers
+from . import batchattn, detattn, detlayers
+from .batchattn import to_device
 from .kvcache import KVStore, Span
 from .treeattn import TreeLayout
 
@@ -101,6 +102,8 @@ class _Plan:
     write_base: torch.Tensor  # [kv_heads, T] row in store.data of each new token's layer-0 keys, per head
     write_step: torch.Tensor  # [T] rows between one (layer, keys|values) plane and the next, per token
     deterministic: bool
+    batched: bool = False  # one attention call per layer for every row (cloud_worker/batchattn.py)
+    batch: object = None   # batchattn.Batch, built at the first layer
     layers_done: int = 0
 
 
@@ -148,22 +151,25 @@ def _dispatcher(original: str):
 # ---- the packed forward ----------------------------------------------------------------------------------
 
 @torch.no_grad()
-def forward_packed(model, store: KVStore, rows: list[Row], *, deterministic: bool = False) -> list[torch.Tensor]:
+def forward_packed(model, store: KVStore, rows: list[Row], *, deterministic: bool = False,
+                   batched: bool = False) -> list[torch.Tensor]:
     """Run every row's new tokens in one forward pass; their K/V are appended to the rows' spans (which must
     exist). Returns per row the logits [keep, V] (float32, on the CPU, where the acceptance rules run) of its
-    last `keep` tokens."""
+    last `keep` tokens. batched: one attention call per layer for all rows (cloud_worker/batchattn.py) instead
+    of one per row; deterministic numerics keep their own attention (cloud_worker/detattn.py) either way."""
     spans = [store.ensure(r.key, store.span(r.key).length + len(r.ids)) for r in rows]  # may move spans
     plan, positions = _plan(store, rows, spans, deterministic)
+    plan.batched = batched and not deterministic
     device = store.data.device
-    ids = torch.tensor([t for r in rows for t in r.ids], dtype=torch.long, device=device)[None]  # [1, T]
+    ids = to_device(torch.tensor([t for r in rows for t in r.ids], dtype=torch.long)[None], device)  # [1, T]
     keep, q = [], 0
     for r in rows:
         q += len(r.ids)
         keep.extend(range(q - r.keep, q))
     _local.plan = plan
     try:
-        out = model(input_ids=ids, position_ids=positions[None], attention_mask=_NO_MASK.to(device),
-                    use_cache=False, logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device))
+        out = model(input_ids=ids, position_ids=positions[None], attention_mask=to_device(_NO_MASK, device),
+                    use_cache=False, logits_to_keep=to_device(torch.tensor(keep, dtype=torch.long), device))
     finally:
         _local.plan = None
     if plan.layers_done != store.shape.layers:
@@ -171,7 +177,7 @@ def forward_packed(model, store: KVStore, rows: list[Row], *, deterministic: boo
                          "layers through the KV store; this model is not supported by the cloud worker")
     for r, s in zip(rows, spans):
         s.length += len(r.ids)
-    logits = out.logits[0].float().cpu()  # [sum(keep), V]: one transfer per step on an accelerator
+    logits = _to_host(out.logits[0].float())  # [sum(keep), V]: the step's one wait on an accelerator
     return list(logits.split([r.keep for r in rows]))
 
 
@@ -197,8 +203,18 @@ def _plan(store: KVStore, rows: list[Row], spans: list[Span], deterministic: boo
         if tree is not None:
             positions[q0:q0 + k] = tree.pos
         plans.append(_RowPlan(span, q0, k, length, kv[:, 0], kv[:, 1], tree=tree))
-    plan = _Plan(store, plans, write_base.to(device), (h * cap).to(device), deterministic)
-    return plan, positions.to(device)
+    plan = _Plan(store, plans, to_device(write_base, device), to_device(h * cap, device), deterministic)
+    return plan, to_device(positions, device)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor in (pinned) host memory: one copy, then the one wait for the step's results."""
+    if t.device.type != "cuda":
+        return t.cpu()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(t.device).synchronize()
+    return host
 
 
 # ---- attention ----------------------------------------------------------------------------------------------
@@ -214,6 +230,8 @@ def _attention(plan: _Plan, module, query, key, value, scaling=None, **kwargs):
             query[0, :, r.q0:r.q0 + r.n], r.span.kv[layer], r, scale, plan.store.block, features)
             for r in plan.rows]  # each [Hq, n, d]
         out = torch.cat(outs, 1)[None]
+    elif plan.batched:
+        out = batchattn.attend(plan, layer, query, scale, features)
     else:
         out = torch.cat([_attend_fast(query[:, :, r.q0:r.q0 + r.n], layer, r, scale, features)
                          for r in plan.rows], 2)
@@ -257,34 +275,44 @@ def _attend_fast(q: torch.Tensor, layer: int, r: _RowPlan, scale: float, f: _Fea
     if f.softcap is None and f.sinks is None:
         out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
         return out.reshape(1, hq, n, d)
-    scores = folded @ keys.transpose(-1, -2) * scale  # [1, h, g*n, L']
+    return _eager(folded, keys, values, mask, scale, f, g, n).reshape(1, hq, n, d)
+
+
+def _eager(folded, keys, values, mask, scale: float, f: _Features, g: int, n: int) -> torch.Tensor:
+    """The eager formula under softcap or sinks: folded [B, h, g*n, d] over keys, values [B, h, L, d], mask
+    [g*n, L] or [B, 1, g*n, L] (None: all visible) -> [B, h, g*n, d]."""
+    scores = folded @ keys.transpose(-1, -2) * scale  # [B, h, g*n, L]
     if f.softcap is not None:
         scores = f.softcap * torch.tanh(scores / f.softcap)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     if f.sinks is not None:  # the sink column: one logit per query head, no value
-        sink = f.sinks.to(scores.dtype).view(1, -1, g, 1).expand(1, keys.shape[1], g, n).reshape(1, -1, g * n, 1)
+        b, h = keys.shape[:2]
+        sink = f.sinks.to(scores.dtype).view(1, h, g, 1).expand(b, h, g, n).reshape(b, h, g * n, 1)
         scores = torch.cat([scores, sink], -1)
     probs = torch.softmax(scores.float(), -1).to(values.dtype)
     if f.sinks is not None:
         probs = probs[..., :-1]
-    return (probs @ values).reshape(1, hq, n, d)
+    return probs @ values
 
 
 # ---- the start-up self-check -----------------------------------------------------------------------------------
 
 def self_check(model, store: KVStore, deterministic: bool, forward=forward_packed,
-               path: str = "the cloud worker's packed forward over its KV store") -> None:
+               path: str = "the cloud worker's packed forward over its KV store", batched: bool = False) -> None:
     """Raise FatalError (one line) unless ragged `forward`s over `store` (an empty scratch store of the worker's
     kind), with a rollback, and (packed forward) a token tree, give the model's own logits (common/selfcheck.py);
-    in deterministic numerics, also unless each sequence alone, in one forward, gives the same logits bit for bit."""
+    in deterministic numerics, also unless each sequence alone, in one forward, gives the same logits bit for bit.
+    batched: check the batched attention path (forward_packed only)."""
     from ..common import selfcheck
 
     a, b = selfcheck.probe(model.get_output_embeddings().weight.shape[0])
     batched: list[torch.Tensor] = []
 
+    path_kw = {"batched": True} if batched else {}
+
     def run(*rows):
-        return forward(model, store, [Row(*r) for r in rows], deterministic=deterministic)
+        return forward(model, store, [Row(*r) for r in rows], deterministic=deterministic, **path_kw)
 
     def probe_path() -> list[torch.Tensor]:
         for key in (0, 1):
@@ -310,7 +338,7 @@ def self_check(model, store: KVStore, deterministic: bool, forward=forward_packe
                              "batch-invariant for this architecture (a sequence alone and in a ragged batch give "
                              "different logits); serve it without --deterministic")
     if forward is forward_packed:
-        _tree_self_check(model, store, deterministic, a, b, path + " with a token tree")
+        _tree_self_check(model, store, deterministic, a, b, path + " with a token tree", batched)
 
 
 def _refuse_untiled(model) -> None:
@@ -322,7 +350,8 @@ def _refuse_untiled(model) -> None:
                          "interface); serve it without --deterministic")
 
 
-def _tree_self_check(model, store: KVStore, deterministic: bool, a: list[int], b: list[int], path: str) -> None:
+def _tree_self_check(model, store: KVStore, deterministic: bool, a: list[int], b: list[int], path: str,
+                     batched: bool = False) -> None:
     """A tree row after 12 tokens of `a` (a branch along a, one along b), beside another session: each node's
     logits must be the model's own after its root-to-node path (windows shrunk to 8, so the tree slides)."""
     from ..common import selfcheck
@@ -334,9 +363,9 @@ def _tree_self_check(model, store: KVStore, deterministic: bool, a: list[int], b
             want = torch.stack([logits[-1] for logits in selfcheck.reference(model, [a[:12] + p for p in paths])])
             for key in (0, 1):
                 store.reserve(key, 32)
-            forward_packed(model, store, [Row(0, a[:11])], deterministic=deterministic)
+            forward_packed(model, store, [Row(0, a[:11])], deterministic=deterministic, batched=batched)
             got = forward_packed(model, store, [Row(1, b[:5], 1), Row(0, a[11:12] + tokens, 7, parents)],
-                          deterministic=deterministic)[1]
+                                 deterministic=deterministic, batched=batched)[1]
     except Exception as exc:
         raise FatalError(f"{type(model).__name__}: {path} failed on the start-up self-check "
                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc

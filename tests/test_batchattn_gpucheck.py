@@ -1,0 +1,30 @@
+"""scripts/gpu_check.sh end to end on the CPU (`--device cpu`: the same program at small sizes), so the device
+check cannot rot before a GPU runs it: its exit status, and the JSON it writes, row by row."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
+    run = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--device", "cpu", "--out", str(tmp_path),
+                          "--real", str(tmp_path / "no-real-models")], env={"PYTHON": sys.executable, "PATH": ""},
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert "verify step vs bare forward" in run.stdout and "throughput" in run.stdout
+    exact = {(r["dtype"], r["attention"]): r for r in result["exactness"]}
+    assert set(exact) == {(d, a) for d in ("float32", "bfloat16") for a in ("per-session", "batched")}
+    assert all(r["exact"] for (dtype, _), r in exact.items() if dtype == "float32")
+    assert all(r["equal_to_first_tie"] and r["prompts"] >= 2 for r in exact.values())
+    steps = {(r["context"], r["batch"]) for r in result["steps"]}
+    assert steps == {(64, 1), (64, 4)}
+    assert all(r[k] > 0 for r in result["steps"] for k in ("forward_ms", "per-session_ms", "batched_ms"))
+    tp = result["throughput"]
+    assert tp["attention"] == "per-session" and tp["sessions"] == 4 and tp["tokens_per_s_1"] > 0 < tp["ratio"]
+    assert result["real_models"] == [] and result["device"].startswith("cpu")

@@ -4,6 +4,7 @@ check cannot rot before a GPU runs it: its exit status, and the JSON it writes, 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
     run = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--device", "cpu", "--out", str(tmp_path),
-                          "--real", str(tmp_path / "no-real-models")], env={"PYTHON": sys.executable, "PATH": ""},
+                          "--real", str(tmp_path / "no-real-models")], env={**os.environ, "PYTHON": sys.executable},
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads((tmp_path / "gpu_check.json").read_text())

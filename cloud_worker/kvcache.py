@@ -24,6 +24,7 @@ import torch
 
 from ..common.errors import Overloaded
 from ..common.runner import KVShape
+from .batchattn import to_device
 
 GROWTH = 1.5  # a span that must move grows to this multiple of what it needs now
 
@@ -148,7 +149,7 @@ class KVStore:
         moved = [(start + j, start + i) for i, j in enumerate(offsets) if j != i]
         if moved:
             span = self.spans[key]
-            source, target = (torch.tensor(side, device=span.kv.device) for side in zip(*moved))
+            source, target = (to_device(torch.tensor(side), span.kv.device) for side in zip(*moved))
             span.kv.index_copy_(3, target, span.kv.index_select(3, source))  # index_select copies first
             self.stats["path_tokens"] += len(moved)
         self.truncate(key, start + len(offsets))

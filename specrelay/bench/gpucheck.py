@@ -195,6 +195,7 @@ def real_models(root: Path) -> list[Path]:
 def run(args) -> dict:
     size = dict(SIZES["small" if args.small else "full"])
     size |= {k: tuple(v) for k, v in (("batches", args.batches), ("contexts", args.contexts)) if v}
+    size |= {"reps": args.reps} if args.reps else {}
     real = real_models(Path(args.real))
     exact = []
     for dtype in () if args.steps_only else ("float32", "bfloat16"):
@@ -245,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                     "(default: bfloat16 on cuda, float32 on the cpu, where bfloat16 is slow)")
     ap.add_argument("--batches", type=int, nargs="+", help="override the step's batch sizes")
     ap.add_argument("--contexts", type=int, nargs="+", help="override the step's contexts")
+    ap.add_argument("--reps", type=int, help="override the timed rounds of each step")
     ap.add_argument("--steps-only", action="store_true", help="only (b) and (d): the step table")
     ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args(argv)

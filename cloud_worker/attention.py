@@ -14,7 +14,8 @@ in both numerics, with transformers' own semantics (masking_utils, the models' e
 - `s_aux` (sinks, gpt-oss): one extra logit per query head in the softmax's denominator that carries no value.
 
 Two numerics:
-- fast (default): `scaled_dot_product_attention` per session. A session's attention never sees another
+- fast (default): `scaled_dot_product_attention` per session, or (`batched=True`, cloud_worker/batchattn.py) one
+  call per layer for the whole step over a padded batch with one mask. A session's attention never sees another
   session, but the linear layers' results may depend on how many rows the batch has (BLAS picks kernels by
   shape), so logits can differ in the last bits with batch composition.
 - deterministic (batch-invariant; attention in cloud_worker/detattn.py, the other layers in
@@ -44,8 +45,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 
 from ..common.errors import FatalError
 from . import batchattn, detattn, detlayers
-from .batchattn import to_device
-from .kvcache import KVStore, Span
+from .batchattn import eager, visible
+from .kvcache import KVStore, Span, to_device
 from .treeattn import TreeLayout
 
 PREFIX = "specrelay_"
@@ -248,14 +249,6 @@ def _write(plan: _Plan, layer: int, key: torch.Tensor, value: torch.Tensor) -> N
     rows.index_copy_(0, (where + plan.write_step).flatten(), value.reshape(-1, d).to(rows.dtype))
 
 
-def _visible(r: _RowPlan, window: int | None, keys: torch.Tensor) -> torch.Tensor:
-    """[n, len(keys)] bool: key position k is visible to the row's i-th new token (at past + i): k <= past + i,
-    and past + i - window < k under a sliding window."""
-    position = r.past + torch.arange(r.n, device=keys.device)[:, None]  # [n, 1]
-    seen = keys[None, :] <= position
-    return seen & (keys[None, :] > position - window) if window else seen
-
-
 def _attend_fast(q: torch.Tensor, layer: int, r: _RowPlan, scale: float, f: _Features) -> torch.Tensor:
     """q [1, Hq, n, d] -> [1, Hq, n, d] over views of the span: SDPA, or the eager formula under softcap or
     sinks. Only keys some query can see are read (a sliding window starts at past - window + 1). Grouped query
@@ -264,7 +257,7 @@ def _attend_fast(q: torch.Tensor, layer: int, r: _RowPlan, scale: float, f: _Fea
     keys, values = r.keys[layer:layer + 1, :, first:], r.values[layer:layer + 1, :, first:]  # [1, h, L', d]
     if f.window not in r.masks:  # None when every key read is visible (one new token)
         positions = torch.arange(first, r.length, device=q.device)
-        r.masks[f.window] = (None if r.n == 1 else _visible(r, f.window, positions) if r.tree is None
+        r.masks[f.window] = (None if r.n == 1 else visible(r, f.window, positions) if r.tree is None
                              else r.tree.fast_mask(r.past, first, f.window, q.device))
     mask = r.masks[f.window]
     _, hq, n, d = q.shape
@@ -275,25 +268,7 @@ def _attend_fast(q: torch.Tensor, layer: int, r: _RowPlan, scale: float, f: _Fea
     if f.softcap is None and f.sinks is None:
         out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
         return out.reshape(1, hq, n, d)
-    return _eager(folded, keys, values, mask, scale, f, g, n).reshape(1, hq, n, d)
-
-
-def _eager(folded, keys, values, mask, scale: float, f: _Features, g: int, n: int) -> torch.Tensor:
-    """The eager formula under softcap or sinks: folded [B, h, g*n, d] over keys, values [B, h, L, d], mask
-    [g*n, L] or [B, 1, g*n, L] (None: all visible) -> [B, h, g*n, d]."""
-    scores = folded @ keys.transpose(-1, -2) * scale  # [B, h, g*n, L]
-    if f.softcap is not None:
-        scores = f.softcap * torch.tanh(scores / f.softcap)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    if f.sinks is not None:  # the sink column: one logit per query head, no value
-        b, h = keys.shape[:2]
-        sink = f.sinks.to(scores.dtype).view(1, h, g, 1).expand(b, h, g, n).reshape(b, h, g * n, 1)
-        scores = torch.cat([scores, sink], -1)
-    probs = torch.softmax(scores.float(), -1).to(values.dtype)
-    if f.sinks is not None:
-        probs = probs[..., :-1]
-    return probs @ values
+    return eager(folded, keys, values, mask, scale, f, g, n).reshape(1, hq, n, d)
 
 
 # ---- the start-up self-check -----------------------------------------------------------------------------------

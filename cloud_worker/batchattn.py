@@ -7,7 +7,7 @@ C: the most keys a row reads) and each layer makes one gather of its keys and on
 store (`index_select` of the rows of every span, a copy of what attention reads anyway) and ONE
 `scaled_dot_product_attention` over the batch, with one boolean mask [B, 1, Q, C] that holds each row's causal
 order, sliding window and token tree (the masks the per-session path builds, side by side). Softcap and sinks
-take the eager formula (attention._eager) over the same padded batch: still one computation per layer. So
+take the eager formula (`eager`) over the same padded batch: still one computation per layer. So
 every feature the per-session path covers is covered here; no layer falls back.
 
 Everything that depends on the step only (gather rows, the mask, where each packed token sits in the padded
@@ -29,12 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A CPU tensor on `device`: on an accelerator through pinned memory, without waiting for the copy."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+from .kvcache import to_device
 
 
 @dataclass
@@ -72,8 +67,6 @@ def prepare(rows, device: torch.device) -> Batch:
 def layout(batch: Batch, rows, store, window: int | None, g: int, device: torch.device) -> _Layout:
     """Gather rows and the mask for `window`: a row reads its span's slots first..length-1, where a sliding
     window starts at past - window + 1 (as the per-session path reads them)."""
-    from .attention import _visible  # the per-session path's own masks: both paths see the same keys
-
     h = store.shape.kv_heads
     first = [max(0, r.past - window + 1) if window else 0 for r in rows]
     width = torch.tensor([r.length - f for r, f in zip(rows, first)])     # [B] keys row b reads
@@ -86,7 +79,7 @@ def layout(batch: Batch, rows, store, window: int | None, g: int, device: torch.
     mask[:, :, 0] = True  # padding queries see one key (their output is dropped): no empty softmax
     for b, (r, f) in enumerate(zip(rows, first)):
         keys = torch.arange(f, r.length)
-        mask[b, :r.n, :len(keys)] = (_visible(r, window, keys) if r.tree is None
+        mask[b, :r.n, :len(keys)] = (visible(r, window, keys) if r.tree is None
                                      else r.tree.fast_mask(r.past, f, window, "cpu"))
     mask = mask[:, None].repeat(1, 1, g, 1)  # [B, 1, g * Q, C]: query heads j*g..j*g+g-1 share K/V head j
     return _Layout(to_device(index, device), to_device(h * cap[:, None, None], device), to_device(mask, device))
@@ -94,8 +87,6 @@ def layout(batch: Batch, rows, store, window: int | None, g: int, device: torch.
 
 def attend(plan, layer: int, query: torch.Tensor, scale: float, features) -> torch.Tensor:
     """query [1, Hq, T, d] -> [1, Hq, T, d]: the whole step's attention of one layer in one call."""
-    from .attention import _eager
-
     store, rows = plan.store, plan.rows
     device = query.device
     if plan.batch is None:
@@ -116,6 +107,34 @@ def attend(plan, layer: int, query: torch.Tensor, scale: float, features) -> tor
     if features.softcap is None and features.sinks is None:
         out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=lay.mask, scale=scale)
     else:
-        out = _eager(folded, keys, values, lay.mask, scale, features, g, batch.Q)
+        out = eager(folded, keys, values, lay.mask, scale, features, g, batch.Q)
     out = out.reshape(batch.B, hq, batch.Q, d).transpose(0, 1).reshape(hq, batch.B * batch.Q, d)
     return out.index_select(1, batch.token_index)[None]                          # [1, Hq, T, d]
+
+
+# ---- what both paths share: the masks of chains, and the eager formula -----------------------------------
+
+def visible(r, window: int | None, keys: torch.Tensor) -> torch.Tensor:
+    """[n, len(keys)] bool: key position k is visible to the row's i-th new token (at past + i): k <= past + i,
+    and past + i - window < k under a sliding window."""
+    position = r.past + torch.arange(r.n, device=keys.device)[:, None]  # [n, 1]
+    seen = keys[None, :] <= position
+    return seen & (keys[None, :] > position - window) if window else seen
+
+
+def eager(folded, keys, values, mask, scale: float, f, g: int, n: int) -> torch.Tensor:
+    """The eager formula under softcap or sinks: folded [B, h, g*n, d] over keys, values [B, h, L, d], mask
+    [g*n, L] or [B, 1, g*n, L] (None: all visible) -> [B, h, g*n, d]."""
+    scores = folded @ keys.transpose(-1, -2) * scale  # [B, h, g*n, L]
+    if f.softcap is not None:
+        scores = f.softcap * torch.tanh(scores / f.softcap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    if f.sinks is not None:  # the sink column: one logit per query head, no value
+        b, h = keys.shape[:2]
+        sink = f.sinks.to(scores.dtype).view(1, h, g, 1).expand(b, h, g, n).reshape(b, h, g * n, 1)
+        scores = torch.cat([scores, sink], -1)
+    probs = torch.softmax(scores.float(), -1).to(values.dtype)
+    if f.sinks is not None:
+        probs = probs[..., :-1]
+    return probs @ values

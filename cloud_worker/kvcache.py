@@ -24,9 +24,15 @@ import torch
 
 from ..common.errors import Overloaded
 from ..common.runner import KVShape
-from .batchattn import to_device
 
 GROWTH = 1.5  # a span that must move grows to this multiple of what it needs now
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on `device`: on an accelerator through pinned memory, without waiting for the copy."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(eq=False)

@@ -12,7 +12,7 @@ from trees import Oracle, hf_greedy
 
 from specrelay.archs import ARCHS, build
 from specrelay.bench.gpucheck import decisive
-from specrelay.cloud_worker import batchattn
+from specrelay.cloud_worker import kvcache
 from specrelay.cloud_worker.attention import Row, forward_packed, install
 from specrelay.cloud_worker.config import VerifierConfig
 from specrelay.cloud_worker.kvcache import KVShape, KVStore
@@ -123,4 +123,4 @@ def test_the_path_choice_and_its_refusals():
 
 def test_the_cpu_default_is_the_per_session_path(demo_runners):
     assert Verifier(demo_runners[0], VerifierConfig(max_sessions=2, max_cache_bytes=1 << 22)).attention == "per-session"
-    assert batchattn.to_device(torch.ones(2), torch.device("cpu")).device.type == "cpu"
+    assert kvcache.to_device(torch.ones(2), torch.device("cpu")).device.type == "cpu"

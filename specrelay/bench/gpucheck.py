@@ -246,12 +246,15 @@ def main(argv: list[str] | None = None) -> int:
                     "(default: bfloat16 on cuda, float32 on the cpu, where bfloat16 is slow)")
     ap.add_argument("--batches", type=int, nargs="+", help="override the step's batch sizes")
     ap.add_argument("--contexts", type=int, nargs="+", help="override the step's contexts")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads on the cpu (default 1: a shared machine)")
     ap.add_argument("--reps", type=int, help="override the timed rounds of each step")
     ap.add_argument("--steps-only", action="store_true", help="only (b) and (d): the step table")
     ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args(argv)
     args.argv = list(argv or [])
     args.small = args.small or args.device == "cpu"
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
     args.step_dtype = args.step_dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     result = run(args)
     report(result)

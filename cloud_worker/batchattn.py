@@ -31,6 +31,8 @@ import torch.nn.functional as F
 
 from .kvcache import to_device
 
+ALIGN = 8  # keys per row a multiple of this: CUDA's memory-efficient SDPA wants its mask's last dim aligned
+
 
 @dataclass
 class _Layout:
@@ -70,7 +72,7 @@ def layout(batch: Batch, rows, store, window: int | None, g: int, device: torch.
     h = store.shape.kv_heads
     first = [max(0, r.past - window + 1) if window else 0 for r in rows]
     width = torch.tensor([r.length - f for r, f in zip(rows, first)])     # [B] keys row b reads
-    C = int(width.max())
+    C = -(-int(width.max()) // ALIGN) * ALIGN
     cap = torch.tensor([r.span.capacity for r in rows])
     base = torch.tensor([store.row_offset(r.span) + f for r, f in zip(rows, first)])
     c = torch.minimum(torch.arange(C)[None, :], width[:, None] - 1)      # [B, C]: padding re-reads a valid key

@@ -29,3 +29,10 @@ def test_the_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
     tp = result["throughput"]
     assert tp["attention"] == "per-session" and tp["sessions"] == 4 and tp["tokens_per_s_1"] > 0 < tp["ratio"]
     assert result["real_models"] == [] and result["device"].startswith("cpu")
+
+
+def test_a_part_of_the_check_that_fails_is_recorded_in_one_line_and_the_rest_runs():
+    from specrelay.bench.gpucheck import _guarded
+
+    assert _guarded(lambda: 1 // 0, lambda e: {"error": e}) == {"error": "ZeroDivisionError: integer division or modulo by zero"}
+    assert _guarded(lambda: [1], lambda e: e) == [1]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -154,13 +155,16 @@ def steps(model: str, device: str, dtype: str, size: dict) -> list[dict]:
     rows = []
     for ctx in contexts:
         for batch in size["batches"]:
-            ms = _median_ms(_step_fns(runner, verifiers, ctx, batch), size["reps"])
-            rows.append({"context": ctx, "batch": batch, "forward_ms": round(ms["forward"], 2)}
+            fns = _step_fns(runner, verifiers, ctx, batch)
+            error = _guarded(fns["forward"], lambda e: e)  # the bare forward is only the baseline: may be left out
+            ms = _median_ms(fns if error is None else {p: fns[p] for p in PATHS}, size["reps"])
+            bare = ms.get("forward")
+            rows.append({"context": ctx, "batch": batch, "forward_ms": bare and round(bare, 2)}
                         | {f"{p}_ms": round(ms[p], 2) for p in PATHS}
-                        | {"batched_vs_forward": round(ms["batched"] / ms["forward"], 3),
-                           "per_session_vs_forward": round(ms["per-session"] / ms["forward"], 3),
+                        | {"batched_vs_forward": bare and round(ms["batched"] / bare, 3),
+                           "per_session_vs_forward": bare and round(ms["per-session"] / bare, 3),
                            "batched_vs_per_session": round(ms["batched"] / ms["per-session"], 3),
-                           "load": os.getloadavg()[0]})
+                           "load": os.getloadavg()[0]} | ({"forward_error": error} if error else {}))
     return rows
 
 
@@ -199,16 +203,30 @@ def run(args) -> dict:
     real = real_models(Path(args.real))
     exact = []
     for dtype in () if args.steps_only else ("float32", "bfloat16"):
-        exact += exactness("demo", args.target, args.draft, args.device, dtype, size)
-        for path in real:
-            exact += exactness(f"real:{path.name}", str(path), None, args.device, dtype, size)
+        pairs = [("demo", args.target, args.draft)] + [(f"real:{p.name}", str(p), None) for p in real]
+        for pair, target, draft in pairs:
+            exact += _guarded(lambda: exactness(pair, target, draft, args.device, dtype, size),
+                              lambda e: [{"pair": pair, "dtype": dtype, "exact": False, "equal_to_first_tie": False,
+                                          "attention": "-", "prompts": 0, "tokens": 0, "error": e}])
     step_model = str(real[0]) if real else args.target
     return {"meta": meta(["gpu", *args.argv]), "device": _describe(args.device), "size": size,
             "exactness": exact, "step_model": step_model,
-            "steps": steps(step_model, args.device, args.step_dtype, size),
-            "throughput": None if args.steps_only else throughput(args.target, args.draft, args.device,
-                                                                  args.step_dtype, size),
+            "steps": _guarded(lambda: steps(step_model, args.device, args.step_dtype, size),
+                              lambda e: [{"error": e}]),
+            "throughput": None if args.steps_only else _guarded(
+                lambda: throughput(args.target, args.draft, args.device, args.step_dtype, size),
+                lambda e: {"error": e}),
             "real_models": [p.name for p in real]}
+
+
+def _guarded(part, failed):
+    """Run one part of the check; a failure is recorded (one line) in its place, and the other parts still run."""
+    try:
+        return part()
+    except Exception as exc:  # the check's first run on a device: report everything it can
+        message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        print(f"gpu check: {message}", file=sys.stderr)
+        return failed(message)
 
 
 def _describe(device: str) -> str:
@@ -220,16 +238,22 @@ def _describe(device: str) -> str:
 def report(result: dict) -> None:
     ex = result["exactness"]
     print(f"device: {result['device']}")
-    print(text_table(["pair", "dtype", "attention", "prompts", "tokens", "exact", "equal to first tie"],
+    print(text_table(["pair", "dtype", "attention", "prompts", "tokens", "exact", "equal to first tie", "error"],
                      [[r["pair"], r["dtype"], r["attention"], r["prompts"], r["tokens"], r["exact"],
-                       r["equal_to_first_tie"]] for r in ex]))
+                       r["equal_to_first_tie"], r.get("error", "")] for r in ex]))
     print(f"\nverify step vs bare forward ({result['step_model']}, d = {DRAFT_LEN}):")
-    print(text_table(["context", "batch", "forward ms", "per-session ms", "batched ms", "batched / per-session",
-                      "batched / forward", "load"],
-                     [[r["context"], r["batch"], r["forward_ms"], r["per-session_ms"], r["batched_ms"],
-                       r["batched_vs_per_session"], r["batched_vs_forward"], r["load"]] for r in result["steps"]]))
+    if result["steps"] and "error" in result["steps"][0]:
+        print(result["steps"][0]["error"])
+    else:
+        print(text_table(["context", "batch", "forward ms", "per-session ms", "batched ms",
+                          "batched / per-session", "batched / forward", "load"],
+                         [[r["context"], r["batch"], r["forward_ms"], r["per-session_ms"], r["batched_ms"],
+                           r["batched_vs_per_session"], r["batched_vs_forward"], r["load"]]
+                          for r in result["steps"]]))
     tp = result["throughput"]
-    if tp:
+    if tp and "error" in tp:
+        print(f"\nthroughput: {tp['error']}")
+    elif tp:
         print(f"\nthroughput ({tp['attention']}): {tp['sessions']} sessions / 1 = {tp['ratio']}x "
               f"({tp['tokens_per_s_1']} tokens/s alone)")
 
@@ -260,4 +284,5 @@ def main(argv: list[str] | None = None) -> int:
     report(result)
     write_result(args.out, "gpu_check", result)
     bad = [r for r in result["exactness"] if not (r["exact"] if r["dtype"] == "float32" else r["equal_to_first_tie"])]
-    return 1 if bad else 0
+    broken = (result["steps"] and "error" in result["steps"][0]) or (result["throughput"] or {}).get("error")
+    return 1 if bad or broken else 0

@@ -30,7 +30,7 @@ DRAFT_LEN = 4
 # full: the sizes the issue asks for on one large GPU; small: the same program in a test's time on 2 CPUs
 SIZES = {"full": dict(batches=(1, 16, 64), contexts=(64, 256, 1024, 2048), reps=5, prompts=4, tokens=32,
                       sessions=16),
-         "small": dict(batches=(1, 4), contexts=(64,), reps=1, prompts=2, tokens=8, sessions=4)}
+         "small": dict(batches=(1, 4), contexts=(64, 96), reps=1, prompts=2, tokens=8, sessions=4)}
 
 
 def _sync(device: torch.device) -> None:
@@ -90,23 +90,42 @@ def exactness(pair: str, target: str, draft: str | None, device: str, dtype: str
     return rows
 
 
-def _step_fns(runner, verifiers: dict, ctx: int, batch: int) -> dict:
-    """Functions running one verify step of each path and the bare forward, each leaving the state it found."""
-    from transformers import DynamicCache
-
+def _step_fns(runner, verifiers: dict, ctx: int, batch: int, ragged: bool = False) -> dict:
+    """Functions running one verify step of each path and (same contexts) the bare forward, each leaving the
+    state it found. ragged: the sessions' contexts spread evenly from 64 to ctx (the batched path pays padding)."""
     from ..cloud_worker.scheduler import ChunkedPrefill
     from ..common import protocol as P
 
     gen = torch.Generator().manual_seed(ctx * 100 + batch)
-    ids = [torch.randint(1, runner.vocab_size, (ctx,), generator=gen).tolist() for _ in range(batch)]
+    lengths = [min(ctx, 64 + (ctx - 64) * i // max(1, batch - 1)) if ragged else ctx for i in range(batch)]
+    ids = [torch.randint(1, runner.vocab_size, (n,), generator=gen).tolist() for n in lengths]
     drafts = [torch.randint(1, runner.vocab_size, (DRAFT_LEN,), generator=gen).tolist() for _ in range(batch)]
     keys = [(b"gpu", i) for i in range(batch)]
     for v in verifiers.values():
         v.reset()
         for key, x in zip(keys, ids):
             v.open(key, P.Open(key[1], x))
-        v.verify([], ChunkedPrefill(v, batch * ctx).rows())  # each context cached but its last token
+        v.verify([], ChunkedPrefill(v, sum(lengths)).rows())  # each context cached but its last token
+
+    def step(v):
+        def run():
+            v.verify([(k, P.Verify(k[1], 1, len(x), [], d)) for k, x, d in zip(keys, ids, drafts)])
+            for k, x in zip(keys, ids):  # back to the state it found: its context, all but the last cached
+                s = v.sessions[k]
+                s.tokens, s.last_seq, s.last_reply = list(x), -1, None
+                v.store.truncate(k, len(x) - 1)
+        return run
+
+    fns = {path: step(v) for path, v in verifiers.items()}
     spans = [next(iter(verifiers.values())).store.span(k) for k in keys]
+    return fns if ragged else {"forward": _bare(runner, spans, ids, drafts, ctx)} | fns
+
+
+def _bare(runner, spans, ids, drafts, ctx: int):
+    """The model's own forward over the step's new tokens on a DynamicCache of the sessions' cached K/V."""
+    from transformers import DynamicCache
+
+    batch = len(ids)
     layers = [(torch.stack([s.kv[li, 0, :, :ctx - 1] for s in spans]),
                torch.stack([s.kv[li, 1, :, :ctx - 1] for s in spans]))
               for li in range(runner.kv_shape.layers)]  # [batch, heads, ctx - 1, d] per layer
@@ -118,17 +137,7 @@ def _step_fns(runner, verifiers: dict, ctx: int, batch: int) -> dict:
         with torch.no_grad():
             runner.model(input_ids=new, position_ids=positions, use_cache=True, **{runner._cache_kw: cache})
         _sync(runner.device)
-
-    def step(v):
-        def run():
-            v.verify([(k, P.Verify(k[1], 1, ctx, [], d)) for k, d in zip(keys, drafts)])
-            for k, x in zip(keys, ids):  # back to the state it found: context ctx, ctx - 1 cached
-                s = v.sessions[k]
-                s.tokens, s.last_seq, s.last_reply = list(x), -1, None
-                v.store.truncate(k, ctx - 1)
-        return run
-
-    return {"forward": bare} | {path: step(v) for path, v in verifiers.items()}
+    return bare
 
 
 def _median_ms(fns: dict, reps: int) -> dict[str, float]:
@@ -144,7 +153,8 @@ def _median_ms(fns: dict, reps: int) -> dict[str, float]:
 
 
 def steps(model: str, device: str, dtype: str, size: dict) -> list[dict]:
-    """(b) and (d): a verify step of each path against the bare forward, per context and batch."""
+    """(b) and (d): a verify step of each path against the bare forward, per context and batch; and, for batches
+    of more than one, with the sessions' contexts spread from 64 to it (context "64-N": no bare forward)."""
     from ..common.runner import ModelRunner
 
     runner = ModelRunner.load(model, device, dtype)
@@ -153,18 +163,18 @@ def steps(model: str, device: str, dtype: str, size: dict) -> list[dict]:
     most = max(size["batches"])
     verifiers = {path: _verifier(runner, path, most, max(contexts)) for path in PATHS}
     rows = []
-    for ctx in contexts:
-        for batch in size["batches"]:
-            fns = _step_fns(runner, verifiers, ctx, batch)
-            error = _guarded(fns["forward"], lambda e: e)  # the bare forward is only the baseline: may be left out
-            ms = _median_ms(fns if error is None else {p: fns[p] for p in PATHS}, size["reps"])
-            bare = ms.get("forward")
-            rows.append({"context": ctx, "batch": batch, "forward_ms": bare and round(bare, 2)}
-                        | {f"{p}_ms": round(ms[p], 2) for p in PATHS}
-                        | {"batched_vs_forward": bare and round(ms["batched"] / bare, 3),
-                           "per_session_vs_forward": bare and round(ms["per-session"] / bare, 3),
-                           "batched_vs_per_session": round(ms["batched"] / ms["per-session"], 3),
-                           "load": os.getloadavg()[0]} | ({"forward_error": error} if error else {}))
+    for ctx, batch, ragged in [(c, b, r) for c in contexts for b in size["batches"] for r in (False, True)
+                               if not r or (b > 1 and c > 64)]:
+        fns = _step_fns(runner, verifiers, ctx, batch, ragged)
+        error = None if ragged else _guarded(fns["forward"], lambda e: e)  # only the baseline: may be left out
+        ms = _median_ms({p: fns[p] for p in PATHS} if error or ragged else fns, size["reps"])
+        bare = ms.get("forward")
+        rows.append({"context": f"64-{ctx}" if ragged else ctx, "batch": batch, "forward_ms": bare and round(bare, 2)}
+                    | {f"{p}_ms": round(ms[p], 2) for p in PATHS}
+                    | {"batched_vs_forward": bare and round(ms["batched"] / bare, 3),
+                       "per_session_vs_forward": bare and round(ms["per-session"] / bare, 3),
+                       "batched_vs_per_session": round(ms["batched"] / ms["per-session"], 3),
+                       "load": os.getloadavg()[0]} | ({"forward_error": error} if error else {}))
     return rows
 
 

@@ -123,7 +123,8 @@ class CloudWorker(transport.Service):
             conn.open()
         health.sd_notify("READY=1")
         self._log.info("cloud worker started", vocab_size=self.verifier.runner.vocab_size,
-                       max_batch=self.config.max_batch, health_port=self.health_port)
+                       max_batch=self.config.max_batch, health_port=self.health_port,
+                       device=str(self.verifier.runner.device), attention=self.verifier.attention)
 
     def _loops(self):
         return [*(conn.keep_connected() for conn in self.connections), self._process(), self._tick()]

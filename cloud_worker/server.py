@@ -332,7 +332,7 @@ class CloudWorker(transport.Service):
         """Liveness: the model is loaded (it is, once a worker exists) and the event loop ticks."""
         age = self._clock() - self._last_tick
         return (age < HEALTHY_TICKS * self.config.heartbeat_interval and not self._closed,
-                {"model": self.verifier.runner.name, "last_tick_s": round(age, 3),
+                {"model": self.verifier.runner.name, "attention": self.verifier.attention, "last_tick_s": round(age, 3),
                  "sessions_open": len(self.verifier.sessions)})
 
     def _readyz(self) -> tuple[bool, dict]:

@@ -124,3 +124,29 @@ def test_the_path_choice_and_its_refusals():
 def test_the_cpu_default_is_the_per_session_path(demo_runners):
     assert Verifier(demo_runners[0], VerifierConfig(max_sessions=2, max_cache_bytes=1 << 22)).attention == "per-session"
     assert kvcache.to_device(torch.ones(2), torch.device("cpu")).device.type == "cpu"
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_process_on_the_batched_path_serves_greedy_equal_to_hf(tiny_pair, tmp_path):
+    """`specrelay cloud-worker --attention batched` behind a real broker, `specrelay generate` as the edge."""
+    import json
+    import subprocess
+    import sys
+    import urllib.request
+
+    from specrelay.cluster import LocalCluster
+
+    target, draft = tiny_pair
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    with LocalCluster(str(target), extra_worker_args=("--attention", "batched")) as cluster:
+        health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{cluster.health_ports[0]}/healthz",
+                                                   timeout=5).read())
+        out = subprocess.run([sys.executable, "-m", "specrelay.cli", "generate", "--broker", cluster.frontend,
+                              "--draft-model", str(draft), "--prompts", str(prompts), "--max-new-tokens", "16",
+                              "--json"], capture_output=True, text=True, timeout=200)
+    assert health["attention"] == "batched"
+    assert out.returncode == 0, out.stderr[-3000:]
+    runner = ModelRunner.load(str(target))
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["token_ids"] for r in rows] == [hf_greedy(runner, runner.tokenizer(p).input_ids, 16) for p in PROMPTS]

@@ -28,6 +28,9 @@ def test_the_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
     assert all(r[k] > 0 for r in result["steps"] for k in ("per-session_ms", "batched_ms"))
     assert all((r["forward_ms"] is None) == isinstance(r["context"], str) for r in result["steps"])
     assert all(r["forward_ms"] > 0 for r in result["steps"] if r["forward_ms"] is not None)
+    layers = 8  # the demo target's
+    assert all(r["batched_sdpa_calls"] == layers and r["per-session_sdpa_calls"] == layers * r["batch"]
+               for r in result["steps"])
     tp = result["throughput"]
     assert tp["attention"] == "per-session" and tp["sessions"] == 4 and tp["tokens_per_s_1"] > 0 < tp["ratio"]
     assert result["real_models"] == [] and result["device"].startswith("cpu")

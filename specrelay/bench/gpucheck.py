@@ -140,6 +140,19 @@ def _bare(runner, spans, ids, drafts, ctx: int):
     return bare
 
 
+def _attention_calls(fn) -> int:
+    """SDPA calls one run of `fn` makes (a count: it does not depend on the machine's load)."""
+    import torch.nn.functional as F
+
+    sdpa, calls = F.scaled_dot_product_attention, []
+    F.scaled_dot_product_attention = lambda *a, **k: calls.append(1) or sdpa(*a, **k)
+    try:
+        fn()
+    finally:
+        F.scaled_dot_product_attention = sdpa
+    return len(calls)
+
+
 def _median_ms(fns: dict, reps: int) -> dict[str, float]:
     """Median ms of each function over `reps` interleaved rounds, after a warm-up round."""
     times = {name: [] for name in fns}
@@ -174,7 +187,9 @@ def steps(model: str, device: str, dtype: str, size: dict) -> list[dict]:
                     | {"batched_vs_forward": bare and round(ms["batched"] / bare, 3),
                        "per_session_vs_forward": bare and round(ms["per-session"] / bare, 3),
                        "batched_vs_per_session": round(ms["batched"] / ms["per-session"], 3),
-                       "load": os.getloadavg()[0]} | ({"forward_error": error} if error else {}))
+                       "load": os.getloadavg()[0]}
+                    | {f"{p}_sdpa_calls": _attention_calls(fns[p]) for p in PATHS}
+                    | ({"forward_error": error} if error else {}))
     return rows
 
 
@@ -256,9 +271,10 @@ def report(result: dict) -> None:
         print(result["steps"][0]["error"])
     else:
         print(text_table(["context", "batch", "forward ms", "per-session ms", "batched ms",
-                          "batched / per-session", "batched / forward", "load"],
+                          "batched / per-session", "batched / forward", "attention calls", "load"],
                          [[r["context"], r["batch"], r["forward_ms"], r["per-session_ms"], r["batched_ms"],
-                           r["batched_vs_per_session"], r["batched_vs_forward"], r["load"]]
+                           r["batched_vs_per_session"], r["batched_vs_forward"],
+                           f"{r['per-session_sdpa_calls']} / {r['batched_sdpa_calls']}", round(r["load"], 1)]
                           for r in result["steps"]]))
     tp = result["throughput"]
     if tp and "error" in tp:

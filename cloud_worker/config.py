@@ -27,7 +27,8 @@ class VerifierConfig:
     deterministic: bool = False          # batch-invariant numerics: a session's logits never depend on its batch
     evict_idle_s: float = 60.0           # sessions silent this long may be evicted to admit a new one
     # one attention call per layer for the whole batch (batched) or one per session (per-session, the
-    # reference); auto: batched on cuda, where per-session launches dominate, per-session on the CPU (faster there)
+    # reference); auto: batched on cuda (one kernel launch per layer, not per session), per-session on the cpu
+    # (measured faster there: docs/gpu.md)
     attention: str = "auto"
 
     def __post_init__(self) -> None:

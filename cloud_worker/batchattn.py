@@ -15,8 +15,8 @@ batch) is built once per forward and window, on the CPU, and reaches an accelera
 from pinned memory each: no host sync inside the forward.
 
 Why this and not a varlen / block-sparse kernel: FlexAttention runs eagerly on the CPU only through its
-reference implementation (measured: 13x slower than this path's SDPA at 16 sessions of 256 tokens, and its block
-mask took 2.3 s to build), and needs torch.compile on CUDA; PyTorch 2.13's `varlen_attn` is CUDA-only and takes
+reference implementation (measured: 13x slower than SDPA with one dense mask over the same 16 sessions of 256
+tokens, and its block mask took 2.3 s to build), and needs torch.compile on CUDA; PyTorch 2.13's `varlen_attn` is CUDA-only and takes
 neither tree masks nor softcap nor sinks. Padded SDPA runs on both devices with the same code, is exact, and its
 cost over a varlen kernel is the padding: rows shorter than the longest (keys or new tokens) compute masked
 columns. docs/gpu.md has the numbers.

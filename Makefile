@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: venv demo test test-all test-fast bench train-models clean
+.PHONY: venv demo test test-all test-fast bench train-models clean gpu-check
 
 venv: $(STAMP)
 
@@ -42,3 +42,7 @@ train-models: venv
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# the cloud worker on a GPU: exactness, step times, attention paths, throughput (scripts/gpu_check.sh, docs/gpu.md)
+gpu-check: venv
+	scripts/gpu_check.sh $(GPU_CHECK_FLAGS)

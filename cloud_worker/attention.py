@@ -14,7 +14,8 @@ in both numerics, with transformers' own semantics (masking_utils, the models' e
 - `s_aux` (sinks, gpt-oss): one extra logit per query head in the softmax's denominator that carries no value.
 
 Two numerics:
-- fast (default): `scaled_dot_product_attention` per session. A session's attention never sees another
+- fast (default): `scaled_dot_product_attention` per session, or (`batched=True`, cloud_worker/batchattn.py) one
+  call per layer for the whole step over a padded batch with one mask. A session's attention never sees another
   session, but the linear layers' results may depend on how many rows the batch has (BLAS picks kernels by
   shape), so logits can differ in the last bits with batch composition.
 - deterministic (batch-invariant; attention in cloud_worker/detattn.py, the other layers in
@@ -43,8 +44,9 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from ..common.errors import FatalError
-from . import detattn, detlayers
-from .kvcache import KVStore, Span
+from . import batchattn, detattn, detlayers
+from .batchattn import eager, visible
+from .kvcache import KVStore, Span, to_device
 from .treeattn import TreeLayout
 
 PREFIX = "specrelay_"
@@ -101,6 +103,8 @@ class _Plan:
     write_base: torch.Tensor  # [kv_heads, T] row in store.data of each new token's layer-0 keys, per head
     write_step: torch.Tensor  # [T] rows between one (layer, keys|values) plane and the next, per token
     deterministic: bool
+    batched: bool = False  # one attention call per layer for every row (cloud_worker/batchattn.py)
+    batch: object = None   # batchattn.Batch, built at the first layer
     layers_done: int = 0
 
 
@@ -148,22 +152,25 @@ def _dispatcher(original: str):
 # ---- the packed forward ----------------------------------------------------------------------------------
 
 @torch.no_grad()
-def forward_packed(model, store: KVStore, rows: list[Row], *, deterministic: bool = False) -> list[torch.Tensor]:
+def forward_packed(model, store: KVStore, rows: list[Row], *, deterministic: bool = False,
+                   batched: bool = False) -> list[torch.Tensor]:
     """Run every row's new tokens in one forward pass; their K/V are appended to the rows' spans (which must
     exist). Returns per row the logits [keep, V] (float32, on the CPU, where the acceptance rules run) of its
-    last `keep` tokens."""
+    last `keep` tokens. batched: one attention call per layer for all rows (cloud_worker/batchattn.py) instead
+    of one per row; deterministic numerics keep their own attention (cloud_worker/detattn.py) either way."""
     spans = [store.ensure(r.key, store.span(r.key).length + len(r.ids)) for r in rows]  # may move spans
     plan, positions = _plan(store, rows, spans, deterministic)
+    plan.batched = batched and not deterministic
     device = store.data.device
-    ids = torch.tensor([t for r in rows for t in r.ids], dtype=torch.long, device=device)[None]  # [1, T]
+    ids = to_device(torch.tensor([t for r in rows for t in r.ids], dtype=torch.long)[None], device)  # [1, T]
     keep, q = [], 0
     for r in rows:
         q += len(r.ids)
         keep.extend(range(q - r.keep, q))
     _local.plan = plan
     try:
-        out = model(input_ids=ids, position_ids=positions[None], attention_mask=_NO_MASK.to(device),
-                    use_cache=False, logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device))
+        out = model(input_ids=ids, position_ids=positions[None], attention_mask=to_device(_NO_MASK, device),
+                    use_cache=False, logits_to_keep=to_device(torch.tensor(keep, dtype=torch.long), device))
     finally:
         _local.plan = None
     if plan.layers_done != store.shape.layers:
@@ -171,7 +178,7 @@ def forward_packed(model, store: KVStore, rows: list[Row], *, deterministic: boo
                          "layers through the KV store; this model is not supported by the cloud worker")
     for r, s in zip(rows, spans):
         s.length += len(r.ids)
-    logits = out.logits[0].float().cpu()  # [sum(keep), V]: one transfer per step on an accelerator
+    logits = _to_host(out.logits[0].float())  # [sum(keep), V]: the step's one wait on an accelerator
     return list(logits.split([r.keep for r in rows]))
 
 
@@ -197,8 +204,18 @@ def _plan(store: KVStore, rows: list[Row], spans: list[Span], deterministic: boo
         if tree is not None:
             positions[q0:q0 + k] = tree.pos
         plans.append(_RowPlan(span, q0, k, length, kv[:, 0], kv[:, 1], tree=tree))
-    plan = _Plan(store, plans, write_base.to(device), (h * cap).to(device), deterministic)
-    return plan, positions.to(device)
+    plan = _Plan(store, plans, to_device(write_base, device), to_device(h * cap, device), deterministic)
+    return plan, to_device(positions, device)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor in (pinned) host memory: one copy, then the one wait for the step's results."""
+    if t.device.type != "cuda":
+        return t.cpu()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(t.device).synchronize()
+    return host
 
 
 # ---- attention ----------------------------------------------------------------------------------------------
@@ -214,6 +231,8 @@ def _attention(plan: _Plan, module, query, key, value, scaling=None, **kwargs):
             query[0, :, r.q0:r.q0 + r.n], r.span.kv[layer], r, scale, plan.store.block, features)
             for r in plan.rows]  # each [Hq, n, d]
         out = torch.cat(outs, 1)[None]
+    elif plan.batched:
+        out = batchattn.attend(plan, layer, query, scale, features)
     else:
         out = torch.cat([_attend_fast(query[:, :, r.q0:r.q0 + r.n], layer, r, scale, features)
                          for r in plan.rows], 2)
@@ -230,14 +249,6 @@ def _write(plan: _Plan, layer: int, key: torch.Tensor, value: torch.Tensor) -> N
     rows.index_copy_(0, (where + plan.write_step).flatten(), value.reshape(-1, d).to(rows.dtype))
 
 
-def _visible(r: _RowPlan, window: int | None, keys: torch.Tensor) -> torch.Tensor:
-    """[n, len(keys)] bool: key position k is visible to the row's i-th new token (at past + i): k <= past + i,
-    and past + i - window < k under a sliding window."""
-    position = r.past + torch.arange(r.n, device=keys.device)[:, None]  # [n, 1]
-    seen = keys[None, :] <= position
-    return seen & (keys[None, :] > position - window) if window else seen
-
-
 def _attend_fast(q: torch.Tensor, layer: int, r: _RowPlan, scale: float, f: _Features) -> torch.Tensor:
     """q [1, Hq, n, d] -> [1, Hq, n, d] over views of the span: SDPA, or the eager formula under softcap or
     sinks. Only keys some query can see are read (a sliding window starts at past - window + 1). Grouped query
@@ -246,7 +257,7 @@ def _attend_fast(q: torch.Tensor, layer: int, r: _RowPlan, scale: float, f: _Fea
     keys, values = r.keys[layer:layer + 1, :, first:], r.values[layer:layer + 1, :, first:]  # [1, h, L', d]
     if f.window not in r.masks:  # None when every key read is visible (one new token)
         positions = torch.arange(first, r.length, device=q.device)
-        r.masks[f.window] = (None if r.n == 1 else _visible(r, f.window, positions) if r.tree is None
+        r.masks[f.window] = (None if r.n == 1 else visible(r, f.window, positions) if r.tree is None
                              else r.tree.fast_mask(r.past, first, f.window, q.device))
     mask = r.masks[f.window]
     _, hq, n, d = q.shape
@@ -257,34 +268,26 @@ def _attend_fast(q: torch.Tensor, layer: int, r: _RowPlan, scale: float, f: _Fea
     if f.softcap is None and f.sinks is None:
         out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
         return out.reshape(1, hq, n, d)
-    scores = folded @ keys.transpose(-1, -2) * scale  # [1, h, g*n, L']
-    if f.softcap is not None:
-        scores = f.softcap * torch.tanh(scores / f.softcap)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    if f.sinks is not None:  # the sink column: one logit per query head, no value
-        sink = f.sinks.to(scores.dtype).view(1, -1, g, 1).expand(1, keys.shape[1], g, n).reshape(1, -1, g * n, 1)
-        scores = torch.cat([scores, sink], -1)
-    probs = torch.softmax(scores.float(), -1).to(values.dtype)
-    if f.sinks is not None:
-        probs = probs[..., :-1]
-    return (probs @ values).reshape(1, hq, n, d)
+    return eager(folded, keys, values, mask, scale, f, g, n).reshape(1, hq, n, d)
 
 
 # ---- the start-up self-check -----------------------------------------------------------------------------------
 
 def self_check(model, store: KVStore, deterministic: bool, forward=forward_packed,
-               path: str = "the cloud worker's packed forward over its KV store") -> None:
+               path: str = "the cloud worker's packed forward over its KV store", batched: bool = False) -> None:
     """Raise FatalError (one line) unless ragged `forward`s over `store` (an empty scratch store of the worker's
     kind), with a rollback, and (packed forward) a token tree, give the model's own logits (common/selfcheck.py);
-    in deterministic numerics, also unless each sequence alone, in one forward, gives the same logits bit for bit."""
+    in deterministic numerics, also unless each sequence alone, in one forward, gives the same logits bit for bit.
+    batched: check the batched attention path (forward_packed only)."""
     from ..common import selfcheck
 
     a, b = selfcheck.probe(model.get_output_embeddings().weight.shape[0])
     batched: list[torch.Tensor] = []
 
+    path_kw = {"batched": True} if batched else {}
+
     def run(*rows):
-        return forward(model, store, [Row(*r) for r in rows], deterministic=deterministic)
+        return forward(model, store, [Row(*r) for r in rows], deterministic=deterministic, **path_kw)
 
     def probe_path() -> list[torch.Tensor]:
         for key in (0, 1):
@@ -310,7 +313,7 @@ def self_check(model, store: KVStore, deterministic: bool, forward=forward_packe
                              "batch-invariant for this architecture (a sequence alone and in a ragged batch give "
                              "different logits); serve it without --deterministic")
     if forward is forward_packed:
-        _tree_self_check(model, store, deterministic, a, b, path + " with a token tree")
+        _tree_self_check(model, store, deterministic, a, b, path + " with a token tree", batched)
 
 
 def _refuse_untiled(model) -> None:
@@ -322,7 +325,8 @@ def _refuse_untiled(model) -> None:
                          "interface); serve it without --deterministic")
 
 
-def _tree_self_check(model, store: KVStore, deterministic: bool, a: list[int], b: list[int], path: str) -> None:
+def _tree_self_check(model, store: KVStore, deterministic: bool, a: list[int], b: list[int], path: str,
+                     batched: bool = False) -> None:
     """A tree row after 12 tokens of `a` (a branch along a, one along b), beside another session: each node's
     logits must be the model's own after its root-to-node path (windows shrunk to 8, so the tree slides)."""
     from ..common import selfcheck
@@ -334,9 +338,9 @@ def _tree_self_check(model, store: KVStore, deterministic: bool, a: list[int], b
             want = torch.stack([logits[-1] for logits in selfcheck.reference(model, [a[:12] + p for p in paths])])
             for key in (0, 1):
                 store.reserve(key, 32)
-            forward_packed(model, store, [Row(0, a[:11])], deterministic=deterministic)
+            forward_packed(model, store, [Row(0, a[:11])], deterministic=deterministic, batched=batched)
             got = forward_packed(model, store, [Row(1, b[:5], 1), Row(0, a[11:12] + tokens, 7, parents)],
-                          deterministic=deterministic)[1]
+                                 deterministic=deterministic, batched=batched)[1]
     except Exception as exc:
         raise FatalError(f"{type(model).__name__}: {path} failed on the start-up self-check "
                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc

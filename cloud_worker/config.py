@@ -10,6 +10,9 @@ from ..common.metrics import Histogram, SpecDecodeCounters
 from ..common.protocol import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS
 
 
+ATTENTION_PATHS = ("auto", "batched", "per-session")
+
+
 def _check(checks: list[tuple[bool, str]]) -> None:
     for ok, message in checks:
         if not ok:
@@ -24,12 +27,17 @@ class VerifierConfig:
     max_cache_bytes: int = 2 << 30       # the KV store's size (preallocated; capped at max_sessions full contexts)
     deterministic: bool = False          # batch-invariant numerics: a session's logits never depend on its batch
     evict_idle_s: float = 60.0           # sessions silent this long may be evicted to admit a new one
+    # one attention call per layer for the whole batch (batched) or one per session (per-session, the
+    # reference); auto: batched on cuda (one kernel launch per layer, not per session), per-session on the cpu
+    # (measured faster there: docs/gpu.md)
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self._checks())
 
     def _checks(self) -> list[tuple[bool, str]]:
         return [(self.max_sessions >= 1, "max_sessions must be >= 1"),
+                (self.attention in ATTENTION_PATHS, f"attention must be one of {', '.join(ATTENTION_PATHS)}"),
                 (self.max_cache_bytes > 0, "max_cache_bytes must be > 0"),
                 (self.evict_idle_s >= 0, "evict_idle_s must be >= 0")]
 

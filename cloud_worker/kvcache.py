@@ -28,6 +28,13 @@ from ..common.runner import KVShape
 GROWTH = 1.5  # a span that must move grows to this multiple of what it needs now
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on `device`: on an accelerator through pinned memory, without waiting for the copy."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass(eq=False)
 class Span:
     start: int     # first slot, a multiple of the block size
@@ -145,7 +152,7 @@ class KVStore:
         moved = [(start + j, start + i) for i, j in enumerate(offsets) if j != i]
         if moved:
             span = self.spans[key]
-            source, target = (torch.tensor(side, device=span.kv.device) for side in zip(*moved))
+            source, target = (to_device(torch.tensor(side), span.kv.device) for side in zip(*moved))
             span.kv.index_copy_(3, target, span.kv.index_select(3, source))  # index_select copies first
             self.stats["path_tokens"] += len(moved)
         self.truncate(key, start + len(offsets))

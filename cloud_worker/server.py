@@ -124,7 +124,8 @@ class CloudWorker(transport.Service):
             conn.open()
         health.sd_notify("READY=1")
         self._log.info("cloud worker started", vocab_size=self.verifier.runner.vocab_size,
-                       max_batch=self.config.max_batch, health_port=self.health_port)
+                       max_batch=self.config.max_batch, health_port=self.health_port,
+                       device=str(self.verifier.runner.device), attention=self.verifier.attention)
 
     def _loops(self):
         return [*(conn.keep_connected() for conn in self.connections), self._process(), self._tick()]
@@ -332,7 +333,7 @@ class CloudWorker(transport.Service):
         """Liveness: the model is loaded (it is, once a worker exists) and the event loop ticks."""
         age = self._clock() - self._last_tick
         return (age < HEALTHY_TICKS * self.config.heartbeat_interval and not self._closed,
-                {"model": self.verifier.runner.name, "last_tick_s": round(age, 3),
+                {"model": self.verifier.runner.name, "attention": self.verifier.attention, "last_tick_s": round(age, 3),
                  "sessions_open": len(self.verifier.sessions)})
 
     def _readyz(self) -> tuple[bool, dict]:

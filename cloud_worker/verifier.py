@@ -25,7 +25,7 @@ import torch
 
 from ..common import protocol as P
 from ..common import resample, verify
-from ..common.errors import ContextFull, InvalidRequest, Overloaded, RequestError, UnknownSession
+from ..common.errors import ContextFull, FatalError, InvalidRequest, Overloaded, RequestError, UnknownSession
 from ..common.packing import from_f32
 from ..common.protocol import Mode, SessionKey, Strategy
 from ..common.ratelimit import TokenBucket
@@ -83,6 +83,19 @@ class _Work:
     tree: TreeDraft | None = None
 
 
+def use_batched(attention: str, device: torch.device) -> bool:
+    """VerifierConfig.attention -> whether the packed forward makes one attention call per layer for the batch."""
+    return attention == "batched" or (attention == "auto" and device.type == "cuda")
+
+
+def check_deterministic_device(deterministic: bool, device: torch.device) -> None:
+    """Deterministic numerics are batch-invariant by construction on the CPU, where they are tested; on another
+    device nothing has shown it (its kernels pick algorithms of their own): refuse in one line."""
+    if deterministic and device.type != "cpu":
+        raise FatalError(f"--deterministic runs on the cpu only (its batch invariance is not verified on "
+                         f"{device.type}); serve on {device.type} without --deterministic")
+
+
 class Verifier:
     def __init__(self, runner: ModelRunner, config: VerifierConfig | None = None, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -98,8 +111,13 @@ class Verifier:
             announce_fallback(runner.model, c.deterministic)
         store, self._forward = (KVStore, forward_packed) if packed else (OwnCacheStore, forward_own_cache)
         block = 128 if c.deterministic else 32
+        check_deterministic_device(c.deterministic, runner.device)
+        batched = packed and use_batched(c.attention, runner.device)
+        self._path = {"batched": True} if batched else {}  # forward_packed's attention path
+        self.attention = "batched" if batched else "per-session" if packed else "own cache"
         # before READY: an attention feature the path does not reproduce fails here, in one line
-        self_check(runner.model, store(shape, 256, runner.device, block), c.deterministic, self._forward)
+        self_check(runner.model, store(shape, 256, runner.device, block), c.deterministic, self._forward,
+                   batched=batched)
         self.store = store.from_budget(shape, budget, runner.device, block=block)
         self.store.zero_reserved = c.deterministic  # only deterministic attention reads past a span's length
         self.sessions: OrderedDict[SessionKey, CloudSession] = OrderedDict()  # LRU order: oldest first
@@ -264,7 +282,7 @@ class Verifier:
                     parents=w.tree.tree.parents if w.tree else ()) for w in work]
         try:
             outputs = self._forward(self.runner.model, self.store, rows + prefill,
-                                    deterministic=self.config.deterministic)
+                                    deterministic=self.config.deterministic, **self._path)
         except Exception:
             for row in prefill:  # their state is unknown too; the caller drops the batch's sessions
                 self.close(row.key)

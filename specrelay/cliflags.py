@@ -147,7 +147,7 @@ def broker_flags(p) -> None:
 
 
 def cloud_worker_flags(p) -> None:
-    from .cloud_worker.config import WorkerConfig as W
+    from .cloud_worker.config import ATTENTION_PATHS, WorkerConfig as W
 
     add_broker(p, defaults.BROKER_BACKEND, "backend")
     add_target(p)
@@ -165,6 +165,9 @@ def cloud_worker_flags(p) -> None:
                         "failover (slower; see README)")
     p.add_argument("--prefill-tokens", type=cliargs.positive_int, default=W.prefill_tokens,
                    help="prompt tokens prefilled per forward pass, beside the running sessions' verification")
+    p.add_argument("--attention", default=W.attention, choices=ATTENTION_PATHS,
+                   help="one attention call per layer for the whole batch (batched) or one per session "
+                        "(per-session); auto: batched on cuda, per-session on the cpu (docs/gpu.md)")
     add_health(p)
     add_client_keys(p)
 

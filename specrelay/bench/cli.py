@@ -24,6 +24,7 @@ EXTERNAL: dict[str, tuple[str, str, str]] = {
     "archs": ("specrelay.bench.archmatrix", "main", "the architecture matrix and the README's table"),
     "httpfuzz": ("specrelay.bench.httpfuzz", "main", "the edge's HTTP API and health ports under attack"),
     "broker": ("specrelay.bench.broker_load", "main", "round trips per broker core, fake workers and edges"),
+    "gpu": ("specrelay.bench.gpucheck", "main", "the cloud worker on a device: exactness, step, attention paths"),
     "worker-abuse": ("specrelay.bench.worker_abuse", "main", "RESAMPLE floods, OPEN/CLOSE churn, long prefill"),
 }
 # what each benchmark of specrelay.bench.legacy measures (its --help)

@@ -24,17 +24,27 @@ SWEEP_COLUMNS = [("link", "link"), ("draft_len", "d"), ("objective", "objective"
 ORDER = ["sweep", "stress", "calls", "concurrency", "hf", "xvocab", "srdv_k", "wire", "draft_step"]
 
 
-def row_line(row: dict) -> str:
-    """One console line per sweep row / stress summary."""
-    if "predraft" in row:  # a sweep row (a stress summary has a draft_len too)
-        return (f"{row['link']:<40.40} d={str(row['draft_len']):>4} {row.get('objective') or '':<8} predraft={str(row['predraft']):<5} "
-                f"trees={row.get('trees', 'off'):<4} {row.get('shape', 'chain'):<5} "
-                f"{row['tokens_per_s']:8.1f} tok/s  x{row['speedup_vs_target_alone']:.2f}  "
-                f"tok/call {row.get('tokens_per_call', 0):.2f}  calls/tok "
-                f"{row['cloud_calls_per_token']:.3f} (theory {row['theoretical_cloud_calls_per_token']})  "
-                f"occupancy {row.get('occupancy', 0):.2f} steady {row.get('steady_tokens_per_s')} tok/s  "
-                f"identical={row['outputs_identical_to_target_alone']}")
-    return json.dumps(row)
+CONSOLE_COLUMNS = [("link", "link"), ("in flight", "in flight"), ("configuration", "configuration"),
+                   ("shape", "shape"), ("tokens_per_s", "tokens/s"), ("speedup_vs_target_alone", "x alone"),
+                   ("tokens_per_call", "tokens/call"), ("cloud_calls_per_token", "calls/token"),
+                   ("theoretical_cloud_calls_per_token", "theory"), ("occupancy", "occupancy"),
+                   ("steady_tokens_per_s", "steady tok/s"), ("outputs_identical_to_target_alone", "= alone")]
+
+
+def console_lines(rows: list[dict]) -> list[str]:
+    """What a run prints on stdout without --json: a table with a header, one row per sweep row (link and
+    configuration named as in the plots), or a stress run's summary as field / value."""
+    from .runs import text_table
+
+    if rows and "predraft" in rows[0]:  # sweep rows (a stress summary has a draft_len too)
+        columns = [c for c in CONSOLE_COLUMNS if c[0] != "shape" or any(r.get("trees", "off") != "off" for r in rows)]
+        cells = [{**r, "link": plotting.link_name(r), "in flight": plotting.in_flight(r),
+                  "configuration": plotting.configuration(r)} for r in rows]
+        return text_table([title for _, title in columns],
+                          [[_cell(c.get(key)).replace("**", "") for key, _ in columns] for c in cells]).splitlines()
+    fields = [(k, v) for row in rows for k, v in row.items() if not isinstance(v, dict)]
+    return text_table(["field", "value"], [[k, json.dumps(v) if isinstance(v, list) else _cell(v).replace("**", "")]
+                                           for k, v in fields]).splitlines()
 
 
 def _cell(value) -> str:

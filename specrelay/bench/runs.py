@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -57,7 +58,7 @@ class SessionRun:
     error: str | None = None
 
     def gaps_ms(self) -> list[float]:
-        """Inter-token latency as a streaming client sees it: the time between consecutive commits."""
+        """The gaps a streaming client sees between consecutive commits (a commit carries a round's tokens)."""
         times = [t for t, _ in self.commits]
         return [(b - a) * 1e3 for a, b in zip(times, times[1:])]
 
@@ -196,6 +197,17 @@ def git_commit() -> str | None:
 def meta(argv: list[str]) -> dict:
     return {"command": " ".join(["specrelay", "bench", *argv]), "date": datetime.now(timezone.utc).isoformat(
         timespec="seconds"), "git": git_commit(), "machine": machine()}
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Every benchmark's --help: the description as written, each flag's default after its help (not for a
+    switch, an unset value or a help that names its default itself)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default in (None, False, "", argparse.SUPPRESS) or "(default" in text:
+            return text
+        return super()._get_help_string(action)
 
 
 def text_table(headers: list[str], rows: list[list]) -> str:

@@ -8,7 +8,7 @@
        ▲
     this process: one DEALER per edge speaking GENERATE / TOKENS / DONE, S greedy generations in flight per edge
 
-Reports aggregate and per-session tokens/s, inter-token latency (gaps between TOKENS messages), cloud busy seconds
+Reports aggregate and per-session tokens/s, the gaps between TOKENS messages, cloud busy seconds
 per generated token (the workers' forward-pass time, from their /metrics), errors by code, every greedy output
 compared with the target alone, and the RSS of every process sampled over time (growth after the warm-up).
 """

@@ -1,5 +1,6 @@
 """`specrelay bench sweep`: for every emulated link and draft length, tokens/s, cloud calls per token against
-theory, acceptance per position, inter-token latency, and whether the outputs equal the target alone's.
+theory, acceptance per position, time per output token (TPOT), the gaps between streamed commits, and whether the
+outputs equal the target alone's. `specrelay bench first` is a small sweep (about a minute) to look at first.
 
 One broker and `--workers` cloud workers run as child processes; per link a relay (bench/link.py) sits in front
 of the broker's frontend and in-process edges connect through it. Configurations run interleaved slice by slice
@@ -23,6 +24,7 @@ from . import theory, treesweep
 from .treesweep import Config
 from .link import LinkRelay, LinkSpec, measure_rtt
 from ..placement import stamp
+from .plots import sample_key
 from .runs import SessionRun, cpu_seconds, load_prompts, run_sessions, wall_split
 
 AUTO = "auto"
@@ -129,7 +131,7 @@ def run(args) -> dict:
                 row = stamp(make_row(args, link, described, probe, c, tally, tallies[Config(0, False)], len(texts)),
                             cluster.placement)
                 rows.append(row)
-                label = f"{link.label} {c.label}"
+                label = sample_key(row)  # the plots find a row's samples by it
                 itl[label] = sorted(round(g, 2) for r in tally.sessions for g in r.gaps_ms())
                 tpot[label] = sorted(round(t, 2) for r in tally.sessions if (t := r.tpot_ms()) is not None)
     bars = evaluate(rows)
@@ -251,7 +253,8 @@ def make_row(args, link: LinkSpec, described: str, probe: dict, c: Config, tally
     return {
         "draft_len": AUTO if is_auto(d) else d, "objective": objective_of(d), "predraft": predraft, "link": described, "link_rtt_ms": round(link.rtt_s * 1e3, 3),
         "link_rate_mbit": None if link.rate_bps is None else link.rate_bps / 1e6, **probe,
-        "sessions": args.sessions, "prompts": n_prompts, "max_new_tokens": args.max_new_tokens,
+        "sessions": args.sessions, "sessions_in_flight": max((len(runs) for runs in tally.runs), default=0),
+        "prompts": n_prompts, "max_new_tokens": args.max_new_tokens,
         "repeats": len(tally.tokens), "tokens_per_s": round(tps, 2),
         "tokens_per_s_runs": [round(x, 2) for x in tally.runs_tps], "target_alone_tokens_per_s": round(base_tps, 2),
         "speedup_vs_target_alone": round(tps / base_tps, 3), "generated_tokens": tokens,

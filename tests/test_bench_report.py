@@ -157,3 +157,28 @@ def test_the_calls_bar_prints_its_ratio_and_meaning():
     assert "false" not in lines[0].lower()
     assert bar_lines({"a_new_bar": [1]}) == ["a_new_bar: [1]"]  # unknown: its JSON
     assert "1.034x" in markdown("sweep", {**SWEEP, "rows": []})
+
+
+def test_report_embeds_only_the_plots_a_benchmark_writes(tmp_path):
+    import json
+
+    from specrelay.bench.report import render_docs
+
+    out = tmp_path / "results"
+    out.mkdir()
+    result = {**two_links(), "meta": {"command": "specrelay bench sweep"}}
+    (out / "sweep.json").write_text(json.dumps(result))
+    plots.draw(out, "sweep", result)
+    (out / "sweep_itl_cdf.png").write_bytes(b"left by an older sweep")
+    text = render_docs(out, tmp_path / "docs" / "benchmarks.md", tmp_path / "docs" / "bench").read_text()
+    assert "sweep_tpot_cdf.png" in text and "itl_cdf" not in text
+
+
+def test_the_benchmarks_page_embeds_no_plot_that_is_not_there():
+    import re
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", (docs / "benchmarks.md").read_text())
+    assert [i for i in images if not (docs / i).exists()] == []
+    assert [i for i in images if re.search(r"sweep[^/]*_itl_cdf", i)] == []  # the sweep plots TPOT, not gaps

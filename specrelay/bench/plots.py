@@ -29,9 +29,7 @@ def _pyplot():
 
 
 def draw(out: Path, name: str, result: dict) -> list[Path]:
-    bench = result.get("bench")
-    makers = {"sweep": [tokens_per_s, cloud_calls, acceptance, tpot_cdf], "stress": [rss, itl_cdf],
-              "xvocab": [bits_per_token]}.get(bench, [])
+    makers = list(MAKERS.get(result.get("bench"), {}).values())
     if not makers:
         return []
     plt = _pyplot()
@@ -262,3 +260,9 @@ def rss(ax, result: dict) -> str:
     _legend(ax)
     ax.grid(alpha=0.3)
     return "rss"
+
+
+# each benchmark's plots, <name>_<suffix>.png: what `draw` writes and `report` embeds (no file an older version left)
+MAKERS = {"sweep": {"tokens_per_s": tokens_per_s, "cloud_calls": cloud_calls, "acceptance": acceptance,
+                    "tpot_cdf": tpot_cdf},
+          "stress": {"rss": rss, "itl_cdf": itl_cdf}, "xvocab": {"bits": bits_per_token}}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from . import plots as plotting
 
-SWEEP_COLUMNS = [("link", "link"), ("draft_len", "d"), ("objective", "objective"), ("predraft", "pre-draft"),
+SWEEP_COLUMNS = [("link", "link"), ("sessions_in_flight", "in flight"), ("draft_len", "d"), ("objective", "objective"), ("predraft", "pre-draft"),
                  ("trees", "trees"), ("shape", "shape"), ("tree_round_share", "tree rounds"),
                  ("mean_nodes", "nodes"), ("tokens_per_s", "tokens/s"),
                  ("tokens_per_call", "tokens/call"), ("predraft_hit_rate", "pre-draft hits"),
@@ -21,7 +21,7 @@ SWEEP_COLUMNS = [("link", "link"), ("draft_len", "d"), ("objective", "objective"
                  ("predraft_tokens_fraction", "pre-drafted"), ("rtt_ms_measured", "RTT ms"),
                  ("tpot_ms", "TPOT ms"), ("itl_ms_p50", "commit gap p50 ms"), ("itl_ms_p99", "commit gap p99 ms"),
                  ("outputs_identical_to_target_alone", "= target alone"), ("errors", "errors")]
-ORDER = ["sweep", "stress", "calls", "concurrency", "hf", "xvocab", "srdv_k", "wire", "draft_step"]
+ORDER = ["first", "sweep", "stress", "calls", "concurrency", "hf", "xvocab", "srdv_k", "wire", "draft_step"]
 
 
 CONSOLE_COLUMNS = [("link", "link"), ("in flight", "in flight"), ("configuration", "configuration"),
@@ -193,7 +193,8 @@ def render_docs(out_dir: str | Path, docs_path: str | Path, images_dir: str | Pa
         parts += [f"## {path.stem}", "", f"`{meta.get('command', '?')}`", "",
                   f"{meta.get('date', '?')}, commit {meta.get('git')}; {_machine(meta)}.", "",
                   _NOTES.get(result.get("bench", path.stem), ""), "", markdown(path.stem, result), ""]
-        for png in sorted(out.glob(f"{path.stem}_*.png")):
+        suffixes = plotting.MAKERS.get(result.get("bench"), {})
+        for png in sorted(p for p in out.glob(f"{path.stem}_*.png") if p.stem[len(path.stem) + 1:] in suffixes):
             shutil.copy(png, images / png.name)
             parts += [f"![{png.stem}]({_relative(images / png.name, docs.parent)})", ""]
     from .schema import describe
@@ -231,17 +232,18 @@ _NOTES = {
     "sweep": "Greedy unless the command says otherwise. `d` is the draft length (`auto` = goodput-driven, "
              "docs/draftlen.md); `0` is the target alone through the same path. Cloud calls are counted by the "
              "workers; theory = rounds / Σ E(d) at the measured per-position acceptance (bench/theory.py). "
-             "The edge side runs on CPU 0 and the cloud side on the other CPU unless the command says --no-pin.",
+             "Each row's `placement` says where the processes ran: the edge side on CPU 0 and the cloud side "
+             "(broker, workers, relay) on the other CPUs unless the command says --no-pin (docs/single-host.md).",
     "stress": "Real processes: `specrelay broker`, `specrelay cloud-worker` ×K, `specrelay edge-worker` ×N, each "
               "edge behind its own emulated link; clients keep S greedy generations in flight per edge and "
               "check every output against the target alone.",
     "calls": "Greedy, held-out stdlib code, `auto` under the `objective` shown (or the fixed `draft_len`), 8 "
              "sessions in flight, through broker + cloud worker processes, against `--draft-len 0` (the target "
              "alone through the same path); `--xv`: the cross-vocabulary pair.",
-    "concurrency": "One cloud worker, 1 torch thread per process: verified tokens/s with 16 concurrent sessions vs "
-                   "1. On two CPU cores the 16-session case is compute-bound: one batched verification of 16 "
-                   "sessions costs the same FLOPs as 16 separate passes, so batching removes only per-call "
-                   "overhead, and the edge's draft model shares the cores with the target.",
+    "concurrency": "One cloud worker, torch threads as the placement gives them: verified tokens/s with 16 "
+                   "concurrent sessions vs 1. On two CPU cores the 16-session case is compute-bound: one batched "
+                   "verification of 16 sessions costs the same FLOPs as 16 separate passes, so batching removes "
+                   "only per-call overhead (the edge on CPU 0, the worker on the other core unless --no-pin).",
     "hf": "One session over loopback against HF `target.generate(assistant_model=draft, do_sample=False)` "
           "in-process; outputs compared token for token.",
     "xvocab": "`demo-draft-xv` (Metaspace/byte-fallback, 4352 tokens) drafting for `demo-target` (byte-level BPE, "

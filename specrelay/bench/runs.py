@@ -220,6 +220,8 @@ def text_table(headers: list[str], rows: list[list]) -> str:
 
 
 def write_result(out_dir: str | Path, name: str, data: dict) -> Path:
+    """OUT/<name>.json; a result that does not say its machine's load gets the load average as it ends."""
+    data.setdefault("load_average", [round(x, 2) for x in os.getloadavg()])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"

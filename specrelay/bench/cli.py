@@ -15,13 +15,14 @@ import argparse
 import importlib
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 from .runs import DEFAULT_OUT, DEMO_DRAFT, DEMO_DRAFT_XV, DEMO_TARGET, HelpFormatter, meta, write_result
 
 FIRST_HELP = ("start here: about a minute (demo pair, loopback and a 50 ms link, d = 0, 4 and auto); plots in "
               "bench_results/first/")
-FIRST = {"draft_lens": "0,4,auto", "sessions": 4, "num_prompts": 8, "max_new_tokens": 24,
+FIRST = {"draft_lens": "0,4,auto", "sessions": 4, "num_prompts": 8, "max_new_tokens": 32,
          "out": f"{DEFAULT_OUT}/first"}  # a small sweep: the three configurations a reader compares first
 FIRST_LINKS = ["0", "50ms"]  # where drafting costs time (loopback) and where it saves round trips
 
@@ -74,10 +75,12 @@ def parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="name", required=True)
     add = lambda name, help, **kw: sub.add_parser(name, help=help, formatter_class=HelpFormatter,  # noqa: E731
-                                                  description=kw.pop("description", help), **kw)
-    first = add("first", FIRST_HELP, description=f"specrelay bench first: {FIRST_HELP}. A sweep (see `specrelay "
-                "bench sweep --help`) with smaller defaults; results in OUT/first.json, OUT/first.md, "
-                "OUT/first_*.png.")
+                                                  description=textwrap.fill(kw.pop("description", help), 100), **kw)
+    first = add("first", FIRST_HELP, description="The benchmark to run first, in about a minute: the demo pair on "
+                "loopback and over a 50 ms link, the target alone (d = 0), d = 4 and auto, 4 sessions in flight. A "
+                "sweep (`specrelay bench sweep --help`) with smaller defaults; it writes OUT/first.json, "
+                "OUT/first.md and the plots OUT/first_*.png (throughput, cloud calls per token, acceptance, time "
+                "per output token).")
     _sweep_flags(first, links="0 and 50ms")
     first.set_defaults(**FIRST)
     _sweep_flags(add("sweep", "tokens/s, cloud calls and acceptance per draft length, per emulated link"))

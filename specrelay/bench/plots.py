@@ -168,6 +168,9 @@ def cloud_calls(ax, result: dict) -> str:
             ax.plot([x + dodge], [r["cloud_calls_per_token"]], marker="*" if r["draft_len"] == "auto" else marker,
                     ms=13 if r["draft_len"] == "auto" else 7, ls="none", color=palette[configuration(r)],
                     markeredgecolor="black", markeredgewidth=0.5, zorder=3)
+            if r["draft_len"] == "auto":  # a star has no marker of its link: name the link beside it
+                ax.annotate(link_name(r), (x + dodge, r["cloud_calls_per_token"]), xytext=(6, 6),
+                            textcoords="offset points", fontsize=6, color="dimgrey")
     from matplotlib.lines import Line2D
 
     theory = Line2D([], [], color="grey", ls="-", label="theory 1/E(d) at the measured acceptance")

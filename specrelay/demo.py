@@ -4,14 +4,15 @@ Shows progress while the models load, then generates the prompts twice through t
 (`--draft-len 0`, one cloud call per token) and speculative (the defaults: `auto` under the default objective),
 and prints tokens/s of both, the acceptance rate, the cloud calls saved and bytes per token; then both again over
 an emulated 50 ms link (a user-space delay relay, bench/link.py; `--link-ms 0` skips it), where what drafting
-buys shows: on loopback on a small machine the draft model and the target share the CPU, so there is little
-speed to win. `--json FILE` writes the same numbers.
+buys shows. The edge (this process) runs on CPU 0 and the broker and cloud worker on the other CPUs, as on two
+machines (specrelay/placement.py; `--no-pin` shares them). `--json FILE` writes the same numbers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import threading
 import time
@@ -28,7 +29,6 @@ PROMPTS = [
     "class Stack:\n    def __init__(self):\n",
     "    def __repr__(self):\n",
 ]
-THREADS = 1  # torch threads per process: the edge (here) and the worker share the cores; more oversubscribes
 TOTALS = ("generated_tokens", "draft_tokens", "accepted_tokens", "cloud_calls", "resample_calls", "uplink_bytes",
           "downlink_bytes")
 
@@ -97,21 +97,68 @@ def link_summary(spec: dict, alone: dict, rtt_ms: float) -> list[str]:
             f"{alone['tokens_per_s']:.1f} tokens/s ({gain:.2f}x): every cloud call saved is a round trip saved"]
 
 
-LOOPBACK_NOTE = ("(on loopback the draft and the target share this machine's CPU and a cloud call costs no round "
-                 "trip, so speculation saves cloud calls there but little time)")
+def parameters(model_dir: Path) -> int:
+    """Parameters of a safetensors checkpoint, from the files' headers (no weights read)."""
+    total = 0
+    for path in model_dir.glob("*.safetensors"):
+        with path.open("rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for name, tensor in header.items():
+            if name != "__metadata__":
+                n = 1
+                for dim in tensor["shape"]:
+                    n *= dim
+                total += n
+    return total
+
+
+def intro_lines(target: Path, draft: Path) -> list[str]:
+    """What the demo pair is, before its completions are read as language."""
+    import textwrap
+
+    return textwrap.wrap(f"The demo models are tiny ({target.name}: {parameters(target) / 1e6:.1f} M parameters, "
+                         f"{draft.name}: {parameters(draft) / 1e6:.1f} M), trained for minutes on Python source: "
+                         "they write nonsense that looks like Python. What the demo shows is that the speculative "
+                         "output is the target's own, token for token, and what speculation costs and saves.", 110)
+
+
+def completion_lines(results: list[dict]) -> list[str]:
+    """Each prompt, a separator, then its completion."""
+    lines = []
+    for i, r in enumerate(results, 1):
+        lines += [f"==== prompt {i} " + "=" * 58, r["prompt"].rstrip("\n"),
+                  f"---- completion ({len(r['token_ids'])} tokens) " + "-" * 43, r["text"]]
+    return lines + ["=" * 72]
+
+
+def why_lines(spec: dict, alone: dict, placement, size_ratio: float) -> list[str]:
+    """Why speculation's speed on loopback differs from the link's (and from `specrelay bench first`'s)."""
+    import textwrap
+
+    where = (f"The edge runs on CPU {_cpus(placement.edge_cpus)}, the broker and the cloud worker on CPU "
+             f"{_cpus(placement.cloud_cpus)}, as on two machines (--no-pin shares them)." if placement.pinned
+             else "The edge and the cloud share every core (--no-pin).")
+    gain = spec["tokens_per_s"] / max(1e-9, alone["tokens_per_s"])
+    text = (f"Why the speed differs: {where[0].lower()}{where[1:]} On loopback a cloud call costs no round trip, only the target's "
+            f"forward, and this target is only {size_ratio:.0f}x its draft's size, so drafting costs about what "
+            f"it saves ({gain:.2f}x here); over a link every saved call is a saved round trip. A few short "
+            "generations swing with the machine's load: `specrelay bench first` measures both with more "
+            "sessions and tokens.")
+    return textwrap.wrap(text, 110)
+
+
+def _cpus(cpus) -> str:
+    return ",".join(map(str, cpus))
 
 
 async def run_demo(frontend: str, draft: Path, prompts: list[str], max_new_tokens: int,
                    temperature: float, resample: str | None = None, mode: str | None = None,
-                   link_ms: float = 0.0, objective: str = "balanced") -> dict:
+                   link_ms: float = 0.0, objective: str = "balanced", place_relay=None) -> dict:
     from .common import protocol as P
     from .edge_worker.config import SessionConfig, session_config
     from .edge_worker.server import load_edge
 
     with Progress(f"loading the draft model ({draft.name})"):
-        import torch
-
-        torch.set_num_threads(THREADS)
         target_tokenizer = None if draft.name == "demo-draft" else str(draft.parent / "demo-target")
         edge = await load_edge(frontend, str(draft), target_tokenizer)
     config = session_config(edge.config, max_new_tokens=max_new_tokens, temperature=temperature, seed=1, mode=mode,
@@ -130,7 +177,8 @@ async def run_demo(frontend: str, draft: Path, prompts: list[str], max_new_token
         alone_config = replace(config, draft_len=0)
         alone, alone_wall = await run("target alone (--draft-len 0)", alone_config)
         spec, spec_wall = await run("speculative", config)
-    linked = await run_over_link(frontend, edge, ids, config, alone_config, link_ms) if link_ms > 0 else None
+    linked = (await run_over_link(frontend, edge, ids, config, alone_config, link_ms, place_relay) if link_ms > 0
+              else None)
     results = [{"prompt": p, "text": tok.decode(out), "token_ids": out, "stats": stats}
                for p, (out, stats) in zip(prompts, spec)]
     return {"results": results, "speculative": totals(results, spec_wall),
@@ -141,14 +189,17 @@ async def run_demo(frontend: str, draft: Path, prompts: list[str], max_new_token
             "objective": config.objective.name.lower(), "link": linked}
 
 
-async def run_over_link(frontend: str, edge, ids: list[list[int]], config, alone_config, rtt_ms: float) -> dict:
+async def run_over_link(frontend: str, edge, ids: list[list[int]], config, alone_config, rtt_ms: float,
+                        place_relay=None) -> dict:
     """Target alone, then speculative, through a relay that delays each direction by rtt_ms / 2: a second edge
-    (same draft model) connects to the broker through it."""
+    (same draft model) connects to the broker through it. `place_relay(pid)`: put the relay on the cloud side."""
     from .bench.link import LinkRelay, LinkSpec
     from .edge_worker.server import EdgeWorker
 
     rows = {}
     with LinkRelay(LinkSpec.parse(f"{rtt_ms}ms"), frontend, rate_by="relay") as relay:
+        if place_relay is not None and relay.proc is not None:
+            place_relay(relay.proc.pid)
         async with EdgeWorker(relay.endpoint, edge.drafter, edge.tokenizer, edge.config) as far:
             await far.generate(ids[0], config)  # warm-up: auto learns this link's round trip
             for name, cfg in (("target_alone", alone_config), ("speculative", config)):
@@ -175,29 +226,28 @@ def main(args) -> int:
     target = models / "demo-target"
     print(f"demo pair in {models}", file=sys.stderr)
     with Progress(f"starting a broker and a cloud worker on 127.0.0.1 (loads {target.name})"):
-        cluster = LocalCluster(str(target), threads=THREADS,
+        cluster = LocalCluster(str(target), pin=not getattr(args, "no_pin", False),
                                env={"SPECRELAY_LOG_LEVEL": args.log_level or "warning"}).__enter__()
     try:
         out = run_async(run_demo(cluster.frontend, models / args.draft, prompts, args.max_new_tokens,
-                                 args.temperature, args.resample, args.mode, args.link_ms, args.objective))
+                                 args.temperature, args.resample, args.mode, args.link_ms, args.objective,
+                                 cluster.place_cloud))
     finally:
         cluster.stop()
-    for r in out["results"]:
-        print("=" * 72)
-        print(r["prompt"] + r["text"])
-    print("=" * 72)
+    print("\n".join(intro_lines(target, models / args.draft) + completion_lines(out["results"])))
     print("\n".join(summary(out["speculative"], out["target_alone"], len(prompts), out["objective"])))
     if out["link"]:
         print("\n".join(link_summary(out["link"]["speculative"], out["link"]["target_alone"], args.link_ms)))
-    if out["speculative"]["tokens_per_s"] < 1.1 * out["target_alone"]["tokens_per_s"]:
-        print(LOOPBACK_NOTE)
+    ratio = parameters(target) / max(1, parameters(models / args.draft))
+    print("\n".join(why_lines(out["speculative"], out["target_alone"], cluster.placement, ratio)))
     if out["identical"] is not None:
         print(f"{out['mode']} output{' ' * (16 - len(out['mode']))}{'identical' if out['identical'] else 'DIFFERENT'} "
               "to target alone")
     if args.json:
         record = {k: v for k, v in out.items() if k != "results"} | {
             "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-            "draft": args.draft, "resample": args.resample or "default"}
+            "draft": args.draft, "resample": args.resample or "default",
+            "placement": cluster.placement.describe(), "load_average": [round(x, 2) for x in os.getloadavg()]}
         Path(args.json).write_text(json.dumps(record, indent=1))
         print(f"-> {args.json}", file=sys.stderr)
     return 0 if out["identical"] in (None, True) else 1

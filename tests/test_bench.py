@@ -4,7 +4,9 @@ documented schema, greedy outputs equal the target alone's, the result files and
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -34,6 +36,7 @@ def test_sweep_smoke_writes_schema_valid_rows(tiny_pair, tmp_path):
         assert validate(row, SWEEP_ROW) == [], row
         assert row["outputs_identical_to_target_alone"] and row["errors"] == 0
         assert row["link_rtt_ms"] == 10 and row["rtt_ms_measured"] > 5
+        assert row["placement"]["pinned"] == (len(os.sched_getaffinity(0)) >= 2) and len(row["load_average"]) == 3
     assert rows[0]["cloud_calls_per_token"] == 1.0  # the target alone: one VERIFY per token
     result = json.loads((out / "sweep.json").read_text())
     assert result["meta"]["command"].startswith("specrelay bench sweep") and result["rows"] == rows
@@ -43,6 +46,17 @@ def test_sweep_smoke_writes_schema_valid_rows(tiny_pair, tmp_path):
     render_docs(out, docs, tmp_path / "docs" / "bench")  # what `specrelay bench report` runs
     text = docs.read_text()
     assert "specrelay bench sweep" in text and "![sweep_tokens_per_s](bench/sweep_tokens_per_s.png)" in text
+
+
+def test_calls_records_its_placement_and_load_and_no_pin_shares(tiny_pair, tmp_path):
+    target, draft = tiny_pair
+    for flags, pinned in (((), len(os.sched_getaffinity(0)) >= 2), (("--no-pin",), False)):
+        run = bench("calls", "--target", str(target), "--draft", str(draft), "--num-prompts", "2",
+                    "--max-new-tokens", "8", "--concurrency", "2", "--no-plots", "--out", str(tmp_path), *flags)
+        assert run.returncode == 0, run.stderr[-3000:]
+        result = json.loads((tmp_path / "calls.json").read_text())
+        assert result["placement"]["pinned"] is pinned and len(result["load_average"]) == 3
+        assert result["outputs_identical_to_draft_len_0"]
 
 
 def test_legacy_benches_run_as_a_module_into_the_working_directory(tmp_path):
@@ -78,3 +92,46 @@ def test_draft_step_bench_compares_both_paths_on_the_same_drafts(tiny_pair, tmp_
     for row in result["rows"]:
         assert row["drafts_identical"] and row["in_place_ms_per_round"] > 0 and row["restack_ms_per_round"] > 0
     assert json.loads((tmp_path / "draft_step.json").read_text())["rows"] == result["rows"]
+
+
+def _help(*names: str) -> str:
+    from specrelay.bench.cli import parser
+
+    ap = parser()
+    for name in names:
+        ap = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+    return " ".join(ap.format_help().split())  # one line: the wrapping of the help is the terminal's business
+
+
+def test_bench_help_names_the_first_benchmark_and_subcommands_show_their_defaults(capsys):
+    assert "Start with `specrelay bench first`: about a minute" in _help()
+    assert "first start here: about a minute" in _help()
+    assert "--sessions SESSIONS sessions in flight at once (default: 16)" in _help("sweep")
+    assert "--sessions SESSIONS sessions in flight at once (default: 4)" in _help("first")
+    assert "(default: 0,4,auto)" in _help("first") and "(default: bench_results/first)" in _help("first")
+    assert "--concurrency CONCURRENCY sessions in flight at once (default: 8)" in _help("calls")
+    assert "--duration DURATION seconds of load after the warm-up (default: 600.0)" in _help("stress")
+    assert "(default: False)" not in _help("sweep") and "(default: None)" not in _help("sweep")  # switches, unset
+    from specrelay.bench.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["kv", "--help"])  # a benchmark with a parser of its own
+    assert "(default: " in capsys.readouterr().out
+
+
+def test_first_is_a_small_sweep_over_loopback_and_50ms_with_plots_and_a_header(tiny_pair, tmp_path):
+    target, draft = tiny_pair
+    out = tmp_path / "first"
+    run = bench("first", "--target", str(target), "--draft", str(draft), "--sessions", "2", "--num-prompts", "2",
+                "--max-new-tokens", "6", "--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    header, rule, *lines = run.stdout.strip().splitlines()
+    assert [c.strip() for c in header.strip("|").split("|")][:3] == ["link", "in flight", "configuration"]
+    assert [c.strip() for c in lines[0].strip("|").split("|")][:3] == ["loopback", "2", "target alone"]
+    assert [line.split("|")[1].strip() for line in lines] == ["loopback"] * 3 + ["RTT 50 ms"] * 3
+    result = json.loads((out / "first.json").read_text())
+    assert result["bench"] == "sweep" and result["meta"]["command"].startswith("specrelay bench first")
+    assert [r["draft_len"] for r in result["rows"]] == [0, 4, "auto"] * 2
+    assert all(r["outputs_identical_to_target_alone"] and r["sessions_in_flight"] == 2 for r in result["rows"])
+    assert {p.name for p in out.glob("*.png")} == {"first_tokens_per_s.png", "first_cloud_calls.png",
+                                                   "first_acceptance.png", "first_tpot_cdf.png"}

@@ -13,14 +13,25 @@ from specrelay.bench.runs import SessionRun
 pytest.importorskip("matplotlib")
 
 
-def row(d, tokens_per_s: float, sessions: int = 1, objective=None) -> dict:
-    return {"draft_len": d, "objective": objective, "predraft": d != 0, "link": "10 ms", "link_rtt_ms": 10.0,
+def row(d, tokens_per_s: float, sessions: int = 1, objective=None, rtt: float = 10.0, **extra) -> dict:
+    return {"draft_len": d, "objective": objective, "predraft": d != 0, "link": f"{rtt:g} ms", "link_rtt_ms": rtt,
             "link_rate_mbit": None, "sessions": sessions, "tokens_per_s": tokens_per_s, "mean_draft_len": 3.2,
-            "cloud_calls_per_token": 1.0 if d == 0 else 0.4, "acceptance_per_position": [] if d == 0 else [0.8, 0.6]}
+            "cloud_calls_per_token": 1.0 if d == 0 else 0.4, "acceptance_per_position": [] if d == 0 else [0.8, 0.6],
+            **extra}
 
 
 SWEEP = {"bench": "sweep", "rows": [row(0, 10.0), row(4, 25.0), row("auto", 27.0, objective="balanced")],
          "bars": {"calls_vs_theory_max": 1.034, "calls_le_1.02x_theory": False}}
+
+
+def two_links(sessions: int = 16, prompts: int = 6) -> dict:
+    """A sweep over 0 and 50 ms that asked for 16 sessions where 6 prompts ran (6 in flight)."""
+    rows = [row(d, 10.0 + i, rtt=rtt, objective="balanced" if d == "auto" else None, sessions=sessions,
+                prompts=prompts, sessions_in_flight=min(sessions, prompts))
+            for rtt in (0.0, 50.0) for i, d in enumerate((0, 2, 4, "auto"))]
+    result = {"bench": "sweep", "rows": rows, "bars": {}}
+    result["tpot_ms_samples"] = {plots.sample_key(r): [20.0 + i, 25.0, 30.0] for i, r in enumerate(rows)}
+    return result
 
 
 @pytest.fixture
@@ -31,19 +42,100 @@ def ax():
     plt.close(fig)
 
 
-def test_throughput_is_bars_per_configuration_without_lines(ax):
+def test_throughput_is_bars_per_link_one_colour_per_configuration_without_lines(ax):
     plots.tokens_per_s(ax, SWEEP)
-    assert [t.get_text() for t in ax.get_xticklabels()] == ["target alone", "d=4", "auto (balanced)"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["RTT 10 ms\n1 session in flight"]
     assert sorted(round(p.get_height()) for p in ax.patches) == [10, 25, 27]
     assert not [line for line in ax.get_lines() if len(line.get_xdata()) > 1]  # no line joins two configurations
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["RTT 10 ms, 1 session"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["target alone", "d=4", "auto (balanced)"]
 
 
 def test_every_auto_objective_gets_its_star(ax):
     result = {**SWEEP, "rows": SWEEP["rows"] + [row("auto", 26.0, objective="speed")]}
     plots.cloud_calls(ax, result)
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert any("auto (balanced)" in t for t in labels) and any("auto (speed)" in t for t in labels)
+    assert "auto (balanced)" in labels and "auto (speed)" in labels
+    stars = [line for line in ax.get_lines() if line.get_marker() == "*"]
+    assert {line.get_color() for line in stars} == {plots.FIXED_COLOURS["auto (balanced)"],
+                                                    plots.FIXED_COLOURS["auto (speed)"]}
+
+
+def _colour_of(artist) -> str:
+    from matplotlib.colors import to_hex
+    return to_hex(artist.get_facecolor() if hasattr(artist, "get_height") else artist.get_color())
+
+
+def test_one_colour_per_configuration_in_every_plot():
+    result = two_links()
+    plt = plots._pyplot()
+    seen: dict[str, set[str]] = {}
+    for make in (plots.tokens_per_s, plots.cloud_calls, plots.acceptance, plots.tpot_cdf):
+        fig, ax = plt.subplots()
+        make(ax, result)
+        for handle, text in zip(ax.get_legend().legend_handles, ax.get_legend().get_texts()):
+            if text.get_text() in {plots.configuration(r) for r in result["rows"]}:
+                seen.setdefault(text.get_text(), set()).add(_colour_of(handle))
+        drawn = [a for a in ax.patches + ax.get_lines() if _colour_of(a) != "#808080"]  # grey: theory, keys
+        assert {_colour_of(a) for a in drawn} <= {c for cs in seen.values() for c in cs}, make.__name__
+        plt.close(fig)
+    assert set(seen) == {"target alone", "d=2", "d=4", "auto (balanced)"}
+    assert all(len(colours) == 1 for colours in seen.values()), seen  # the same colour in all four plots
+    assert len({c for cs in seen.values() for c in cs}) == len(seen)  # and a different one per configuration
+
+
+def test_legends_beside_the_data_and_the_sessions_in_flight_as_run():
+    result = two_links(sessions=16, prompts=6)
+    plt = plots._pyplot()
+    for make in (plots.tokens_per_s, plots.cloud_calls, plots.acceptance, plots.tpot_cdf):
+        fig, ax = plt.subplots()
+        make(ax, result)
+        fig.canvas.draw()
+        legend, axes = ax.get_legend().get_window_extent(), ax.get_window_extent()
+        assert legend.x0 >= axes.x1, make.__name__  # the legend is right of the axes, over no data
+        words = " ".join(t.get_text() for t in ax.get_legend().get_texts()) + " ".join(
+            t.get_text() for t in ax.get_xticklabels())
+        assert "6 sessions in flight" in words and "16 session" not in words, make.__name__
+        plt.close(fig)
+
+
+def test_theory_lines_lie_under_the_measured_points_which_do_not_overlap(ax):
+    plots.cloud_calls(ax, two_links())
+    lines = [line for line in ax.get_lines() if len(line.get_xdata()) > 1]
+    points = [line for line in ax.get_lines() if len(line.get_xdata()) == 1]
+    assert len(lines) == 2 and len(points) == 8  # a theory line per link, a point per row
+    assert max(line.get_zorder() for line in lines) < min(p.get_zorder() for p in points)
+    assert {line.get_linestyle() for line in lines} == {"-", "--"}  # 0 and 50 ms told apart where they coincide
+    at_d4 = [p.get_xdata()[0] for p in points if abs(p.get_xdata()[0] - 4) < 0.5]
+    assert len(at_d4) == 2 and at_d4[0] != at_d4[1]  # the two links' d = 4 points side by side, not on top
+
+
+def test_tpot_cdf_starts_at_zero_and_names_tpot_not_inter_token_latency(ax):
+    plots.tpot_cdf(ax, two_links())
+    assert ax.get_ylim()[0] == 0
+    assert min(min(line.get_ydata()) for line in ax.get_lines() if len(line.get_xdata()) > 1) == 0
+    text = (ax.get_xlabel() + ax.get_title()).lower()
+    assert "time per output token" in text and "inter-token" not in text
+
+
+def test_saved_plots_keep_the_legend_and_the_labels_whole(tmp_path):
+    from matplotlib.image import imread
+
+    files = plots.draw(tmp_path, "sweep", two_links())
+    for f in files:
+        height, width = imread(f).shape[:2]
+        assert width > 640, f.name  # 6.4 in at 100 dpi plus the legend beside it: nothing cut at the edge
+
+
+def test_console_rows_have_a_header_and_whole_link_names():
+    from specrelay.bench.report import console_lines
+
+    rows = [row(0, 10.0, rtt=25.0, prompts=6, sessions_in_flight=6, link="userspace TCP relay: RTT 25 ms (12.5 ms "
+                "each way), unlimited rate", speedup_vs_target_alone=1.0, outputs_identical_to_target_alone=True)]
+    lines = console_lines(rows)
+    assert [h.strip() for h in lines[0].strip("|").split("|")][:4] == ["link", "in flight", "configuration",
+                                                                      "tokens/s"]
+    cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert cells[:3] == ["RTT 25 ms", "6", "target alone"]  # the link named whole, the sessions as run
 
 
 def test_the_sweep_plots_time_per_output_token_not_commit_gaps(tmp_path):
@@ -65,3 +157,28 @@ def test_the_calls_bar_prints_its_ratio_and_meaning():
     assert "false" not in lines[0].lower()
     assert bar_lines({"a_new_bar": [1]}) == ["a_new_bar: [1]"]  # unknown: its JSON
     assert "1.034x" in markdown("sweep", {**SWEEP, "rows": []})
+
+
+def test_report_embeds_only_the_plots_a_benchmark_writes(tmp_path):
+    import json
+
+    from specrelay.bench.report import render_docs
+
+    out = tmp_path / "results"
+    out.mkdir()
+    result = {**two_links(), "meta": {"command": "specrelay bench sweep"}}
+    (out / "sweep.json").write_text(json.dumps(result))
+    plots.draw(out, "sweep", result)
+    (out / "sweep_itl_cdf.png").write_bytes(b"left by an older sweep")
+    text = render_docs(out, tmp_path / "docs" / "benchmarks.md", tmp_path / "docs" / "bench").read_text()
+    assert "sweep_tpot_cdf.png" in text and "itl_cdf" not in text
+
+
+def test_the_benchmarks_page_embeds_no_plot_that_is_not_there():
+    import re
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", (docs / "benchmarks.md").read_text())
+    assert [i for i in images if not (docs / i).exists()] == []
+    assert [i for i in images if re.search(r"sweep[^/]*_itl_cdf", i)] == []  # the sweep plots TPOT, not gaps

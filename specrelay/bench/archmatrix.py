@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ..archs import ARCHS, Arch, build
 from ..paths import demo_model
+from .runs import HelpFormatter
 
 TARGET_TOKENIZER = Path(demo_model("demo-target"))
 XV_TOKENIZER = Path(demo_model("demo-draft-xv"))
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     from .runs import meta, text_table, write_result
 
     ap = argparse.ArgumentParser(prog="specrelay bench archs", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--prompts", type=int, default=2, help="held-out prompts per pair")
     ap.add_argument("--max-new-tokens", type=int, default=NEW_TOKENS)
     ap.add_argument("--out", default="bench_results")

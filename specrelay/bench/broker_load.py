@@ -25,7 +25,7 @@ import zmq
 
 from ..cluster import free_port
 from ..common import protocol as P
-from .runs import DEFAULT_OUT, meta, text_table, write_result
+from .runs import DEFAULT_OUT, HelpFormatter, meta, text_table, write_result
 
 DEFAULT_CONFIGS = ("1x1x1", "1x64x1", "4x64x1", "16x64x1", "16x64x2")
 DRAFT = [8000, 8001, 8002, 8003]
@@ -211,7 +211,7 @@ def measure(config: str, warmup: float, window: float, broker_cpu: int | None) -
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="specrelay bench broker", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--config", action="append", default=None, metavar="EDGESxSESSIONSxWORKERS",
                     help=f"repeatable (default: {' '.join(DEFAULT_CONFIGS)})")
     ap.add_argument("--warmup", type=float, default=3.0, help="seconds before the window")

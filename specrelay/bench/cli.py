@@ -1,8 +1,12 @@
 """`specrelay bench NAME ...` (also `python -m specrelay.bench NAME ...`): every benchmark's command line.
 
+Start with `specrelay bench first`: about a minute on a 2-core machine, the demo pair on loopback and over a
+50 ms link, plots in bench_results/first/.
+
 Each run writes OUT/<name>.json (schema: `specrelay bench schema`), a markdown table
 OUT/<name>.md and PNG plots OUT/<name>_*.png; OUT defaults to ./bench_results. `report` turns whatever JSON is
 in OUT into bench_results/benchmarks.md with the plots next to it (docs/benchmarks.md says what each measures).
+The edge and the cloud side run on separate cores unless --no-pin (docs/single-host.md).
 """
 
 from __future__ import annotations
@@ -11,9 +15,16 @@ import argparse
 import importlib
 import json
 import sys
+import textwrap
 from pathlib import Path
 
-from .runs import DEFAULT_OUT, DEMO_DRAFT, DEMO_DRAFT_XV, DEMO_TARGET, meta, write_result
+from .runs import DEFAULT_OUT, DEMO_DRAFT, DEMO_DRAFT_XV, DEMO_TARGET, HelpFormatter, meta, write_result
+
+FIRST_HELP = ("start here: about a minute (demo pair, loopback and a 50 ms link, d = 0, 4 and auto); plots in "
+              "bench_results/first/")
+FIRST = {"draft_lens": "0,4,auto", "sessions": 4, "num_prompts": 8, "max_new_tokens": 32,
+         "out": f"{DEFAULT_OUT}/first"}  # a small sweep: the three configurations a reader compares first
+FIRST_LINKS = ["0", "50ms"]  # where drafting costs time (loopback) and where it saves round trips
 
 # benchmarks that live in their own module: NAME -> (module, function taking argv, what it measures)
 EXTERNAL: dict[str, tuple[str, str, str]] = {
@@ -46,43 +57,51 @@ def _models(p: argparse.ArgumentParser, draft: str = DEMO_DRAFT, target_tokenize
     p.add_argument("--prompts", default=None, help="JSON lines file, {\"prompt\": ...} per line (default: held-out "
                    "stdlib prompts); a bare number N means --num-prompts N")
     p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process (edge and each worker)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per generation (at most)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per process (edge and each worker; "
+                   "default: one per core of its side, half the cores each with --no-pin)")
 
 
 def _output(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default=DEFAULT_OUT, help="results directory (default ./bench_results)")
+    p.add_argument("--out", default=DEFAULT_OUT, help="results directory")
     p.add_argument("--json", action="store_true", help="print JSON lines on stdout (the rows) instead of tables")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    p.add_argument("--tag", default="", help="suffix of the result file names (sweep-TAG.json)")
-    p.add_argument("--no-pin", action="store_true", help="do not pin the edge side to CPU 0 and the cloud side "
-                   "(broker, workers, relay) to the other CPUs (pinning emulates separate machines)")
+    p.add_argument("--tag", default="", help="suffix of the result file names (NAME-TAG.json)")
+    p.add_argument("--no-pin", action="store_true", help="edge and cloud share every core (default: the edge side "
+                   "on CPU 0, the cloud side - broker, workers, relay - on the others, as on separate machines)")
 
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="specrelay bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="name", required=True)
-    _sweep_flags(sub.add_parser("sweep", help="tokens/s, cloud calls and acceptance per draft length, per emulated "
-                                "link"))
-    _stress_flags(sub.add_parser("stress", help="edge-worker, broker and cloud-worker processes under load for a "
-                                 "duration"))
-    _report_flags(sub.add_parser("report", help="render one page (tables + plots) from the JSON in --out"))
-    sub.add_parser("schema", help="print the JSON schema of sweep rows and stress results")
-    _legacy_parsers(sub)
+    add = lambda name, help, **kw: sub.add_parser(name, help=help, formatter_class=HelpFormatter,  # noqa: E731
+                                                  description=textwrap.fill(kw.pop("description", help), 100), **kw)
+    first = add("first", FIRST_HELP, description="The benchmark to run first, in about a minute: the demo pair on "
+                "loopback and over a 50 ms link, the target alone (d = 0), d = 4 and auto, 4 sessions in flight. A "
+                "sweep (`specrelay bench sweep --help`) with smaller defaults; it writes OUT/first.json, "
+                "OUT/first.md and the plots OUT/first_*.png (throughput, cloud calls per token, acceptance, time "
+                "per output token).")
+    _sweep_flags(first, links="0 and 50ms")
+    first.set_defaults(**FIRST)
+    _sweep_flags(add("sweep", "tokens/s, cloud calls and acceptance per draft length, per emulated link"))
+    _stress_flags(add("stress", "edge-worker, broker and cloud-worker processes under load for a duration"))
+    _report_flags(add("report", "render bench_results/benchmarks.md (tables + plots) from the JSON in --out"))
+    add("schema", "print the JSON schema of sweep rows and stress results")
+    _legacy_parsers(add)
     for name, (_, _, what) in EXTERNAL.items():  # listed for --help; main() hands their arguments to the module
-        sub.add_parser(name, help=f"{what} (specrelay bench {name} --help)")
-    p = sub.add_parser("all", help=f"{', '.join(LEGACY_HELP)} at their default settings")
+        add(name, f"{what} (specrelay bench {name} --help)")
+    p = add("all", f"{', '.join(LEGACY_HELP)} at their default settings")
     _models(p)
     _output(p)
     return ap
 
 
-def _sweep_flags(p: argparse.ArgumentParser) -> None:
+def _sweep_flags(p: argparse.ArgumentParser, links: str = "0") -> None:
     _models(p)
     _output(p)
     p.add_argument("--link", action="append", default=None, metavar="RTT[,RATE]",
-                   help="emulated edge<->broker link, e.g. 50ms or 50ms,20mbit (repeat for several; default 0)")
+                   help=f"emulated edge<->broker link, e.g. 50ms or 50ms,20mbit (repeat for several; default: {links})")
     p.add_argument("--rate-by", choices=("auto", "tbf", "relay"), default="auto",
                    help="what limits a link's RATE: tbf on a veth pair into a namespace (needs root), the relay's "
                         "token bucket, or tbf when it can be set up (auto); the results say which ran")
@@ -136,13 +155,13 @@ def _report_flags(p: argparse.ArgumentParser) -> None:
                    "replaces (regenerate only what was rerun)")
 
 
-def _legacy_parsers(sub) -> None:
-    """One subcommand per benchmark of specrelay.bench.legacy."""
+def _legacy_parsers(add) -> None:
+    """One subcommand per benchmark of specrelay.bench.legacy (`add(name, help)` makes a subparser)."""
     from .legacy import LEGACY
 
     xv = {"xvocab", "srdv_k"}
     for name in LEGACY:
-        p = sub.add_parser(name, help=LEGACY_HELP[name])
+        p = add(name, LEGACY_HELP[name])
         _models(p, DEMO_DRAFT_XV if name in xv else DEMO_DRAFT, DEMO_TARGET if name in xv else None)
         _output(p)
         if name == "calls":
@@ -169,12 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     from .. import logs
     os.environ.setdefault("SPECRELAY_LOG", "warning")  # child processes (broker, workers, edges) log warnings only
     logs.configure("warning")
-    if getattr(args, "threads", None):
-        import torch
-
+    if hasattr(args, "threads"):
         from ..edge_worker.server import GIL_SWITCH_S
-        torch.set_num_threads(args.threads)  # the in-process edge shares the cores with the workers
-        sys.setswitchinterval(GIL_SWITCH_S)  # as in an edge-worker process
+        sys.setswitchinterval(GIL_SWITCH_S)  # as in an edge-worker process (torch threads: the placement's)
     if args.name == "schema":
         from .schema import describe
         print(json.dumps(describe(), indent=1))
@@ -190,6 +206,8 @@ def _normalise(args: argparse.Namespace) -> None:
     prompts = getattr(args, "prompts", None)
     if prompts is not None and prompts.isdigit() and not Path(prompts).exists():
         args.prompts, args.num_prompts = None, int(prompts)  # `--prompts 20` of the first benchmarks
+    if args.name == "first" and not args.link:
+        args.link = list(FIRST_LINKS)
     if getattr(args, "xv", False):  # the cross-vocabulary demo pair
         args.draft, args.target_tokenizer = DEMO_DRAFT_XV, args.target
 
@@ -198,16 +216,18 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     from . import report
     from .legacy import LEGACY
 
-    if args.name in ("sweep", "stress"):
-        module = importlib.import_module(f".{args.name}", __package__)
-        result = {"bench": args.name, "meta": meta(argv), **module.run(args)}
+    if args.name in ("first", "sweep", "stress"):
+        bench = "sweep" if args.name == "first" else args.name  # first: a sweep with smaller defaults
+        module = importlib.import_module(f".{bench}", __package__)
+        result = {"bench": bench, "meta": meta(argv), **module.run(args)}
         name = args.name + (f"-{args.tag}" if args.tag else "")
         write_result(args.out, name, result)
-        report.write_outputs(args.out, name, result, plots=not args.no_plots)
+        for png in report.write_outputs(args.out, name, result, plots=not args.no_plots):
+            print(f"-> {png}", file=sys.stderr)
         rows = result.get("rows", [result.get("summary", {})])
-        for row in rows:
-            print(json.dumps(row) if args.json else report.row_line(row), flush=True)
-        bars = report.bar_lines(result["bars"]) if args.name == "sweep" else [json.dumps(result.get("bars", {}))]
+        lines = [json.dumps(row) for row in rows] if args.json else report.console_lines(rows)
+        print("\n".join(lines), flush=True)
+        bars = report.bar_lines(result["bars"]) if bench == "sweep" else [json.dumps(result.get("bars", {}))]
         print("bars:", *bars, sep="\n  ", file=sys.stderr)
         return 0  # the run worked; whether a bar is met is in the result
     for name in LEGACY if args.name == "all" else [args.name]:

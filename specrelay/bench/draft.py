@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from .runs import DEMO_DRAFT, load_prompts, meta, text_table, write_result
+from .runs import DEMO_DRAFT, HelpFormatter, load_prompts, meta, text_table, write_result
 
 
 class Restack:
@@ -103,7 +103,7 @@ def run(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="specrelay bench draft", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--draft", default=DEMO_DRAFT, help="draft model directory or hub id (default: demo draft)")
     ap.add_argument("--prompts", default=None, help="prompts JSONL (default: the held-out prompts)")
     ap.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 16], help="lockstep batch sizes")

@@ -25,7 +25,7 @@ import threading
 import time
 import urllib.request
 
-from .runs import load_prompts, write_result
+from .runs import HelpFormatter, load_prompts, write_result
 
 
 
@@ -239,7 +239,7 @@ def _peak_mb(pid: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="specrelay bench fuzz", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=HelpFormatter)
     from .runs import MODELS as models
     ap.add_argument("--target", default=str(models / "demo-target"))
     ap.add_argument("--draft", default=str(models / "demo-draft"))

@@ -21,7 +21,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from .runs import DEFAULT_OUT, DEMO_DRAFT, DEMO_TARGET, meta, write_result
+from .runs import DEFAULT_OUT, DEMO_DRAFT, DEMO_TARGET, HelpFormatter, meta, write_result
 
 KEY = "bench-key"
 MODEL = "specrelay"
@@ -189,7 +189,7 @@ def run(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="specrelay bench httpfuzz", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--target", default=DEMO_TARGET, help="target model (its config gives the edge the context)")
     ap.add_argument("--draft", default=DEMO_DRAFT)
     ap.add_argument("--threads", type=int, default=1)

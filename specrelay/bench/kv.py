@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from .runs import MODELS, load_prompts, text_table, write_result
+from .runs import MODELS, HelpFormatter, load_prompts, text_table, write_result
 from .kv_sessions import bench_concurrency, bench_determinism
 
 
@@ -314,7 +314,7 @@ BENCHES = {"step": bench_step, "prefill": bench_prefill, "determinism": bench_de
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="specrelay bench kv", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=HelpFormatter)
     ap.add_argument("name", choices=[*BENCHES, "all"])
     ap.add_argument("--model", default=str(MODELS / "demo-target"), help="target model (directory or hub id)")
     ap.add_argument("--draft", default=str(MODELS / "demo-draft"), help="draft model (determinism, concurrency)")

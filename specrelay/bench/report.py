@@ -10,7 +10,7 @@ from pathlib import Path
 
 from . import plots as plotting
 
-SWEEP_COLUMNS = [("link", "link"), ("draft_len", "d"), ("objective", "objective"), ("predraft", "pre-draft"),
+SWEEP_COLUMNS = [("link", "link"), ("sessions_in_flight", "in flight"), ("draft_len", "d"), ("objective", "objective"), ("predraft", "pre-draft"),
                  ("trees", "trees"), ("shape", "shape"), ("tree_round_share", "tree rounds"),
                  ("mean_nodes", "nodes"), ("tokens_per_s", "tokens/s"),
                  ("tokens_per_call", "tokens/call"), ("predraft_hit_rate", "pre-draft hits"),
@@ -21,20 +21,30 @@ SWEEP_COLUMNS = [("link", "link"), ("draft_len", "d"), ("objective", "objective"
                  ("predraft_tokens_fraction", "pre-drafted"), ("rtt_ms_measured", "RTT ms"),
                  ("tpot_ms", "TPOT ms"), ("itl_ms_p50", "commit gap p50 ms"), ("itl_ms_p99", "commit gap p99 ms"),
                  ("outputs_identical_to_target_alone", "= target alone"), ("errors", "errors")]
-ORDER = ["sweep", "stress", "calls", "concurrency", "hf", "xvocab", "srdv_k", "wire", "draft_step"]
+ORDER = ["first", "sweep", "stress", "calls", "concurrency", "hf", "xvocab", "srdv_k", "wire", "draft_step"]
 
 
-def row_line(row: dict) -> str:
-    """One console line per sweep row / stress summary."""
-    if "predraft" in row:  # a sweep row (a stress summary has a draft_len too)
-        return (f"{row['link']:<40.40} d={str(row['draft_len']):>4} {row.get('objective') or '':<8} predraft={str(row['predraft']):<5} "
-                f"trees={row.get('trees', 'off'):<4} {row.get('shape', 'chain'):<5} "
-                f"{row['tokens_per_s']:8.1f} tok/s  x{row['speedup_vs_target_alone']:.2f}  "
-                f"tok/call {row.get('tokens_per_call', 0):.2f}  calls/tok "
-                f"{row['cloud_calls_per_token']:.3f} (theory {row['theoretical_cloud_calls_per_token']})  "
-                f"occupancy {row.get('occupancy', 0):.2f} steady {row.get('steady_tokens_per_s')} tok/s  "
-                f"identical={row['outputs_identical_to_target_alone']}")
-    return json.dumps(row)
+CONSOLE_COLUMNS = [("link", "link"), ("in flight", "in flight"), ("configuration", "configuration"),
+                   ("shape", "shape"), ("tokens_per_s", "tokens/s"), ("speedup_vs_target_alone", "x alone"),
+                   ("tokens_per_call", "tokens/call"), ("cloud_calls_per_token", "calls/token"),
+                   ("theoretical_cloud_calls_per_token", "theory"), ("occupancy", "occupancy"),
+                   ("steady_tokens_per_s", "steady tok/s"), ("outputs_identical_to_target_alone", "= alone")]
+
+
+def console_lines(rows: list[dict]) -> list[str]:
+    """What a run prints on stdout without --json: a table with a header, one row per sweep row (link and
+    configuration named as in the plots), or a stress run's summary as field / value."""
+    from .runs import text_table
+
+    if rows and "predraft" in rows[0]:  # sweep rows (a stress summary has a draft_len too)
+        columns = [c for c in CONSOLE_COLUMNS if c[0] != "shape" or any(r.get("trees", "off") != "off" for r in rows)]
+        cells = [{**r, "link": plotting.link_name(r), "in flight": plotting.in_flight(r),
+                  "configuration": plotting.configuration(r)} for r in rows]
+        return text_table([title for _, title in columns],
+                          [[_cell(c.get(key)).replace("**", "") for key, _ in columns] for c in cells]).splitlines()
+    fields = [(k, v) for row in rows for k, v in row.items() if not isinstance(v, dict)]
+    return text_table(["field", "value"], [[k, json.dumps(v) if isinstance(v, list) else _cell(v).replace("**", "")]
+                                           for k, v in fields]).splitlines()
 
 
 def _cell(value) -> str:
@@ -183,7 +193,8 @@ def render_docs(out_dir: str | Path, docs_path: str | Path, images_dir: str | Pa
         parts += [f"## {path.stem}", "", f"`{meta.get('command', '?')}`", "",
                   f"{meta.get('date', '?')}, commit {meta.get('git')}; {_machine(meta)}.", "",
                   _NOTES.get(result.get("bench", path.stem), ""), "", markdown(path.stem, result), ""]
-        for png in sorted(out.glob(f"{path.stem}_*.png")):
+        suffixes = plotting.MAKERS.get(result.get("bench"), {})
+        for png in sorted(p for p in out.glob(f"{path.stem}_*.png") if p.stem[len(path.stem) + 1:] in suffixes):
             shutil.copy(png, images / png.name)
             parts += [f"![{png.stem}]({_relative(images / png.name, docs.parent)})", ""]
     from .schema import describe
@@ -221,17 +232,18 @@ _NOTES = {
     "sweep": "Greedy unless the command says otherwise. `d` is the draft length (`auto` = goodput-driven, "
              "docs/draftlen.md); `0` is the target alone through the same path. Cloud calls are counted by the "
              "workers; theory = rounds / Σ E(d) at the measured per-position acceptance (bench/theory.py). "
-             "The edge side runs on CPU 0 and the cloud side on the other CPU unless the command says --no-pin.",
+             "Each row's `placement` says where the processes ran: the edge side on CPU 0 and the cloud side "
+             "(broker, workers, relay) on the other CPUs unless the command says --no-pin (docs/single-host.md).",
     "stress": "Real processes: `specrelay broker`, `specrelay cloud-worker` ×K, `specrelay edge-worker` ×N, each "
               "edge behind its own emulated link; clients keep S greedy generations in flight per edge and "
               "check every output against the target alone.",
     "calls": "Greedy, held-out stdlib code, `auto` under the `objective` shown (or the fixed `draft_len`), 8 "
              "sessions in flight, through broker + cloud worker processes, against `--draft-len 0` (the target "
              "alone through the same path); `--xv`: the cross-vocabulary pair.",
-    "concurrency": "One cloud worker, 1 torch thread per process: verified tokens/s with 16 concurrent sessions vs "
-                   "1. On two CPU cores the 16-session case is compute-bound: one batched verification of 16 "
-                   "sessions costs the same FLOPs as 16 separate passes, so batching removes only per-call "
-                   "overhead, and the edge's draft model shares the cores with the target.",
+    "concurrency": "One cloud worker, torch threads as the placement gives them: verified tokens/s with 16 "
+                   "concurrent sessions vs 1. On two CPU cores the 16-session case is compute-bound: one batched "
+                   "verification of 16 sessions costs the same FLOPs as 16 separate passes, so batching removes "
+                   "only per-call overhead (the edge on CPU 0, the worker on the other core unless --no-pin).",
     "hf": "One session over loopback against HF `target.generate(assistant_model=draft, do_sample=False)` "
           "in-process; outputs compared token for token.",
     "xvocab": "`demo-draft-xv` (Metaspace/byte-fallback, 4352 tokens) drafting for `demo-target` (byte-level BPE, "

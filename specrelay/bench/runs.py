@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -57,7 +58,7 @@ class SessionRun:
     error: str | None = None
 
     def gaps_ms(self) -> list[float]:
-        """Inter-token latency as a streaming client sees it: the time between consecutive commits."""
+        """The gaps a streaming client sees between consecutive commits (a commit carries a round's tokens)."""
         times = [t for t, _ in self.commits]
         return [(b - a) * 1e3 for a, b in zip(times, times[1:])]
 
@@ -161,25 +162,6 @@ def cpu_seconds(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def pin(pid: int | None, cpus: set[int]) -> None:
-    """Restrict every thread of a process (None: this one) to `cpus`."""
-    base = f"/proc/{pid or os.getpid()}/task"
-    for tid in os.listdir(base):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except (ProcessLookupError, PermissionError, OSError):
-            pass  # a thread that ended meanwhile
-
-
-def split_cpus(enabled: bool) -> tuple[set[int], set[int]] | None:
-    """(edge cpus, cloud cpus) when pinning: the edge side gets CPU 0, the cloud side (broker, workers, relay)
-    the others, so the edge and the cloud compute as if on separate machines. None: no pinning (or 1 CPU)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if not enabled or len(cpus) < 2:
-        return None
-    return {cpus[0]}, set(cpus[1:])
-
-
 # ------------------------------------------------------------------------------------------ provenance
 
 def machine() -> dict:
@@ -217,6 +199,17 @@ def meta(argv: list[str]) -> dict:
         timespec="seconds"), "git": git_commit(), "machine": machine()}
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Every benchmark's --help: the description as written, each flag's default after its help (not for a
+    switch, an unset value or a help that names its default itself)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default in (None, False, "", argparse.SUPPRESS) or "(default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def text_table(headers: list[str], rows: list[list]) -> str:
     """A right-aligned markdown table of `rows` (any values) under `headers`."""
     cells = [headers] + [[str(c) for c in r] for r in rows]
@@ -227,6 +220,8 @@ def text_table(headers: list[str], rows: list[list]) -> str:
 
 
 def write_result(out_dir: str | Path, name: str, data: dict) -> Path:
+    """OUT/<name>.json; a result that does not say its machine's load gets the load average as it ends."""
+    data.setdefault("load_average", [round(x, 2) for x in os.getloadavg()])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"

@@ -15,7 +15,8 @@ SWEEP_ROW: dict[str, tuple[tuple[type, ...], str]] = {
     "link_rtt_ms": (NUM, "requested round-trip time, ms"),
     "link_rate_mbit": (OPT_NUM, "requested rate per direction, Mbit/s (null = unlimited)"),
     "rtt_ms_measured": (NUM, "median round trip of a null request through the link to the broker, ms"),
-    "sessions": ((int,), "sessions in flight"),
+    "sessions": ((int,), "sessions in flight requested (--sessions)"),
+    "sessions_in_flight": ((int,), "sessions in flight as run: at most --sessions, and no more than the prompts"),
     "prompts": ((int,), "generations per run"),
     "max_new_tokens": ((int,), "tokens per generation (at most)"),
     "repeats": ((int,), "runs of this configuration (interleaved with the others)"),
@@ -70,6 +71,9 @@ SWEEP_ROW: dict[str, tuple[tuple[type, ...], str]] = {
                                      "out): a steady state of `sessions` in flight"),
     "uplink_bytes_per_token": (NUM, "edge -> cloud bytes per generated token"),
     "downlink_bytes_per_token": (NUM, "cloud -> edge bytes per generated token"),
+    "placement": ((dict, type(None)), "CPUs and torch threads of the edge and the cloud side "
+                                      "(specrelay/placement.py; pinned false: --no-pin, both share every core)"),
+    "load_average": ((list,), "the machine's load average (1, 5, 15 min) as the row was written"),
 }
 
 STRESS_SUMMARY: dict[str, tuple[tuple[type, ...], str]] = {
@@ -84,7 +88,8 @@ STRESS_SUMMARY: dict[str, tuple[tuple[type, ...], str]] = {
     "tokens_per_s": (NUM, "aggregate tokens/s"),
     "session_tokens_per_s_p50": (NUM, "per-session tokens/s, median"),
     "session_tokens_per_s_p10": (NUM, "per-session tokens/s, 10th percentile"),
-    "itl_ms_p50": (OPT_NUM, "inter-token latency (gap between TOKENS messages), median, ms"),
+    "itl_ms_p50": (OPT_NUM, "gap between the TOKENS messages a client sees (one carries a whole round's tokens), "
+                            "median, ms"),
     "itl_ms_p99": (OPT_NUM, "the same, 99th percentile"),
     "cloud_busy_s_per_token": (OPT_NUM, "seconds the workers spent in forward passes / generated token"),
     "cloud_calls_per_token": (OPT_NUM, "VERIFYs the workers ran / generated token (same span)"),
@@ -94,6 +99,9 @@ STRESS_SUMMARY: dict[str, tuple[tuple[type, ...], str]] = {
     "outputs_mismatched": ((int,), "of those, how many differed"),
     "rss_growth_max": (OPT_NUM, "largest RSS growth of any process after the warm-up (fraction; bar < 0.10)"),
     "rss": ((dict,), "per process: RSS MB after the warm-up, at the end, growth"),
+    "placement": ((dict, type(None)), "CPUs and torch threads of the edge and the cloud side "
+                                      "(specrelay/placement.py; pinned false: --no-pin, both share every core)"),
+    "load_average": ((list,), "the machine's load average (1, 5, 15 min) as the row was written"),
 }
 
 

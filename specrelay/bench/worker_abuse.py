@@ -24,7 +24,7 @@ import sys
 import time
 from collections import Counter
 
-from .runs import load_prompts, write_result
+from .runs import HelpFormatter, load_prompts, write_result
 from .fuzz import HealthWatch, legit
 
 
@@ -225,7 +225,7 @@ def run(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="specrelay bench worker-abuse", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=HelpFormatter)
     from .runs import MODELS as models
     ap.add_argument("--target", default=str(models / "demo-target"))
     ap.add_argument("--draft", default=str(models / "demo-draft"))

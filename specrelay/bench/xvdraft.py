@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from .runs import write_result
+from .runs import HelpFormatter, write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
@@ -95,7 +95,7 @@ def run(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="specrelay bench xvdraft", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--out", default="bench_results")

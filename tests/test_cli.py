@@ -122,6 +122,14 @@ def test_help_shows_defaults_and_variables():
     assert "[default: tcp://127.0.0.1:5556]" in text
 
 
+def test_no_prefix_matching_in_any_command():
+    """`--draft` must not silently mean `--draft-model` (argparse's allow_abbrev): a flag added later would change
+    what an old command line means."""
+    for command, p in cliargs._parsers(parser()):
+        assert p.allow_abbrev is False, command
+    assert "did you mean --draft-model or --draft-len?" in usage_error(["generate", "--prompt", "x", "--draft", "d"])
+
+
 def test_version():
     import specrelay
 

@@ -10,6 +10,8 @@ session in the cloud.
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 from typing import Awaitable, Callable
 
 import structlog
@@ -18,7 +20,7 @@ import zmq.asyncio
 
 from ..common import auth, transport
 from ..common import protocol as P
-from ..common.errors import ErrorCode, FatalError, InvalidRequest, RequestError
+from ..common.errors import ConfigError, ErrorCode, FatalError, InvalidRequest, RequestError
 from . import config as edge_config
 from .config import SessionConfig
 from .textstream import TextStream
@@ -74,6 +76,7 @@ class ClientFrontend:
         self._requests: dict[tuple[bytes, int], asyncio.Task] = {}
         self._allowlist: auth.Allowlists | None = None
         self._ctx = edge.ctx
+        self._ipc_file: tuple[str, int, int] | None = None  # (path, device, inode) of the socket file it made
 
     def open(self) -> None:
         """Bind the client port: CURVE with the edge's key pair when `client_keys` lists the applications' keys
@@ -86,9 +89,11 @@ class ClientFrontend:
             raise FatalError(f"refusing --listen {self.listen} without keys: anyone who reaches it could generate "
                              "on this edge's broker key. Pass --client-keys DIR (with --curve-secret), listen on "
                              "127.0.0.1 or ipc://, or pass --insecure on a trusted network.")
+        refuse_held_ipc(self.listen, "--listen")
         self._sock = transport.make_socket(self._ctx, zmq.ROUTER, linger_ms=config.linger_ms, curve=curve,
                                            mandatory=True)  # a vanished client -> EHOSTUNREACH, not silence
         self.endpoint = transport.bind(self._sock, self.listen, "edge worker")
+        self._ipc_file = _ipc_file_id(self.listen)
 
     def _client_curve(self) -> transport.Curve:
         edge_keys = self.edge._curve
@@ -155,10 +160,46 @@ class ClientFrontend:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        if self._ipc_file is not None:  # ZeroMQ leaves the file; remove it unless another process made it since
+            path = self._ipc_file[0]
+            if _ipc_file_id(f"ipc://{path}") == self._ipc_file:
+                os.unlink(path)
+            self._ipc_file = None
         if self._allowlist is not None:
             self._allowlist.stop()
             self._allowlist = None
             self._ctx.term()
+
+
+def ipc_path(endpoint: str) -> str | None:
+    """The socket file of an ipc:// endpoint (None for any other transport, or an abstract `ipc://@name`)."""
+    path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
+    return path if path and not path.startswith("@") else None
+
+
+def refuse_held_ipc(endpoint: str, flag: str) -> None:
+    """ZeroMQ binds an ipc:// path a live process listens on by replacing its file (the first process can then
+    no longer be reached): refuse that. A file nobody answers on (left by a process that died) is taken over."""
+    path = ipc_path(endpoint)
+    if path is None or not os.path.exists(path):
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:
+            return  # nobody listens: a stale file
+    raise ConfigError(f"{flag} {endpoint}: another process is listening on it (another edge worker?); stop it or "
+                     f"pass {flag} with another endpoint")
+
+
+def _ipc_file_id(endpoint: str) -> tuple[str, int, int] | None:
+    path = ipc_path(endpoint)
+    try:
+        st = os.stat(path) if path else None
+    except OSError:
+        return None
+    return (path, st.st_dev, st.st_ino) if st else None
 
 
 def _request_id(body: list[bytes]) -> int:

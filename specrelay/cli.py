@@ -41,6 +41,7 @@ def cmd_broker(args) -> int:
     from .broker.quotas import Limits
     from .runtime import run_async
 
+    check_ports(args)
     limits = Limits(max_sessions_per_client=args.max_sessions_per_client,
                     max_prompt_tokens_per_client=args.max_prompt_tokens_per_client, edge_ttl=args.edge_ttl)
     run_async(serve(args.frontend, args.backend, health_port=args.health_port, health_host=args.health_host,
@@ -55,6 +56,7 @@ def cmd_cloud_worker(args) -> int:
 
     check_model(args.model, "--model")
     check_device(args.device)
+    check_ports(args)
     ignore_sighup()
     curve = client_curve(args)
     set_threads()

@@ -109,6 +109,7 @@ def cmd_serve(args) -> int:
     from .onebox import health_port, serve
 
     check_model(args.model, "--model")
+    args.target_tokenizer = args.target_tokenizer or args.model  # one box holds the target: its tokenizer is known
     check_edge_models(args)
     args.health_port = health_port(args)  # on by default, beside --http
     check_ports(args)

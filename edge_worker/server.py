@@ -42,7 +42,7 @@ from ..common import health, transport
 from ..common import protocol as P
 from ..common.brokers import broker_list, per_broker
 from ..common.errors import (AuthenticationFailed, FatalError, GenerationTimeout, InvalidRequest,
-                             Overloaded, RequestError)
+                             Overloaded, RequestError, SpecRelayError)
 from . import telemetry
 from .batcher import DraftBatcher
 from .config import EdgeConfig, SessionConfig
@@ -201,6 +201,8 @@ class EdgeWorker(transport.Service):
                         break
         except BaseException as exc:
             error = error or ("CANCELLED" if isinstance(exc, asyncio.CancelledError) else type(exc).__name__)
+            if isinstance(exc, SpecRelayError):  # the caller keeps what was committed (the CLI prints it)
+                exc.committed = list(session.generated)
             raise
         finally:
             self._routes.pop(session.sid, None)

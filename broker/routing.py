@@ -115,7 +115,8 @@ class Router(Liveness):
         if refusal is None and session is None:
             worker = self._least_loaded()
             if worker is None:
-                refusal = "no live worker has room for a new session; retry later"
+                refusal = ("no live worker has room for a new session; retry later" if self.workers else
+                           "no live cloud worker behind this broker (start `specrelay cloud-worker --broker BACKEND`)")
             else:
                 session = self.sessions[key] = Session(edge=peer.edge, worker=worker.identity, client=peer.client)
                 worker.sessions.add(key)

@@ -41,6 +41,7 @@ def session_config(edge, msg: P.Generate) -> SessionConfig:
 
 async def handle_generate(edge, msg: P.Generate, emit: Emit) -> None:
     """One client request: TOKENS per committed chunk, then DONE; a failed request becomes one ERROR."""
+    text = None
     try:
         settings = session_config(edge, msg)
         loop = asyncio.get_running_loop()
@@ -58,6 +59,9 @@ async def handle_generate(edge, msg: P.Generate, emit: Emit) -> None:
     except zmq.ZMQError:
         raise  # the client is gone: nobody to tell
     except RequestError as exc:
+        tail = text.flush() if text is not None else ""  # the committed text held back for a whole character
+        if tail:
+            await emit(P.Tokens(msg.request, [], tail))
         await emit(P.Error(msg.request, 0, exc.code, str(exc)))
     except FatalError as exc:
         await emit(P.Error(msg.request, 0, ErrorCode.INTERNAL, str(exc)))
@@ -177,20 +181,26 @@ def ipc_path(endpoint: str) -> str | None:
     return path if path and not path.startswith("@") else None
 
 
-def refuse_held_ipc(endpoint: str, flag: str) -> None:
-    """ZeroMQ binds an ipc:// path a live process listens on by replacing its file (the first process can then
-    no longer be reached): refuse that. A file nobody answers on (left by a process that died) is taken over."""
+def ipc_listening(endpoint: str) -> bool | None:
+    """Whether a process listens on an ipc:// endpoint's socket file (None: not an ipc:// file endpoint)."""
     path = ipc_path(endpoint)
-    if path is None or not os.path.exists(path):
-        return
+    if path is None:
+        return None
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         probe.settimeout(1.0)
         try:
             probe.connect(path)
-        except OSError:
-            return  # nobody listens: a stale file
-    raise ConfigError(f"{flag} {endpoint}: another process is listening on it (another edge worker?); stop it or "
-                     f"pass {flag} with another endpoint")
+        except OSError:  # no file, or a file nobody answers on (left by a process that died)
+            return False
+    return True
+
+
+def refuse_held_ipc(endpoint: str, flag: str) -> None:
+    """ZeroMQ binds an ipc:// path a live process listens on by replacing its file (the first process can then
+    no longer be reached): refuse that. A file nobody answers on is taken over."""
+    if ipc_listening(endpoint):
+        raise ConfigError(f"{flag} {endpoint}: another process is listening on it (another edge worker?); stop it "
+                          f"or pass {flag} with another endpoint")
 
 
 def _ipc_file_id(endpoint: str) -> tuple[str, int, int] | None:

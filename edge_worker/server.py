@@ -273,8 +273,9 @@ class EdgeWorker(transport.Service):
                        slog) -> None:
         """Re-OPEN with the whole committed context, after the policy's back-off: on the session's broker, or on
         another when that one is lost (the old one is told CLOSE, for when it is only silent or comes back)."""
-        slog.warning("retrying", code=exc.code.name, reason=str(exc), attempt=retries.count,
-                     committed=len(session.generated), broker=self.brokers[route.link])
+        say = slog.warning if retries.streak == 1 else slog.debug  # once per run of failures, not per attempt
+        say("retrying", code=exc.code.name, reason=str(exc), attempt=retries.count, committed=len(session.generated),
+            broker=self.brokers[route.link], for_up_to_s=self.config.retry_budget_s)
         delay = retries.backoff_s(exc)
         if delay is not None:
             await asyncio.sleep(delay)

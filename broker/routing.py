@@ -176,7 +176,7 @@ class Router(Liveness):
         if msg_type == MsgType.HEARTBEAT:
             return self._heartbeat(worker, frames)
         if msg_type == MsgType.DISCONNECT:
-            return self._lose_worker(worker_id, "the worker disconnected", tell_worker=False)
+            return self._lose_worker(worker_id, "the worker disconnected", tell_worker=False, goodbye=True)
         if msg_type in CLOUD_REPLIES:
             return self._reply(worker, msg_type, frames)
         return self._bad_worker(worker_id, f"a worker may not send {msg_type.name}")

@@ -352,7 +352,8 @@ async def serve(broker: str | Sequence[str], draft_model: str, listen: str | Non
                            **options)
     if edge.config.max_context is None:
         log.warning("the target's context is unknown (no config next to --target-tokenizer, no --max-model-len): a "
-                    "request past it fails only when the cloud worker refuses it, after generating")
+                    "request past it is not refused up front; it ends with finish_reason length where the context "
+                    "ends")
     stats = HttpStats()
     services = [edge] + ([HttpFrontend(edge, *http, served_model_name, stats, http_limits)] if http else [])
     services += [EdgeHealth(edge, stats, health_host, health_port)] if health_port is not None else []

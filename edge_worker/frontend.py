@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 from typing import Awaitable, Callable
 
 import structlog
 import zmq
 import zmq.asyncio
 
-from ..common import auth, transport
+from ..common import auth, ipc, transport
 from ..common import protocol as P
-from ..common.errors import ConfigError, ErrorCode, FatalError, InvalidRequest, RequestError
+from ..common.errors import ErrorCode, FatalError, InvalidRequest, RequestError
 from . import config as edge_config
 from .config import SessionConfig
 from .textstream import TextStream
@@ -93,11 +92,11 @@ class ClientFrontend:
             raise FatalError(f"refusing --listen {self.listen} without keys: anyone who reaches it could generate "
                              "on this edge's broker key. Pass --client-keys DIR (with --curve-secret), listen on "
                              "127.0.0.1 or ipc://, or pass --insecure on a trusted network.")
-        refuse_held_ipc(self.listen, "--listen")
+        ipc.refuse_held(self.listen, "--listen")
         self._sock = transport.make_socket(self._ctx, zmq.ROUTER, linger_ms=config.linger_ms, curve=curve,
                                            mandatory=True)  # a vanished client -> EHOSTUNREACH, not silence
         self.endpoint = transport.bind(self._sock, self.listen, "edge worker")
-        self._ipc_file = _ipc_file_id(self.listen)
+        self._ipc_file = ipc.file_id(self.listen)
 
     def _client_curve(self) -> transport.Curve:
         edge_keys = self.edge._curve
@@ -166,50 +165,13 @@ class ClientFrontend:
             self._sock = None
         if self._ipc_file is not None:  # ZeroMQ leaves the file; remove it unless another process made it since
             path = self._ipc_file[0]
-            if _ipc_file_id(f"ipc://{path}") == self._ipc_file:
+            if ipc.file_id(f"ipc://{path}") == self._ipc_file:
                 os.unlink(path)
             self._ipc_file = None
         if self._allowlist is not None:
             self._allowlist.stop()
             self._allowlist = None
             self._ctx.term()
-
-
-def ipc_path(endpoint: str) -> str | None:
-    """The socket file of an ipc:// endpoint (None for any other transport, or an abstract `ipc://@name`)."""
-    path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
-    return path if path and not path.startswith("@") else None
-
-
-def ipc_listening(endpoint: str) -> bool | None:
-    """Whether a process listens on an ipc:// endpoint's socket file (None: not an ipc:// file endpoint)."""
-    path = ipc_path(endpoint)
-    if path is None:
-        return None
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(1.0)
-        try:
-            probe.connect(path)
-        except OSError:  # no file, or a file nobody answers on (left by a process that died)
-            return False
-    return True
-
-
-def refuse_held_ipc(endpoint: str, flag: str) -> None:
-    """ZeroMQ binds an ipc:// path a live process listens on by replacing its file (the first process can then
-    no longer be reached): refuse that. A file nobody answers on is taken over."""
-    if ipc_listening(endpoint):
-        raise ConfigError(f"{flag} {endpoint}: another process is listening on it (another edge worker?); stop it "
-                          f"or pass {flag} with another endpoint")
-
-
-def _ipc_file_id(endpoint: str) -> tuple[str, int, int] | None:
-    path = ipc_path(endpoint)
-    try:
-        st = os.stat(path) if path else None
-    except OSError:
-        return None
-    return (path, st.st_dev, st.st_ino) if st else None
 
 
 def _request_id(body: list[bytes]) -> int:

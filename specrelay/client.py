@@ -26,7 +26,8 @@ from .common import protocol as P
 from .common import transport
 from .common.packing import enum_value
 from .common.errors import FatalError, GenerationTimeout, InvalidRequest, SpecRelayError, from_wire
-from .edge_worker.frontend import handle_generate, ipc_listening
+from .common.ipc import ipc_listening
+from .edge_worker.frontend import handle_generate
 
 log = structlog.get_logger("specrelay.client")
 LISTENER_POLL_S = 0.1  # how often start() looks for an edge on an ipc:// endpoint: well under a human's notice

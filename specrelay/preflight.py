@@ -48,7 +48,7 @@ def check_ports(args) -> None:
     """An endpoint or port this command would listen on that is taken fails now, in one line naming the flag that
     moves it, not after the models have loaded (nor after a stats line at shutdown)."""
     from .common.errors import ConfigError
-    from .edge_worker.frontend import refuse_held_ipc
+    from .common.ipc import refuse_held
 
     wanted = [("--http", *args.http)] if getattr(args, "http", None) else []
     wanted += [("--health-port", args.health_host, args.health_port)] if getattr(args, "health_port", None) else []
@@ -56,7 +56,7 @@ def check_ports(args) -> None:
         endpoint, flag = getattr(args, dest, None), "--" + dest
         if not isinstance(endpoint, str):
             continue
-        refuse_held_ipc(endpoint, flag)
+        refuse_held(endpoint, flag)
         host, sep, number = endpoint.removeprefix("tcp://").rpartition(":")
         if endpoint.startswith("tcp://") and sep and number.isdigit() and int(number):
             wanted.append((flag, "0.0.0.0" if host == "*" else host.strip("[]"), int(number)))

@@ -58,13 +58,13 @@ def test_second_edge_refuses_a_held_ipc_path_and_the_first_removes_its_file(tmp_
 
 def test_a_stale_ipc_file_is_taken_over(tmp_path):
     """A file left by a process that died (nobody listens on it) is not a reason to refuse."""
-    from specrelay.edge_worker.frontend import refuse_held_ipc
+    from specrelay.common.ipc import refuse_held
 
     path = tmp_path / "stale.sock"
     with socket.socket(socket.AF_UNIX) as dead:
         dead.bind(str(path))  # bound, never listening, then closed: the file stays
     assert path.exists()
-    refuse_held_ipc(f"ipc://{path}", "--listen")  # no error
+    refuse_held(f"ipc://{path}", "--listen")  # no error
 
 
 @pytest.mark.parametrize("command", [["broker", "--frontend", "tcp://127.0.0.1:{port}"],

@@ -486,3 +486,40 @@ def test_the_edge_knows_the_targets_context(overlay):
     context is refused before any work."""
     _, _, args = by_command(rendered()[overlay])["edge-worker"]
     assert args.max_model_len or args.target_tokenizer == "/models/target"
+
+
+# ------------------------------------------------------------------------------------------ image hygiene
+
+def test_dockerignore_keeps_the_venv_out_and_every_copied_path_in():
+    """The build context is the repository root, where a 1.7 GB .venv sits: .dockerignore leaves it (and .git)
+    out, and nothing the Dockerfile COPYs from the context."""
+    import fnmatch
+
+    root = DOCKERFILE.parents[2]
+    patterns = [line.strip() for line in (root / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    ignored = lambda path: any(fnmatch.fnmatch(path, p.removeprefix("**/")) for p in patterns)  # noqa: E731
+    assert ignored(".venv") and ignored(".git")
+    copied = [src for line in DOCKERFILE.read_text().splitlines() if line.startswith("COPY ") and "--from=" not in line
+              for src in line.split()[1:-1]]
+    assert copied and not [src for src in copied if ignored(src.rstrip("/"))], copied
+
+
+def test_broker_image_installs_its_packages_with_the_constraints_file():
+    root = DOCKERFILE.parents[2]
+    pins = {re.split(r"==", line)[0].strip().lower().replace("_", "-")
+            for line in (root / "constraints.txt").read_text().splitlines() if "==" in line}
+    install = next(line for line in dockerfile_stages()["broker"].splitlines() if "${BROKER_DEPS}" in line)
+    assert "-c /tmp/constraints.txt ${BROKER_DEPS}" in install, install
+    assert all(dep.lower().replace("_", "-") in pins for dep in broker_deps()), (broker_deps(), pins)
+
+
+def test_the_images_workdir_belongs_to_the_user_it_runs_as():
+    for role, stage in dockerfile_stages().items():
+        workdirs = re.findall(r"^WORKDIR\s+(\S+)", stage, re.M)
+        user = (re.findall(r"^USER\s+(\d+)", stage, re.M) or [None])[-1]
+        if role == "wheel" or not workdirs or user is None:
+            continue
+        for path in workdirs:
+            assert re.search(rf"install -d -o {user} -g {user} {re.escape(path)}\b", stage), \
+                f"{role}: WORKDIR {path} is root's unless created for uid {user}"

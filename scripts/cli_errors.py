@@ -184,7 +184,7 @@ def run_case(case: Case, tmp: Path) -> Outcome:
 def main() -> int:
     import tempfile
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write the outcomes here")
     args = ap.parse_args()
     outcomes = []

@@ -182,3 +182,18 @@ def test_library_logs_never_reach_stdout():
             "print('result')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout == "result\n" and "hello" in out.stderr
+
+
+def test_every_argument_parser_in_the_project_refuses_prefixes():
+    """allow_abbrev everywhere, the benchmarks and scripts too: a prefix is an unknown flag, never another one."""
+    import re
+
+    sources = [p for d in ("specrelay", "common", "broker", "cloud_worker", "edge_worker", "scripts")
+               for p in (ROOT / d).rglob("*.py")]
+    loose = [f"{p.relative_to(ROOT)}:{n}" for p in sources for n, line in enumerate(p.read_text().splitlines(), 1)
+             if re.search(r"\bArgumentParser\(", line) and "allow_abbrev=False" not in line]
+    assert not loose, loose
+    from specrelay.bench.cli import parser as bench_parser
+
+    with contextlib.redirect_stderr(io.StringIO()), pytest.raises(SystemExit):  # --sess is not --sessions
+        bench_parser().parse_args(["sweep", "--sess", "3"])

@@ -8,6 +8,7 @@ in OUT into docs/benchmarks.md with the plots next to it.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import sys
@@ -59,9 +60,10 @@ def _output(p: argparse.ArgumentParser) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="specrelay bench", description=__doc__,
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="specrelay bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="name", required=True)
+    sub = ap.add_subparsers(dest="name", required=True,  # subcommands refuse prefixes too
+                            parser_class=functools.partial(argparse.ArgumentParser, allow_abbrev=False))
     _sweep_flags(sub.add_parser("sweep", help="tokens/s, cloud calls and acceptance per draft length, per emulated "
                                 "link"))
     _stress_flags(sub.add_parser("stress", help="edge-worker, broker and cloud-worker processes under load for a "

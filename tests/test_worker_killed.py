@@ -1,7 +1,8 @@
 """The only cloud worker killed mid-generation, through the real CLI and a real edge-worker process: the edge
 says so once (one "retrying" warning, not one per attempt), fails with "no live cloud worker" within the retry
 budget, and hands the caller the tokens already committed, which are the target's own greedy tokens: `generate
---json` prints them with the error, `Client`'s exception carries them."""
+--json` prints them with the error, `Client`'s exception carries them, an HTTP stream ends with an error event
+after the committed text."""
 
 from __future__ import annotations
 
@@ -104,3 +105,42 @@ def test_client_exception_carries_the_committed_tokens(tmp_path, demo_greedy):
     assert committed.text == streamed and 0 < len(committed.token_ids) < MAX_NEW
     assert committed.token_ids == demo_greedy(PROMPT, len(committed.token_ids))
     assert err.count('"retrying"') == 1, err[-3000:]
+
+
+def test_http_stream_ends_with_an_error_event_after_the_committed_text(demo_greedy):
+    import threading
+    import urllib.request
+
+    from transformers import AutoTokenizer
+
+    port, health = free_port(), free_port()
+    with LocalCluster(str(TARGET), workers=1, threads=1) as cluster:
+        edge = subprocess.Popen([sys.executable, "-m", "specrelay.cli", "edge-worker", "--broker", cluster.frontend,
+                                 "--draft-model", str(DRAFT), "--target-tokenizer", str(TARGET), "--http",
+                                 f"127.0.0.1:{port}", "--retry-budget", BUDGET_S, "--health-port", str(health)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env())
+        try:
+            cluster._wait_healthy(health, edge, "edge worker")
+            body = json.dumps({"model": "specrelay", "prompt": PROMPT, "max_tokens": MAX_NEW, "temperature": 0,
+                               "stream": True}).encode()
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                             {"content-type": "application/json"})
+            events, killer = [], threading.Thread(target=kill_after_some_rounds, args=(cluster,))
+            with urllib.request.urlopen(request, timeout=120) as reply:
+                for raw in reply:
+                    line = raw.decode().strip()
+                    if line.startswith("data: "):
+                        events.append(line.removeprefix("data: "))
+                        if len(events) == 1:
+                            killer.start()
+            killer.join()
+        finally:
+            edge.send_signal(signal.SIGTERM)
+            edge.wait(timeout=60)
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])
+    assert "no live cloud worker" in error["error"]["message"], error
+    text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2])
+    tokenizer = AutoTokenizer.from_pretrained(str(TARGET))
+    reference = tokenizer.decode(demo_greedy(PROMPT, 64))  # the target's own text: the committed text is its prefix
+    assert text and (reference.startswith(text) or text.startswith(reference)), (text, reference)

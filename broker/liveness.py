@@ -95,7 +95,8 @@ class Liveness(Tables):
             actions.append(self._to_worker(session.worker, edge, protocol.encode(protocol.Close(session=key[1]))))
         return actions
 
-    def _lose_worker(self, worker_id: bytes, reason: str, *, tell_worker: bool) -> list[Action]:
+    def _lose_worker(self, worker_id: bytes, reason: str, *, tell_worker: bool,
+                     goodbye: bool = False) -> list[Action]:
         """Remove a worker; every request in flight on it gets WORKER_LOST, never silence."""
         worker = self.workers.pop(worker_id)
         n_sessions, lost = len(worker.sessions), []
@@ -108,6 +109,9 @@ class Liveness(Tables):
         self.stats.worker_lost_sent += len(lost)
         self.stats.workers_lost += 1
         self._gauges()
-        log.warning("worker lost", worker=worker_id.hex(), reason=reason, sessions=n_sessions,
-                    requests_lost=len(lost))
+        if goodbye and not n_sessions:  # a clean shutdown (DISCONNECT, nothing held): not a warning
+            log.info("worker left", worker=worker_id.hex(), reason=reason)
+        else:
+            log.warning("worker lost", worker=worker_id.hex(), reason=reason, sessions=n_sessions,
+                        requests_lost=len(lost))
         return lost + [self._disconnect(worker_id, reason)] if tell_worker else lost

@@ -115,7 +115,8 @@ class Router(Liveness):
         if refusal is None and session is None:
             worker = self._least_loaded()
             if worker is None:
-                refusal = "no live worker has room for a new session; retry later"
+                refusal = ("no live worker has room for a new session; retry later" if self.workers else
+                           "no live cloud worker behind this broker (start `specrelay cloud-worker --broker BACKEND`)")
             else:
                 session = self.sessions[key] = Session(edge=peer.edge, worker=worker.identity, client=peer.client)
                 worker.sessions.add(key)
@@ -175,7 +176,7 @@ class Router(Liveness):
         if msg_type == MsgType.HEARTBEAT:
             return self._heartbeat(worker, frames)
         if msg_type == MsgType.DISCONNECT:
-            return self._lose_worker(worker_id, "the worker disconnected", tell_worker=False)
+            return self._lose_worker(worker_id, "the worker disconnected", tell_worker=False, goodbye=True)
         if msg_type in CLOUD_REPLIES:
             return self._reply(worker, msg_type, frames)
         return self._bad_worker(worker_id, f"a worker may not send {msg_type.name}")

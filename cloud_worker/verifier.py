@@ -133,7 +133,8 @@ class Verifier:
             raise InvalidRequest("mode GREEDY goes with temperature 0 and only with it", field="mode")
         if msg.vocab_size and msg.vocab_size != self.runner.vocab_size:
             raise InvalidRequest(f"vocab_size {msg.vocab_size} does not match the target model's "
-                                 f"{self.runner.vocab_size}", field="vocab_size")
+                                 f"{self.runner.vocab_size}: the draft has another tokenizer; start the edge with "
+                                 "--target-tokenizer TARGET_DIR (the target model's directory)", field="vocab_size")
         if len(msg.tokens) > self.max_context:
             raise InvalidRequest(f"the context has {len(msg.tokens)} tokens; the target model {self.runner.name} "
                                  f"takes at most {self.max_context} (max_position_embeddings)", field="tokens")

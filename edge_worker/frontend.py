@@ -10,13 +10,14 @@ session in the cloud.
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Awaitable, Callable
 
 import structlog
 import zmq
 import zmq.asyncio
 
-from ..common import auth, transport
+from ..common import auth, ipc, transport
 from ..common import protocol as P
 from ..common.errors import ErrorCode, FatalError, InvalidRequest, RequestError
 from . import config as edge_config
@@ -39,6 +40,7 @@ def session_config(edge, msg: P.Generate) -> SessionConfig:
 
 async def handle_generate(edge, msg: P.Generate, emit: Emit) -> None:
     """One client request: TOKENS per committed chunk, then DONE; a failed request becomes one ERROR."""
+    text = None
     try:
         settings = session_config(edge, msg)
         loop = asyncio.get_running_loop()
@@ -56,6 +58,9 @@ async def handle_generate(edge, msg: P.Generate, emit: Emit) -> None:
     except zmq.ZMQError:
         raise  # the client is gone: nobody to tell
     except RequestError as exc:
+        tail = text.flush() if text is not None else ""  # the committed text held back for a whole character
+        if tail:
+            await emit(P.Tokens(msg.request, [], tail))
         await emit(P.Error(msg.request, 0, exc.code, str(exc)))
     except FatalError as exc:
         await emit(P.Error(msg.request, 0, ErrorCode.INTERNAL, str(exc)))
@@ -74,6 +79,7 @@ class ClientFrontend:
         self._requests: dict[tuple[bytes, int], asyncio.Task] = {}
         self._allowlist: auth.Allowlists | None = None
         self._ctx = edge.ctx
+        self._ipc_file: tuple[str, int, int] | None = None  # (path, device, inode) of the socket file it made
 
     def open(self) -> None:
         """Bind the client port: CURVE with the edge's key pair when `client_keys` lists the applications' keys
@@ -86,9 +92,11 @@ class ClientFrontend:
             raise FatalError(f"refusing --listen {self.listen} without keys: anyone who reaches it could generate "
                              "on this edge's broker key. Pass --client-keys DIR (with --curve-secret), listen on "
                              "127.0.0.1 or ipc://, or pass --insecure on a trusted network.")
+        ipc.refuse_held(self.listen, "--listen")
         self._sock = transport.make_socket(self._ctx, zmq.ROUTER, linger_ms=config.linger_ms, curve=curve,
                                            mandatory=True)  # a vanished client -> EHOSTUNREACH, not silence
         self.endpoint = transport.bind(self._sock, self.listen, "edge worker")
+        self._ipc_file = ipc.file_id(self.listen)
 
     def _client_curve(self) -> transport.Curve:
         edge_keys = self.edge._curve
@@ -155,6 +163,11 @@ class ClientFrontend:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        if self._ipc_file is not None:  # ZeroMQ leaves the file; remove it unless another process made it since
+            path = self._ipc_file[0]
+            if ipc.file_id(f"ipc://{path}") == self._ipc_file:
+                os.unlink(path)
+            self._ipc_file = None
         if self._allowlist is not None:
             self._allowlist.stop()
             self._allowlist = None

@@ -66,19 +66,21 @@ class Retries:
     def __init__(self, config: EdgeConfig) -> None:
         self.config = config
         self.count = 0                           # retries of this generation so far
+        self.streak = 0                          # failures in a row (the log warns at the first of them)
         self._failing_since: float | None = None
 
     def give_up(self, exc: RequestError, now: float) -> bool:
         """True: `exc` ends the generation. False: it is retried (and counted)."""
         if self._failing_since is None:
             self._failing_since = now
+        self.streak += 1
         if not exc.retryable or now - self._failing_since > self.config.retry_budget_s:
             return True
         self.count += 1
         return False
 
     def succeeded(self) -> None:
-        self._failing_since = None
+        self._failing_since, self.streak = None, 0
 
     def backoff_s(self, exc: RequestError) -> float | None:
         """Seconds to wait before this retry's re-OPEN; None: re-OPEN at once."""

@@ -42,7 +42,7 @@ from ..common import health, transport
 from ..common import protocol as P
 from ..common.brokers import broker_list, per_broker
 from ..common.errors import (AuthenticationFailed, FatalError, GenerationTimeout, InvalidRequest,
-                             Overloaded, RequestError)
+                             Overloaded, RequestError, SpecRelayError)
 from . import telemetry
 from .batcher import DraftBatcher
 from .config import EdgeConfig, SessionConfig
@@ -201,6 +201,8 @@ class EdgeWorker(transport.Service):
                         break
         except BaseException as exc:
             error = error or ("CANCELLED" if isinstance(exc, asyncio.CancelledError) else type(exc).__name__)
+            if isinstance(exc, SpecRelayError):  # the caller keeps what was committed (the CLI prints it)
+                exc.committed = list(session.generated)
             raise
         finally:
             self._routes.pop(session.sid, None)
@@ -271,8 +273,9 @@ class EdgeWorker(transport.Service):
                        slog) -> None:
         """Re-OPEN with the whole committed context, after the policy's back-off: on the session's broker, or on
         another when that one is lost (the old one is told CLOSE, for when it is only silent or comes back)."""
-        slog.warning("retrying", code=exc.code.name, reason=str(exc), attempt=retries.count,
-                     committed=len(session.generated), broker=self.brokers[route.link])
+        say = slog.warning if retries.streak == 1 else slog.debug  # once per run of failures, not per attempt
+        say("retrying", code=exc.code.name, reason=str(exc), attempt=retries.count, committed=len(session.generated),
+            broker=self.brokers[route.link], for_up_to_s=self.config.retry_budget_s)
         delay = retries.backoff_s(exc)
         if delay is not None:
             await asyncio.sleep(delay)
@@ -349,7 +352,8 @@ async def serve(broker: str | Sequence[str], draft_model: str, listen: str | Non
                            **options)
     if edge.config.max_context is None:
         log.warning("the target's context is unknown (no config next to --target-tokenizer, no --max-model-len): a "
-                    "request past it fails only when the cloud worker refuses it, after generating")
+                    "request past it is not refused up front; it ends with finish_reason length where the context "
+                    "ends")
     stats = HttpStats()
     services = [edge] + ([HttpFrontend(edge, *http, served_model_name, stats, http_limits)] if http else [])
     services += [EdgeHealth(edge, stats, health_host, health_port)] if health_port is not None else []

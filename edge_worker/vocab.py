@@ -322,7 +322,7 @@ def vocab_report(gpt2_encoder: str | Path | None = None) -> list[tuple[str, str,
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--report", action="store_true", help="print |V| and |V_c| as a markdown table")
     parser.add_argument("--gpt2-encoder", help="GPT-2 encoder.json, for r50k_base when tiktoken data is absent")
     args = parser.parse_args(argv)

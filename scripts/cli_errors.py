@@ -110,6 +110,14 @@ def port_in_use(tmp: Path) -> Iterator[tuple]:
         yield ["edge-worker", "--http", f"127.0.0.1:{taken.getsockname()[1]}"], {}, None
 
 
+@contextlib.contextmanager
+def broker_port_in_use(tmp: Path) -> Iterator[tuple]:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        yield ["broker", "--frontend", f"tcp://127.0.0.1:{taken.getsockname()[1]}"], {}, None
+
+
 CASES = [
     Case("bad flag value", lambda t: plain(gen("--draft-len", "abc")), 2, "--draft-len"),
     Case("bad flag value (range)", lambda t: plain(gen("--top-p", "1.5")), 2, "--top-p"),
@@ -117,6 +125,10 @@ CASES = [
          "SPECRELAY_MAX_NEW_TOKENS"),
     Case("missing required flag", lambda t: plain(["generate"]), 2, "--prompt"),
     Case("unknown flag", lambda t: plain(gen("--temprature", "0.8")), 2, "--temprature"),
+    Case("unknown flag, a close one", lambda t: plain(gen("--max-tokens", "5")), 2,
+         "--max-tokens: did you mean --max-new-tokens?"),
+    Case("a prefix of two flags (no prefix matching)", lambda t: plain(gen("--draft", str(DRAFT))), 2,
+         "--draft: did you mean --draft-model or --draft-len?"),
     Case("conflicting flags", lambda t: plain(gen("--mode", "greedy", "--temperature", "0.8")), 2, "--mode greedy"),
     Case("half a key pair", lambda t: plain(gen("--curve-secret", str(t / "edge.key_secret"))), 2,
          "--curve-secret and --broker-key go together"),
@@ -137,6 +149,7 @@ CASES = [
     Case("--device cuda without CUDA", lambda t: plain(gen("--device", "cuda")), 2, "cuda"),
     Case("unknown device", lambda t: plain(gen("--device", "tpu")), 2, "--device"),
     Case("HTTP port in use", port_in_use, 2, "cannot listen"),
+    Case("broker port in use", broker_port_in_use, 2, "pass --frontend with another port"),
     Case("broker unreachable", lambda t: plain(gen("--broker", f"tcp://127.0.0.1:{free_port()}", *FAIL_FAST)), 1,
          "cannot reach the broker at tcp://127.0.0.1:"),
     Case("broker host unknown", lambda t: plain(gen("--broker", "tcp://broker.invalid:5555")), 1, "does not resolve"),
@@ -171,7 +184,7 @@ def run_case(case: Case, tmp: Path) -> Outcome:
 def main() -> int:
     import tempfile
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write the outcomes here")
     args = ap.parse_args()
     outcomes = []

@@ -358,7 +358,8 @@ def cmd_eval(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("phase", choices=["data", "tokenizers", "encode", "target", "draft", "draft-xv",
                                           "teacher-data", "distill-xv", "eval"])
     parser.add_argument("--minutes", type=float, default=45)

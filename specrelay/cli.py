@@ -41,6 +41,7 @@ def cmd_broker(args) -> int:
     from .broker.quotas import Limits
     from .runtime import run_async
 
+    check_ports(args)
     limits = Limits(max_sessions_per_client=args.max_sessions_per_client,
                     max_prompt_tokens_per_client=args.max_prompt_tokens_per_client, edge_ttl=args.edge_ttl)
     run_async(serve(args.frontend, args.backend, health_port=args.health_port, health_host=args.health_host,
@@ -55,6 +56,7 @@ def cmd_cloud_worker(args) -> int:
 
     check_model(args.model, "--model")
     check_device(args.device)
+    check_ports(args)
     ignore_sighup()
     curve = client_curve(args)
     set_threads()
@@ -108,6 +110,7 @@ def cmd_serve(args) -> int:
     from .onebox import health_port, serve
 
     check_model(args.model, "--model")
+    args.target_tokenizer = args.target_tokenizer or args.model  # one box holds the target: its tokenizer is known
     check_edge_models(args)
     args.health_port = health_port(args)  # on by default, beside --http
     check_ports(args)

@@ -32,7 +32,20 @@ class UsageError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line usage errors (argparse prints the whole usage block first) and exit code 2."""
+    """argparse with one-line usage errors (argparse prints the whole usage block first) and exit code 2, no
+    prefix matching (`--draft` is not silently `--draft-model`: a flag added later would change its meaning) and
+    a close match suggested for an unknown flag (`--max-tokens`: did you mean --max-new-tokens?)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:  # said by the chosen command's parser (its flags, its --help)
+            *_, chosen = _chosen(self, namespace)
+            chosen.error(unrecognized(chosen, extras))
+        return namespace
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
@@ -41,6 +54,19 @@ class Parser(argparse.ArgumentParser):
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     def __init__(self, prog: str) -> None:
         super().__init__(prog, max_help_position=32, width=110)
+
+
+def unrecognized(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """argparse's "unrecognized arguments" line, with the flags of `parser` an unknown one is a prefix of, else
+    its closest one."""
+    import difflib
+
+    flags = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+    hints = []
+    for word in (w.split("=", 1)[0] for w in extras if w.startswith("--")):
+        close = [f for f in flags if f.startswith(word)] or difflib.get_close_matches(word, flags, n=1, cutoff=0.75)
+        hints += [f"{word}: did you mean {' or '.join(close)}?"] if close else []
+    return "unrecognized arguments: " + " ".join(extras) + (f" ({'; '.join(hints)})" if hints else "")
 
 
 # ------------------------------------------------------------------------------------------ building

@@ -25,17 +25,26 @@ from . import defaults
 from .common import protocol as P
 from .common import transport
 from .common.packing import enum_value
-from .common.errors import FatalError, GenerationTimeout, InvalidRequest, from_wire
+from .common.errors import FatalError, GenerationTimeout, InvalidRequest, SpecRelayError, from_wire
+from .common.ipc import ipc_listening
 from .edge_worker.frontend import handle_generate
 
 log = structlog.get_logger("specrelay.client")
+LISTENER_POLL_S = 0.1  # how often start() looks for an edge on an ipc:// endpoint: well under a human's notice
 
 
 @dataclass
 class Result:
+    """A completion. `stats`: the edge's numbers for it, typed as over HTTP (`speculative`): seconds (`*_s`) and
+    rates (`*_rate`) are floats, every other value (tokens, calls, bytes) an int."""
     text: str
     token_ids: list[int]
-    stats: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, int | float] = field(default_factory=dict)
+
+
+def typed_stats(stats: dict[str, float]) -> dict[str, int | float]:
+    """DONE's stats travel as floats (protocol.Done): counts back to ints, seconds and rates stay floats."""
+    return {k: float(v) if k.endswith(("_s", "_rate")) else int(v) for k, v in stats.items()}
 
 
 class _Call:
@@ -45,17 +54,25 @@ class _Call:
         self.client, self.request = client, msg.request
         self.queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
+        deadline = client.deadline
+        self.deadline_at = None if deadline is None else asyncio.get_running_loop().time() + deadline
         client._calls[self.request] = self
         self.local_task = client._submit(msg, self)
 
     async def next(self) -> P.Tokens | P.Done:
-        """The next TOKENS or DONE; ERROR raises its exception, silence past the timeout GenerationTimeout."""
-        timeout = self.client.timeout
+        """The next TOKENS or DONE; ERROR raises its exception; GenerationTimeout when the edge is silent for
+        `timeout` seconds or the call has run past its `deadline`."""
+        timeout, loop = self.client.timeout, asyncio.get_running_loop()
+        left = None if self.deadline_at is None else self.deadline_at - loop.time()
         try:
-            msg = await asyncio.wait_for(self.queue.get(), timeout)
+            msg = await asyncio.wait_for(self.queue.get(), timeout if left is None else max(0.0, min(timeout, left)))
         except asyncio.TimeoutError:
+            if left is not None and left <= timeout:
+                raise GenerationTimeout(f"request {self.request} to the edge worker at {self.client.endpoint} did "
+                                        f"not finish within its deadline of {self.client.deadline:g} s") from None
             raise GenerationTimeout(f"no reply from the edge worker at {self.client.endpoint} for request "
-                                    f"{self.request} within {timeout:g} s") from None
+                                    f"{self.request} within {timeout:g} s (the timeout: the longest gap between "
+                                    "replies)") from None
         if isinstance(msg, BaseException):
             self.finished = True
             raise msg
@@ -77,15 +94,23 @@ class _Call:
 
 
 class Client:
-    """`async with Client(endpoint, timeout=60) as c:`; `timeout` bounds the wait for each reply (seconds).
-    `endpoint` defaults to the edge worker's default `--listen` (specrelay.defaults.EDGE_ENDPOINT)."""
+    """`async with Client(endpoint, timeout=60, deadline=None) as c:`. `timeout` (seconds) is the longest gap
+    between two replies of one call (the edge sends a reply per committed chunk), not a limit on the whole call:
+    a long generation that keeps replying never hits it. `deadline` (seconds, None = none) bounds each whole
+    `generate` / `stream` call. Both raise GenerationTimeout. `endpoint` defaults to the edge worker's default
+    `--listen` (specrelay.defaults.EDGE_ENDPOINT); on an ipc:// endpoint nothing listens on, `start` fails after
+    `connect_timeout` seconds (time for an edge started beside the client to bind it)."""
 
     def __init__(self, endpoint: str = defaults.EDGE_ENDPOINT, timeout: float = 60.0, *,
+                 deadline: float | None = None, connect_timeout: float = 10.0,
                  context: zmq.asyncio.Context | None = None, linger_ms: int = 0,
                  curve: transport.Curve | None = None) -> None:
         if not timeout > 0:
             raise ValueError("timeout must be > 0 seconds")
-        self.endpoint, self.timeout = endpoint, timeout
+        if deadline is not None and not deadline > 0:
+            raise ValueError("deadline must be > 0 seconds (or None)")
+        self.endpoint, self.timeout, self.deadline = endpoint, timeout, deadline
+        self.connect_timeout = connect_timeout
         self._ctx, self._linger_ms = context, linger_ms
         self._curve = curve  # auth.client(APP.key_secret, EDGE.key) for an edge started with --client-keys
         self._sock: zmq.asyncio.Socket | None = None
@@ -97,8 +122,8 @@ class Client:
 
     @classmethod
     def local(cls, broker: str | Sequence[str], draft_model: str, target_tokenizer: str | None = None, *,
-              timeout: float = 60.0, device: str = "cpu", dtype: str = "float32", config=None,
-              context: zmq.asyncio.Context | None = None,
+              timeout: float = 60.0, deadline: float | None = None, device: str = "cpu", dtype: str = "float32",
+              config=None, context: zmq.asyncio.Context | None = None,
               curve: transport.Curve | Sequence[transport.Curve] | None = None) -> "Client":
         """A client with an EdgeWorker embedded in this process (no local socket): one-process apps. `broker`: an
         endpoint, a comma list or a sequence (several brokers: each session goes to one, a lost one's sessions move
@@ -109,7 +134,7 @@ class Client:
 
         brokers = broker_list(broker, "broker")
         client = cls(f"local edge worker (brokers {', '.join(brokers)})" if len(brokers) > 1 else
-                     f"local edge worker (broker {brokers[0]})", timeout, context=context)
+                     f"local edge worker (broker {brokers[0]})", timeout, deadline=deadline, context=context)
 
         async def factory():
             return await load_edge(brokers, draft_model, target_tokenizer, device=device, dtype=dtype,
@@ -133,10 +158,22 @@ class Client:
                 await self._edge.__aenter__()  # serves in a background task
             return
         if self._sock is None:
+            await self._wait_for_listener()
             ctx = self._ctx or zmq.asyncio.Context.instance()
             self._sock = transport.make_socket(ctx, zmq.DEALER, linger_ms=self._linger_ms, curve=self._curve)
             transport.connect(self._sock, self.endpoint, "client")
             self._receiver = asyncio.create_task(self._receive(), name="client-receive")
+
+    async def _wait_for_listener(self) -> None:
+        """An ipc:// endpoint: wait up to connect_timeout for a process to listen on it (an edge starting beside
+        this client), then fail in one line; ZeroMQ alone would wait silently and every call time out."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.connect_timeout
+        while ipc_listening(self.endpoint) is False:
+            if loop.time() >= deadline:
+                raise FatalError(f"no edge worker listens on {self.endpoint} (after {self.connect_timeout:g} s): "
+                                 f"start `specrelay edge-worker --listen {self.endpoint}`, or pass its --listen")
+            await asyncio.sleep(LISTENER_POLL_S)
 
     async def close(self) -> None:
         """Stop every call in flight (CANCEL), then close the socket / the embedded edge worker."""
@@ -158,7 +195,9 @@ class Client:
     async def generate(self, prompt: str, *, max_new_tokens: int = P.DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0, top_k: int = 0,
                        top_p: float = 1.0, seed: int = 0, draft_len: int | None = None, mode: str | None = None,
                        resample: str | None = None, objective: str | None = None) -> Result:
-        """The whole completion of `prompt`: its text, target token ids and the edge's stats."""
+        """The whole completion of `prompt`: its text, target token ids and the edge's stats. A failure raises
+        (RequestError, GenerationTimeout, ...) with `.committed`: a Result of the text and ids committed before it
+        (the target's own tokens; empty stats)."""
         call = self._start(prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_len, mode, resample,
                            objective)
         pieces: list[str] = []
@@ -167,25 +206,36 @@ class Client:
             while True:
                 msg = await call.next()
                 if isinstance(msg, P.Done):
-                    return Result("".join(pieces), ids, dict(msg.stats))
+                    return Result("".join(pieces), ids, typed_stats(msg.stats))
                 pieces.append(msg.text)
                 ids.extend(msg.token_ids)
+        except SpecRelayError as exc:  # what the edge committed before the failure: the target's own tokens
+            exc.committed = Result("".join(pieces), ids)
+            raise
         finally:
             call.finish()
 
     async def stream(self, prompt: str, *, max_new_tokens: int = P.DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0, top_k: int = 0,
                      top_p: float = 1.0, seed: int = 0, draft_len: int | None = None, mode: str | None = None,
                      resample: str | None = None, objective: str | None = None) -> AsyncIterator[str]:
-        """Text pieces as tokens are committed, in order; their concatenation is the completion's text."""
+        """Text pieces as tokens are committed, in order; their concatenation is the completion's text. A failure
+        raises with `.committed` (a Result of what was committed), as `generate` does."""
         call = self._start(prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_len, mode, resample,
                            objective)
+        pieces: list[str] = []
+        ids: list[int] = []
         try:
             while True:
                 msg = await call.next()
                 if isinstance(msg, P.Done):
                     return
+                pieces.append(msg.text)
+                ids.extend(msg.token_ids)
                 if msg.text:
                     yield msg.text
+        except SpecRelayError as exc:
+            exc.committed = Result("".join(pieces), ids)
+            raise
         finally:
             call.finish()
 

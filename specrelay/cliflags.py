@@ -192,6 +192,9 @@ def edge_worker_flags(p) -> None:
 def serve_flags(p) -> None:
     add_target(p)
     add_edge(p)
+    for action in p._actions:  # one box holds the target model: its tokenizer is the target's (cli.cmd_serve)
+        if action.dest == "target_tokenizer":
+            action.help = "the target's tokenizer (directory or hub id); when not given, --model's"
     add_http(p, defaults.HTTP)
     add_health(p, "the --http port + 1")
     add_objective(p)

@@ -34,7 +34,8 @@ TOTALS = ("generated_tokens", "draft_tokens", "accepted_tokens", "cloud_calls", 
 
 
 class Progress:
-    """`with Progress("loading ..."):` one line on stderr, with the elapsed seconds ticking on a terminal."""
+    """`with Progress("loading ..."):` one line on stderr: on a terminal it ticks the elapsed seconds in place;
+    in a log (not a terminal) it is written once, when the step ends, with its time."""
 
     def __init__(self, what: str) -> None:
         self.what, self.tty = what, sys.stderr.isatty()
@@ -44,17 +45,12 @@ class Progress:
         self.t0 = time.perf_counter()
         if self.tty:
             print(f"{self.what} ...", end="", file=sys.stderr, flush=True)
-        threading.Thread(target=self._tick if self.tty else self._announce, daemon=True).start()
+            threading.Thread(target=self._tick, daemon=True).start()
         return self
 
     def _tick(self) -> None:
         while not self._done.wait(0.5):
             print(f"\r{self.what} ... {time.perf_counter() - self.t0:.0f} s", end="", file=sys.stderr, flush=True)
-
-    def _announce(self) -> None:
-        """Not a terminal (a log): one line at the end, and one at the start only for a step that takes a while."""
-        if not self._done.wait(2.0):
-            print(f"{self.what} ...", file=sys.stderr, flush=True)
 
     def __exit__(self, exc_type, *_) -> None:
         self._done.set()

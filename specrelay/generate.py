@@ -67,8 +67,10 @@ async def generate_all(args, prompts: list[str], edge_config, config, emit, curv
                 generated, stats = await edge.generate(ids, config)
             except AuthenticationFailed:
                 raise  # nothing will work: one line, exit 1
-            except Exception as exc:  # reported as this prompt's result; the others go on
-                return {"prompt": prompt, "error": f"{type(exc).__name__}: {exc}"}
+            except Exception as exc:  # reported as this prompt's result, with what was committed; the others go on
+                committed = list(getattr(exc, "committed", None) or [])
+                return {"prompt": prompt, "error": f"{type(exc).__name__}: {exc}",
+                        "text": edge.tokenizer.decode(committed), "token_ids": committed}
             return {"prompt": prompt, "text": edge.tokenizer.decode(generated), "token_ids": generated,
                     "stats": stats}
 
@@ -90,7 +92,10 @@ def print_result(args, result: dict) -> None:
     if args.json:
         print(json.dumps(result), flush=True)
     elif "error" in result:
-        print(f"--- failed: {result['error']}", file=sys.stderr, flush=True)
+        if result["token_ids"]:  # the tokens committed before the failure are the target's: keep them
+            print(result["prompt"] + result["text"], flush=True)
+        print(f"--- failed after {len(result['token_ids'])} committed tokens: {result['error']}", file=sys.stderr,
+              flush=True)
     else:
         s = result["stats"]
         print(result["prompt"] + result["text"], flush=True)

@@ -3,6 +3,8 @@ the device, ports already taken, CURVE key files. Each mistake is one line (clia
 
 from __future__ import annotations
 
+import socket
+
 from .cliargs import UsageError
 
 
@@ -38,18 +40,35 @@ def check_edge_models(args) -> None:
     check_device(args.device)
 
 
-def check_ports(args) -> None:
-    """An HTTP or health port that is taken fails now, not after the models have loaded."""
-    import socket
+# the flags a command listens on: ZeroMQ endpoints (tcp:// or ipc://) and HTTP ports (host, port)
+ZMQ_LISTEN = ("frontend", "backend", "listen")
 
+
+def check_ports(args) -> None:
+    """An endpoint or port this command would listen on that is taken fails now, in one line naming the flag that
+    moves it, not after the models have loaded (nor after a stats line at shutdown)."""
     from .common.errors import ConfigError
+    from .common.ipc import refuse_held
 
     wanted = [("--http", *args.http)] if getattr(args, "http", None) else []
-    wanted += [("--health-port", args.health_host, args.health_port)] if args.health_port else []
+    wanted += [("--health-port", args.health_host, args.health_port)] if getattr(args, "health_port", None) else []
+    for dest in ZMQ_LISTEN:
+        endpoint, flag = getattr(args, dest, None), "--" + dest
+        if not isinstance(endpoint, str):
+            continue
+        refuse_held(endpoint, flag)
+        host, sep, number = endpoint.removeprefix("tcp://").rpartition(":")
+        if endpoint.startswith("tcp://") and sep and number.isdigit() and int(number):
+            wanted.append((flag, "0.0.0.0" if host == "*" else host.strip("[]"), int(number)))
     for flag, host, number in wanted:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        try:
+            family = socket.getaddrinfo(host, number, type=socket.SOCK_STREAM)[0][0]
+        except OSError:
+            continue  # a name that does not resolve: the bind itself will say so
+        with socket.socket(family) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 sock.bind((host, number))
             except OSError as exc:
-                raise ConfigError(f"{flag}: cannot listen on {host}:{number}: {exc.strerror or exc}") from None
+                raise ConfigError(f"{flag}: cannot listen on {host}:{number}: {exc.strerror or exc} (another "
+                                  f"process holds it: stop it, or pass {flag} with another port)") from None

@@ -122,6 +122,14 @@ def test_help_shows_defaults_and_variables():
     assert "[default: tcp://127.0.0.1:5556]" in text
 
 
+def test_no_prefix_matching_in_any_command():
+    """`--draft` must not silently mean `--draft-model` (argparse's allow_abbrev): a flag added later would change
+    what an old command line means."""
+    for command, p in cliargs._parsers(parser()):
+        assert p.allow_abbrev is False, command
+    assert "did you mean --draft-model or --draft-len?" in usage_error(["generate", "--prompt", "x", "--draft", "d"])
+
+
 def test_version():
     import specrelay
 
@@ -174,3 +182,18 @@ def test_library_logs_never_reach_stdout():
             "print('result')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout == "result\n" and "hello" in out.stderr
+
+
+def test_every_argument_parser_in_the_project_refuses_prefixes():
+    """allow_abbrev everywhere, the benchmarks and scripts too: a prefix is an unknown flag, never another one."""
+    import re
+
+    sources = [p for d in ("specrelay", "common", "broker", "cloud_worker", "edge_worker", "scripts")
+               for p in (ROOT / d).rglob("*.py")]
+    loose = [f"{p.relative_to(ROOT)}:{n}" for p in sources for n, line in enumerate(p.read_text().splitlines(), 1)
+             if re.search(r"\bArgumentParser\(", line) and "allow_abbrev=False" not in line]
+    assert not loose, loose
+    from specrelay.bench.cli import parser as bench_parser
+
+    with contextlib.redirect_stderr(io.StringIO()), pytest.raises(SystemExit):  # --sess is not --sessions
+        bench_parser().parse_args(["sweep", "--sess", "3"])

@@ -37,8 +37,10 @@ def yaml_files() -> list[Path]:
 def test_deploy_tree_exists():
     for name in UNITS:
         assert (SYSTEMD / name).is_file(), name
-    for name in ("broker.yaml", "cloud-worker.yaml", "edge-worker.yaml", "models-job.yaml", "kustomization.yaml"):
+    for name in ("broker.yaml", "cloud-worker.yaml", "edge-worker.yaml", "fetch-models.sh", "kustomization.yaml"):
         assert (BASE / name).is_file(), name
+    for name in ("kustomization.yaml", "models-job.yaml", "models-pvc.yaml"):
+        assert (BASE.parent / "components" / "shared-models" / name).is_file(), name
     for overlay in OVERLAYS.values():
         assert (overlay / "kustomization.yaml").is_file(), overlay
     assert (DEPLOY / "README.md").is_file()

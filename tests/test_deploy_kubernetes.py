@@ -110,8 +110,9 @@ def test_base_lists_every_manifest():
 def test_every_rendered_object_passes_the_kubernetes_schema(overlay):
     validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed")
     docs = rendered()[overlay]
-    assert {d["kind"] for d in docs} >= {"Deployment", "StatefulSet", "Service", "Job", "PersistentVolumeClaim",
-                                        "ConfigMap", "PodDisruptionBudget"}
+    shared = {"Job", "PersistentVolumeClaim"} if overlay == "shared-models" else set()
+    assert {d["kind"] for d in docs} >= {"Deployment", "StatefulSet", "Service", "ConfigMap",
+                                        "PodDisruptionBudget"} | shared
     for doc in docs:
         validate.validate(doc, validate.latest_version(), strict=True)  # raises ValidationError
 
@@ -242,27 +243,65 @@ def test_broker_endpoints_name_every_replica_of_the_broker_statefulset(overlay):
                 zmq_port(side), f"{command} reaches the broker's port {port}, not {side}"
 
 
+# what each worker needs under /models, in fetch-models.sh's parts (the edge: the draft, and the target's config
+# and tokenizer for its context)
+PARTS = {"cloud-worker": {"target"}, "edge-worker": {"draft", "target-tok"}}
+
+
 @every_overlay()
-def test_model_paths_are_mounted_and_filled_by_the_job(overlay):
+def test_workers_start_only_once_their_models_are_there(overlay):
+    """Every model path a worker reads is mounted read-only from a volume that, before the worker starts, its own
+    init container fills (the default: a copy per pod, no ReadWriteMany needed) or waits for the markers of the
+    Job that fills the shared volume (components/shared-models)."""
     docs = rendered()[overlay]
-    claims = set()
+    jobs = [d for d in docs if d["kind"] == "Job"]
     for command, (workload, c, args) in by_command(docs).items():
+        pod = workload["spec"]["template"]["spec"]
         mounts = {m["name"]: m for m in c.get("volumeMounts", [])}
-        volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"].get("volumes", [])}
-        for attr in ("model", "draft_model", "target_tokenizer"):
-            value = getattr(args, attr, None)
-            if value and value.startswith("/"):
-                mount = next((m for m in mounts.values() if Path(value).is_relative_to(m["mountPath"])), None)
-                assert mount is not None, f"{command} --{attr} {value} is not mounted"
-                assert mount.get("readOnly"), f"{command} mounts its models read-only"
-                claims.add(volumes[mount["name"]]["persistentVolumeClaim"]["claimName"])
-    (job,) = [d for d in docs if d["kind"] == "Job"]
-    spec = job["spec"]["template"]["spec"]
-    writes = {v["persistentVolumeClaim"]["claimName"] for v in spec["volumes"] if "persistentVolumeClaim" in v
-              for c in spec["containers"] for m in c["volumeMounts"] if m["name"] == v["name"] and not m.get("readOnly")}
-    assert claims and claims <= writes, f"the Job fills {writes}, the workers read {claims}"
-    script = " ".join(spec["containers"][0]["args"])
-    assert "/models/target" in script and "/models/draft" in script
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        paths = [getattr(args, a, None) for a in ("model", "draft_model", "target_tokenizer")]
+        paths = [p for p in paths if p and p.startswith("/")]
+        if not paths:
+            continue
+        mount = next((m for m in mounts.values() if all(Path(p).is_relative_to(m["mountPath"]) for p in paths)), None)
+        assert mount is not None and mount.get("readOnly"), f"{command}: {paths} not mounted read-only"
+        (init,) = [i for i in pod.get("initContainers", []) if mount["name"] in
+                   {m["name"] for m in i.get("volumeMounts", [])}]
+        script = " ".join(init.get("command", []) + init.get("args", []))
+        volume = volumes[mount["name"]]
+        if "emptyDir" in volume:  # its own copy: the init container fetches exactly this worker's parts
+            assert init["command"] == ["sh", "/scripts/fetch-models.sh"] and set(init["args"]) == PARTS[command]
+            assert not init_mount(init, mount["name"]).get("readOnly")
+        else:  # the shared volume: the Job writes it, the init container waits for its markers
+            claim = volume["persistentVolumeClaim"]["claimName"]
+            (job,) = jobs
+            spec = job["spec"]["template"]["spec"]
+            fetched = {part for j in spec["containers"] if "fetch-models.sh" in " ".join(j["command"])
+                       for part in j["args"]}
+            written = {v["persistentVolumeClaim"]["claimName"] for v in spec["volumes"] if "persistentVolumeClaim" in v}
+            assert claim in written
+            needs = {"target" if p == "target-tok" else p for p in PARTS[command]}  # the whole target covers it
+            assert needs <= fetched and all(f"/models/.ready-{p}" in script for p in needs), script
+    assert BASE.joinpath("fetch-models.sh").read_text().count('touch ".ready-$part"') == 1  # in /models
+
+
+def init_mount(container: dict, volume: str) -> dict:
+    return next(m for m in container["volumeMounts"] if m["name"] == volume)
+
+
+def test_editing_models_env_renames_nothing(tmp_path):
+    """A Job's pod template is immutable: were the generated ConfigMap named by its content's hash, editing
+    models.env would change the Job's template and `kubectl apply` would fail until the Job is deleted."""
+    copy = tmp_path / "kubernetes"
+    shutil.copytree(BASE.parent, copy)
+    (copy / "base" / "models.env").write_text("TARGET_MODEL=Qwen/Qwen2.5-7B-Instruct\nDRAFT_MODEL=Qwen/Qwen2.5-0.5B\n")
+    for overlay in OVERLAYS:
+        before, after = (kustomize(root / "overlays" / overlay) for root in (BASE.parent, copy))
+        templates = lambda docs: {(d["kind"], d["metadata"]["name"]): d["spec"].get("template")  # noqa: E731
+                                  for d in docs if d["kind"] != "ConfigMap"}
+        assert templates(before) == templates(after), overlay
+        (models,) = [d for d in after if d["kind"] == "ConfigMap" and d["data"].get("TARGET_MODEL")]
+        assert models["metadata"]["name"] == "specrelay-models" and "Qwen" in models["data"]["TARGET_MODEL"]
 
 
 def test_gpu_overlay_runs_cuda_bfloat16_on_one_gpu_per_pod():
@@ -486,3 +525,60 @@ def test_the_edge_knows_the_targets_context(overlay):
     context is refused before any work."""
     _, _, args = by_command(rendered()[overlay])["edge-worker"]
     assert args.max_model_len or args.target_tokenizer == "/models/target"
+
+
+# ------------------------------------------------------------------------------------------ image hygiene
+
+def test_dockerignore_keeps_the_venv_out_and_every_copied_path_in():
+    """The build context is the repository root, where a 1.7 GB .venv sits: .dockerignore leaves it (and .git)
+    out, and nothing the Dockerfile COPYs from the context."""
+    import fnmatch
+
+    root = DOCKERFILE.parents[2]
+    patterns = [line.strip() for line in (root / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    ignored = lambda path: any(fnmatch.fnmatch(path, p.removeprefix("**/")) for p in patterns)  # noqa: E731
+    assert ignored(".venv") and ignored(".git")
+    copied = [src for line in DOCKERFILE.read_text().splitlines() if line.startswith("COPY ") and "--from=" not in line
+              for src in line.split()[1:-1]]
+    assert copied and not [src for src in copied if ignored(src.rstrip("/"))], copied
+
+
+def test_broker_image_installs_its_packages_with_the_constraints_file():
+    root = DOCKERFILE.parents[2]
+    pins = {re.split(r"==", line)[0].strip().lower().replace("_", "-")
+            for line in (root / "constraints.txt").read_text().splitlines() if "==" in line}
+    install = next(line for line in dockerfile_stages()["broker"].splitlines() if "${BROKER_DEPS}" in line)
+    assert "-c /tmp/constraints.txt ${BROKER_DEPS}" in install, install
+    assert all(dep.lower().replace("_", "-") in pins for dep in broker_deps()), (broker_deps(), pins)
+
+
+def test_the_images_workdir_belongs_to_the_user_it_runs_as():
+    for role, stage in dockerfile_stages().items():
+        workdirs = re.findall(r"^WORKDIR\s+(\S+)", stage, re.M)
+        user = (re.findall(r"^USER\s+(\d+)", stage, re.M) or [None])[-1]
+        if role == "wheel" or not workdirs or user is None:
+            continue
+        for path in workdirs:
+            assert re.search(rf"install -d -o {user} -g {user} {re.escape(path)}\b", stage), \
+                f"{role}: WORKDIR {path} is root's unless created for uid {user}"
+
+
+def test_fetch_models_gives_each_worker_what_it_reads(tmp_path):
+    """base/fetch-models.sh with the demo pair, as the edge's init container runs it: the draft in draft/, the
+    target's config and tokenizer (no weights) in target/, which the edge's own loaders accept."""
+    import os
+
+    from specrelay.common.modelsource import check_model
+    from specrelay.edge_worker.loading import target_context
+
+    env = dict(os.environ, MODELS_DIR=str(tmp_path), TARGET_MODEL="demo", DRAFT_MODEL="demo",
+               PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    proc = subprocess.run(["sh", str(BASE / "fetch-models.sh"), "draft", "target-tok"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / ".ready-draft").exists() and (tmp_path / ".ready-target-tok").exists()
+    check_model(str(tmp_path / "draft"), "--draft-model")
+    check_model(str(tmp_path / "target"), "--target-tokenizer", weights=False)
+    assert not list((tmp_path / "target").glob("*.safetensors"))  # the edge needs no target weights
+    assert target_context(str(tmp_path / "target")) == 1024

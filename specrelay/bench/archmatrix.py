@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .runs import meta, text_table, write_result
 
-    ap = argparse.ArgumentParser(prog="specrelay bench archs", description=__doc__,
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="specrelay bench archs", description=__doc__,
                                  formatter_class=HelpFormatter)
     ap.add_argument("--prompts", type=int, default=2, help="held-out prompts per pair")
     ap.add_argument("--max-new-tokens", type=int, default=NEW_TOKENS)

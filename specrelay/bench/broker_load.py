@@ -210,7 +210,7 @@ def measure(config: str, warmup: float, window: float, broker_cpu: int | None) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="specrelay bench broker", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="specrelay bench broker", description=__doc__.split("\n\n")[0],
                                  formatter_class=HelpFormatter)
     ap.add_argument("--config", action="append", default=None, metavar="EDGESxSESSIONSxWORKERS",
                     help=f"repeatable (default: {' '.join(DEFAULT_CONFIGS)})")

@@ -12,6 +12,7 @@ The edge and the cloud side run on separate cores unless --no-pin (docs/single-h
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import sys
@@ -72,9 +73,10 @@ def _output(p: argparse.ArgumentParser) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="specrelay bench", description=__doc__,
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="specrelay bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="name", required=True)
+    sub = ap.add_subparsers(dest="name", required=True,  # subcommands refuse prefixes too
+                            parser_class=functools.partial(argparse.ArgumentParser, allow_abbrev=False))
     add = lambda name, help, **kw: sub.add_parser(name, help=help, formatter_class=HelpFormatter,  # noqa: E731
                                                   description=textwrap.fill(kw.pop("description", help), 100), **kw)
     first = add("first", FIRST_HELP, description="The benchmark to run first, in about a minute: the demo pair on "

@@ -102,7 +102,7 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="specrelay bench draft", description=__doc__,
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="specrelay bench draft", description=__doc__,
                                  formatter_class=HelpFormatter)
     ap.add_argument("--draft", default=DEMO_DRAFT, help="draft model directory or hub id (default: demo draft)")
     ap.add_argument("--prompts", default=None, help="prompts JSONL (default: the held-out prompts)")

@@ -238,7 +238,7 @@ def _peak_mb(pid: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="specrelay bench fuzz", description=__doc__,
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="specrelay bench fuzz", description=__doc__,
                                  formatter_class=HelpFormatter)
     from .runs import MODELS as models
     ap.add_argument("--target", default=str(models / "demo-target"))

@@ -188,7 +188,7 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="specrelay bench httpfuzz", description=__doc__,
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="specrelay bench httpfuzz", description=__doc__,
                                  formatter_class=HelpFormatter)
     ap.add_argument("--target", default=DEMO_TARGET, help="target model (its config gives the edge the context)")
     ap.add_argument("--draft", default=DEMO_DRAFT)

@@ -313,7 +313,7 @@ BENCHES = {"step": bench_step, "prefill": bench_prefill, "determinism": bench_de
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="specrelay bench kv", description=__doc__,
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="specrelay bench kv", description=__doc__,
                                  formatter_class=HelpFormatter)
     ap.add_argument("name", choices=[*BENCHES, "all"])
     ap.add_argument("--model", default=str(MODELS / "demo-target"), help="target model (directory or hub id)")

@@ -272,7 +272,7 @@ def measure_rtt(endpoint: str, n: int = 20, timeout_s: float = 5.0) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from .runs import HelpFormatter
 
-    ap = argparse.ArgumentParser(prog="python -m specrelay.bench.link", description=__doc__,
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m specrelay.bench.link", description=__doc__,
                                  formatter_class=HelpFormatter)
     ap.add_argument("--upstream", required=True, help="tcp://HOST:PORT to relay to (the broker's frontend)")
     ap.add_argument("--link", default="0", help="RTT[,RATE], e.g. 50ms,20mbit")

@@ -224,7 +224,7 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="specrelay bench worker-abuse", description=__doc__,
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="specrelay bench worker-abuse", description=__doc__,
                                  formatter_class=HelpFormatter)
     from .runs import MODELS as models
     ap.add_argument("--target", default=str(models / "demo-target"))

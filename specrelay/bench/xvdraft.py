@@ -94,7 +94,7 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="specrelay bench xvdraft", description=__doc__,
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="specrelay bench xvdraft", description=__doc__,
                                  formatter_class=HelpFormatter)
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=64)

@@ -30,7 +30,7 @@ PROMPTS = ["config = ", "setup(**", "def metadata():\n    return ", "PACKAGE = "
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False, )
     ap.add_argument("--out", default="constrained_calls.json")
     ap.add_argument("--max-new", type=int, default=64)
     args = ap.parse_args()

@@ -144,7 +144,7 @@ def install_size(dists):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False, )
     ap.add_argument("--out", default="grammar_engines.json")
     args = ap.parse_args()
     from transformers import AutoTokenizer

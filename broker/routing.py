@@ -27,7 +27,7 @@ from __future__ import annotations
 import structlog
 
 from specrelay.common import protocol
-from specrelay.common.errors import ErrorCode, InvalidRequest
+from specrelay.common.errors import NO_LIVE_WORKER, ErrorCode, InvalidRequest
 from specrelay.common.protocol import CLOUD_REPLIES, EDGE_REQUESTS, MsgType
 from specrelay.common.ratelimit import LogLimiter, TokenBucket
 
@@ -115,7 +115,7 @@ class Router(Liveness):
         if refusal is None and session is None:
             worker = self._least_loaded()
             if worker is None:
-                refusal = "no live worker has room for a new session; retry later"
+                refusal = f"{NO_LIVE_WORKER} has room for a new session; retry later"
             else:
                 session = self.sessions[key] = Session(edge=peer.edge, worker=worker.identity, client=peer.client)
                 worker.sessions.add(key)

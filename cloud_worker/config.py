@@ -7,6 +7,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..common.metrics import Histogram, SpecDecodeCounters
+from ..common.protocol import MAX_DRAFT, MAX_TAIL
+
+MAX_VERIFY_TOKENS = MAX_TAIL + MAX_DRAFT + 1  # new tokens of the largest VERIFY: its tail, draft and the row after
 
 
 def _check(checks: list[tuple[bool, str]]) -> None:
@@ -40,6 +43,10 @@ class SchedulerConfig:
     max_batch: int = 32                  # VERIFYs in one forward pass
     max_wait_ms: float = 5.0             # longest wait to fill a batch, and only while others may still send
     prefill_tokens: int = 64             # prompt tokens prefilled per forward pass (chunked prefill)
+    # new tokens of the VERIFYs in one forward pass (tail + draft or tree nodes + the row after them), like vLLM's
+    # max_num_batched_tokens: 256 holds 32 chains of 7 (so it never binds a chain batch at max_batch) or 3 full
+    # 64-node trees with their tails, so a tree flood cannot make one step 32 x 65 tokens
+    max_step_tokens: int = 256
     idle_after_s: float = 5.0            # a session silent this long is not waited for when batching
 
     def __post_init__(self) -> None:
@@ -49,6 +56,8 @@ class SchedulerConfig:
         return [(self.max_batch >= 1, "max_batch must be >= 1"),
                 (0 <= self.max_wait_ms <= 1000, "max_wait_ms must be in [0, 1000]"),
                 (self.prefill_tokens >= 1, "prefill_tokens must be >= 1"),
+                (self.max_step_tokens >= MAX_VERIFY_TOKENS, f"max_step_tokens must be >= {MAX_VERIFY_TOKENS} "
+                 "(the largest VERIFY)"),
                 (self.idle_after_s > 0, "idle_after_s must be > 0")]
 
 

@@ -66,7 +66,8 @@ def cmd_cloud_worker(args) -> int:
         await serve(args.broker, args.model, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
                     max_wait_ms=args.max_wait_ms, health_port=args.health_port, health_host=args.health_host,
                     max_cache_bytes=int(args.max_cache_mb * 2**20), kv_cache_fraction=args.kv_cache_fraction,
-                    deterministic=args.deterministic, prefill_tokens=args.prefill_tokens, curve=curve)
+                    deterministic=args.deterministic, prefill_tokens=args.prefill_tokens,
+                    max_step_tokens=args.max_step_tokens, curve=curve)
         warning.cancel()
 
     run_async(main())

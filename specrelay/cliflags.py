@@ -165,6 +165,8 @@ def cloud_worker_flags(p) -> None:
                         "failover (slower; see README)")
     p.add_argument("--prefill-tokens", type=cliargs.positive_int, default=W.prefill_tokens,
                    help="prompt tokens prefilled per forward pass, beside the running sessions' verification")
+    p.add_argument("--max-step-tokens", type=cliargs.positive_int, default=W.max_step_tokens,
+                   help="new tokens of the VERIFYs in one forward pass (tree nodes count; shared fairly by clients)")
     add_health(p)
     add_client_keys(p)
 

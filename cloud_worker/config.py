@@ -26,6 +26,9 @@ class VerifierConfig:
     max_cache_bytes: int = 2 << 30       # the KV store's size (preallocated; capped at max_sessions full contexts)
     deterministic: bool = False          # batch-invariant numerics: a session's logits never depend on its batch
     evict_idle_s: float = 60.0           # sessions silent this long may be evicted to admit a new one
+    # the most of the KV store one client (an edge, under one broker) may hold: half, so one client alone uses
+    # half the store and a client filling it leaves the other half to everyone else
+    client_kv_share: float = 0.5
 
     def __post_init__(self) -> None:
         _check(self._checks())
@@ -33,7 +36,8 @@ class VerifierConfig:
     def _checks(self) -> list[tuple[bool, str]]:
         return [(self.max_sessions >= 1, "max_sessions must be >= 1"),
                 (self.max_cache_bytes > 0, "max_cache_bytes must be > 0"),
-                (self.evict_idle_s >= 0, "evict_idle_s must be >= 0")]
+                (self.evict_idle_s >= 0, "evict_idle_s must be >= 0"),
+                (0 < self.client_kv_share <= 1, "client_kv_share must be in (0, 1]")]
 
 
 @dataclass
@@ -103,6 +107,7 @@ class WorkerStats:
     errors: Counter = field(default_factory=Counter)       # ERROR replies by code name
     replies: int = 0
     replies_dropped: int = 0        # stale (older broker connection) or refused by the socket
+    queue_refusals: int = 0         # requests answered UNAVAILABLE: their broker's share of the queue was full
     heartbeats_sent: int = 0
     heartbeats_received: int = 0
     bad_broker_messages: int = 0

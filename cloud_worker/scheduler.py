@@ -32,7 +32,7 @@ Rules:
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Collection, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -154,6 +154,7 @@ class Scheduler:
         self.batch: list[Item] = []                    # the VERIFYs of the step being formed
         self.last_seen: dict[SessionKey, float] = {}   # session -> arrival of its latest message
         self._step_tokens = 0                          # new tokens of the forming step's VERIFYs
+        self.queued: Counter = Counter()               # broker connection -> its requests waiting (queue + batch)
         self._client_tokens: dict[bytes, int] = defaultdict(int)  # ... per client (the key's peer)
 
     def __len__(self) -> int:
@@ -162,6 +163,7 @@ class Scheduler:
 
     def push(self, item: Item) -> None:
         self.queue.append(item)
+        self.queued[item.conn] += 1
         if not isinstance(item.msg, P.Error):  # a malformed message proves nothing about a session
             self.last_seen[item.key] = item.arrived
             if len(self.last_seen) > 2 * len(self.contexts.sessions) + 1024:  # keys a peer chose: bounded
@@ -194,11 +196,15 @@ class Scheduler:
                 self._client_tokens[item.peer] += item.tokens
         for item in stale:
             self.last_seen.pop(item.key, None)
+        for conn in conns:
+            self.queued.pop(conn, None)
         return stale
 
     def _step(self) -> Plan:
         batch, self.batch = self.batch, []
         self._step_tokens, self._client_tokens = 0, defaultdict(int)
+        for item in batch:
+            self.queued[item.conn] -= 1
         return Plan(Step(batch, self.prefill.rows(exclude={item.key for item in batch})))
 
     def _take(self, control: Callable[[Item], None]) -> tuple[bool, bool]:
@@ -215,6 +221,7 @@ class Scheduler:
         while self.queue and not self._full() and handled < self.max_control:
             item = self.queue.popleft()
             if isinstance(item.msg, P.Close) and item.key in held and item.key not in in_batch:
+                self.queued[item.conn] -= sum(i.key == item.key for i in kept)
                 kept = deque(i for i in kept if i.key != item.key)  # the edge gave up: its held work goes
                 capped = [i for i in capped if i.key != item.key]
                 held.discard(item.key)
@@ -229,6 +236,7 @@ class Scheduler:
             elif item.is_verify:
                 self._add(item, in_batch)
             else:
+                self.queued[item.conn] -= 1
                 control(item)
                 handled += 1
                 if isinstance(item.msg, P.Close):

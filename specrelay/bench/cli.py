@@ -25,6 +25,7 @@ EXTERNAL: dict[str, tuple[str, str, str]] = {
     "httpfuzz": ("specrelay.bench.httpfuzz", "main", "the edge's HTTP API and health ports under attack"),
     "broker": ("specrelay.bench.broker_load", "main", "round trips per broker core, fake workers and edges"),
     "worker-abuse": ("specrelay.bench.worker_abuse", "main", "RESAMPLE floods, OPEN/CLOSE churn, long prefill"),
+    "hostile-broker": ("specrelay.bench.hostile_broker", "main", "a hostile broker's OPEN flood beside an honest one"),
 }
 # what each benchmark of specrelay.bench.legacy measures (its --help)
 LEGACY_HELP = {

@@ -110,7 +110,8 @@ class Router(Liveness):
         key = (peer.edge, session_id)
         session = self.sessions.get(key)
         extra_tokens = tokens - (session.tokens if session else 0)
-        refusal = self.quotas.refuse_open(peer.client, new_session=session is None, extra_tokens=extra_tokens)
+        refusal = self.quotas.refuse_open(peer.client, new_session=session is None, extra_tokens=extra_tokens,
+                                          kv_capacity=sum(w.kv_capacity for w in self.workers.values()))
         self.stats.quota_refusals += refusal is not None
         if refusal is None and session is None:
             worker = self._least_loaded()

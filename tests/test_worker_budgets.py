@@ -82,3 +82,15 @@ def test_the_scheduler_counts_each_connection_s_waiting_requests():
     assert s.queued[1] == 3 and s.queued[2] == 0  # two VERIFYs in the step, the OPEN handled
     s.drop({1})
     assert s.queued[1] == 0 and len(s) == 0
+
+
+def test_the_broker_s_token_quota_is_no_larger_than_the_workers_share():
+    """The broker let one client hold 1,048,576 prompt tokens beside a worker of 131,072 slots: now at most
+    CLIENT_KV_SHARE of its live workers' KV slots (their own per-client share)."""
+    from specrelay.broker.quotas import CLIENT_KV_SHARE, Quotas
+
+    q = Quotas()
+    assert q.refuse_open("c", new_session=True, extra_tokens=100_000) is None  # no worker reports its KV
+    refusal = q.refuse_open("c", new_session=True, extra_tokens=70_000, kv_capacity=131_072)
+    assert refusal is not None and f"limit {int(131_072 * CLIENT_KV_SHARE)}" in refusal
+    assert q.refuse_open("c", new_session=True, extra_tokens=60_000, kv_capacity=131_072) is None

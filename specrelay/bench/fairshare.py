@@ -95,6 +95,61 @@ def tree_flood(args, prompts, refs) -> dict:
             "legit_exact": outs == refs[:1] and rest_out == refs[:1], "loadavg": os.getloadavg()}
 
 
+async def edges_generate(frontend: str, draft: str, prompts: list[str], max_new: int) -> list:
+    """One edge per prompt (loaded one after another: HF loading is not safe side by side), generating at once;
+    each output or its exception."""
+    from contextlib import AsyncExitStack
+
+    from ..edge_worker.config import SessionConfig
+    from ..edge_worker.server import load_edge
+
+    async with AsyncExitStack() as stack:
+        edges = [await stack.enter_async_context(await load_edge(frontend, draft)) for _ in prompts]
+
+        async def one(edge, prompt: str) -> list[int]:
+            return (await edge.generate(edge.tokenizer(prompt).input_ids, SessionConfig(max_new)))[0]
+
+        return await asyncio.gather(*(one(e, p) for e, p in zip(edges, prompts)), return_exceptions=True)
+
+
+def kv_fill(args, prompts, refs) -> dict:
+    """One client opening 32 sessions of --fill-tokens-token prompts (and keeping each busy), 4 legit edges."""
+    from ..cluster import LocalCluster
+
+    fill = [5 + i % 50 for i in range(args.fill_tokens)]
+    with LocalCluster(args.target, threads=1, extra_worker_args=("--kv-cache-mb", str(args.kv_cache_mb))) as cluster:
+        port, used = cluster.health_ports[0], [0.0]
+
+        async def watch() -> None:
+            while True:
+                m = cluster.metrics(port)
+                cap = m.get("specrelay_cloud_kv_capacity_tokens", 0) or 1
+                used[0] = max(used[0], 1 - m.get("specrelay_cloud_kv_free_tokens", cap) / cap)
+                await asyncio.sleep(0.5)
+
+        async def both():
+            flood = asyncio.create_task(attacker(cluster.frontend, 32, args.flood_s, fill, 1))
+            watcher = asyncio.create_task(watch())
+            await asyncio.sleep(5.0)
+            alone = used[0]  # the attacker's share, before the legit edges open theirs
+            runs = await edges_generate(cluster.frontend, args.draft, prompts[:4], args.max_new_tokens)
+            seen = await flood
+            watcher.cancel()
+            return runs, seen, alone
+
+        runs, seen, alone = asyncio.run(both())
+        metrics = cluster.metrics(port)
+    done = [r if not isinstance(r, BaseException) else None for r in runs]
+    return {"attacker_sessions": 32, "fill_tokens": args.fill_tokens, "kv_cache_mb": args.kv_cache_mb,
+            "attacker_replies": dict(seen), "attacker_kv_fraction": round(alone, 3),
+            "kv_used_max_fraction": round(used[0], 3),
+            "legit_completed": sum(d is not None for d in done),
+            "legit_errors": [repr(r)[:200] for r in runs if isinstance(r, BaseException)],
+            "legit_exact": sum(d == r for d, r in zip(done, refs[:4])),
+            "worker_budget_refusals": metrics.get("specrelay_cloud_budget_refusals_total"),
+            "worker_evictions": metrics.get("specrelay_cloud_evictions_total"), "loadavg": os.getloadavg()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="specrelay bench fairshare", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -104,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--sessions", type=int, default=48)
     ap.add_argument("--flood-s", type=float, default=40.0)
+    ap.add_argument("--fill-tokens", type=int, default=400, help="KV fill: each attacker prompt's tokens")
+    ap.add_argument("--kv-cache-mb", type=float, default=64, help="KV fill: the worker's KV store")
+    ap.add_argument("--only", choices=("trees", "kv"), help="run one attack")
     ap.add_argument("--out", default="bench_results")
     args = ap.parse_args(argv)
     from ..common.runner import ModelRunner
@@ -112,11 +170,15 @@ def main(argv: list[str] | None = None) -> int:
     prompts = load_prompts(args.prompts, 4)
     target = ModelRunner.load(args.target)
     refs = [target_generate(target, target.tokenizer(p).input_ids, args.max_new_tokens) for p in prompts]
-    result = {"tree_flood": tree_flood(args, prompts, refs)}
+    result, ok = {}, True
+    if args.only != "kv":
+        flood = result["tree_flood"] = tree_flood(args, prompts, refs)
+        ok = flood["legit_exact"] and flood["slowdown"] <= 3.0
+    if args.only != "trees":
+        kv = result["kv_fill"] = kv_fill(args, prompts, refs)
+        ok = ok and kv["legit_exact"] == 4 and kv["attacker_kv_fraction"] <= 0.5 and kv["worker_evictions"] == 0
     write_result(args.out, "fairshare", result)
     print(json.dumps(result, indent=1))
-    flood = result["tree_flood"]
-    ok = flood["legit_exact"] and flood["slowdown"] <= 3.0
     print("bars met" if ok else "bars NOT met", file=sys.stderr)
     return 0 if ok else 1
 

@@ -10,6 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+# a client's prompt tokens, at most this share of its live workers' KV slots: the workers' own per-client share
+# (cloud_worker VerifierConfig.client_kv_share), so the broker refuses what the workers would refuse anyway
+CLIENT_KV_SHARE = 0.5
+
+
 @dataclass
 class Limits:
     """What one client (an edge key; without keys, one edge connection) may hold at once, and how long an edge
@@ -45,14 +50,17 @@ class Quotas:
         self.limits = limits or Limits()
         self.usage: dict[object, Usage] = {}
 
-    def refuse_open(self, client: object, *, new_session: bool, extra_tokens: int) -> str | None:
-        """Why this client may not open (or, re-OPENing, grow by `extra_tokens`) a session now, or None."""
+    def refuse_open(self, client: object, *, new_session: bool, extra_tokens: int, kv_capacity: int = 0) -> str | None:
+        """Why this client may not open (or, re-OPENing, grow by `extra_tokens`) a session now, or None.
+        `kv_capacity`: the live workers' KV slots (0: unknown); a client's tokens are held to CLIENT_KV_SHARE."""
         usage, lim = self.usage.get(client) or Usage(), self.limits
+        tokens = lim.max_prompt_tokens_per_client
+        tokens = min(tokens, max(1, int(kv_capacity * CLIENT_KV_SHARE))) if kv_capacity > 0 else tokens
         if new_session and usage.sessions >= lim.max_sessions_per_client:
             reason = f"this client already holds {usage.sessions} sessions (limit {lim.max_sessions_per_client})"
-        elif usage.tokens + extra_tokens > lim.max_prompt_tokens_per_client:
+        elif usage.tokens + extra_tokens > tokens:
             reason = (f"this client's open sessions would hold {usage.tokens + extra_tokens} prompt tokens "
-                      f"(limit {lim.max_prompt_tokens_per_client})")
+                      f"(limit {tokens})")
         else:
             return None
         return reason + "; close sessions or retry later"

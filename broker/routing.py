@@ -27,7 +27,7 @@ from __future__ import annotations
 import structlog
 
 from specrelay.common import protocol
-from specrelay.common.errors import ErrorCode, InvalidRequest
+from specrelay.common.errors import NO_LIVE_WORKER, ErrorCode, InvalidRequest
 from specrelay.common.protocol import CLOUD_REPLIES, EDGE_REQUESTS, MsgType
 from specrelay.common.ratelimit import LogLimiter, TokenBucket
 
@@ -110,13 +110,14 @@ class Router(Liveness):
         key = (peer.edge, session_id)
         session = self.sessions.get(key)
         extra_tokens = tokens - (session.tokens if session else 0)
-        refusal = self.quotas.refuse_open(peer.client, new_session=session is None, extra_tokens=extra_tokens)
+        refusal = self.quotas.refuse_open(peer.client, new_session=session is None, extra_tokens=extra_tokens,
+                                          kv_capacity=sum(w.kv_capacity for w in self.workers.values()))
         self.stats.quota_refusals += refusal is not None
         if refusal is None and session is None:
             worker = self._least_loaded()
             if worker is None:
-                refusal = ("no live worker has room for a new session; retry later" if self.workers else
-                           "no live cloud worker behind this broker (start `specrelay cloud-worker --broker BACKEND`)")
+                refusal = (f"{NO_LIVE_WORKER} has room for a new session; retry later" if self.workers else
+                           f"{NO_LIVE_WORKER} behind this broker (start `specrelay cloud-worker --broker BACKEND`)")
             else:
                 session = self.sessions[key] = Session(edge=peer.edge, worker=worker.identity, client=peer.client)
                 worker.sessions.add(key)

@@ -7,9 +7,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..common.metrics import Histogram, SpecDecodeCounters
-from ..common.protocol import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS
+from ..common.protocol import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, MAX_DRAFT, MAX_TAIL
 
-
+MAX_VERIFY_TOKENS = MAX_TAIL + MAX_DRAFT + 1  # new tokens of the largest VERIFY: its tail, draft and the row after
 ATTENTION_PATHS = ("auto", "batched", "per-session")
 
 
@@ -31,6 +31,9 @@ class VerifierConfig:
     # reference); auto: batched on cuda (one kernel launch per layer, not per session), per-session on the cpu
     # (measured faster there: docs/gpu.md)
     attention: str = "auto"
+    # the most of the KV store one client (an edge, under one broker) may hold: half, so one client alone uses
+    # half the store and a client filling it leaves the other half to everyone else
+    client_kv_share: float = 0.5
 
     def __post_init__(self) -> None:
         _check(self._checks())
@@ -39,7 +42,8 @@ class VerifierConfig:
         return [(self.max_sessions >= 1, "max_sessions must be >= 1"),
                 (self.attention in ATTENTION_PATHS, f"attention must be one of {', '.join(ATTENTION_PATHS)}"),
                 (self.max_cache_bytes > 0, "max_cache_bytes must be > 0"),
-                (self.evict_idle_s >= 0, "evict_idle_s must be >= 0")]
+                (self.evict_idle_s >= 0, "evict_idle_s must be >= 0"),
+                (0 < self.client_kv_share <= 1, "client_kv_share must be in (0, 1]")]
 
 
 @dataclass
@@ -49,6 +53,10 @@ class SchedulerConfig:
     max_batch: int = 32                  # VERIFYs in one forward pass
     max_wait_ms: float = 5.0             # longest wait to fill a batch, and only while others may still send
     prefill_tokens: int = 64             # prompt tokens prefilled per forward pass (chunked prefill)
+    # new tokens of the VERIFYs in one forward pass (tail + draft or tree nodes + the row after them), like vLLM's
+    # max_num_batched_tokens: 256 holds 32 chains of 7 (so it never binds a chain batch at max_batch) or 3 full
+    # 64-node trees with their tails, so a tree flood cannot make one step 32 x 65 tokens
+    max_step_tokens: int = 256
     idle_after_s: float = 5.0            # a session silent this long is not waited for when batching
 
     def __post_init__(self) -> None:
@@ -58,6 +66,8 @@ class SchedulerConfig:
         return [(self.max_batch >= 1, "max_batch must be >= 1"),
                 (0 <= self.max_wait_ms <= 1000, "max_wait_ms must be in [0, 1000]"),
                 (self.prefill_tokens >= 1, "prefill_tokens must be >= 1"),
+                (self.max_step_tokens >= MAX_VERIFY_TOKENS, f"max_step_tokens must be >= {MAX_VERIFY_TOKENS} "
+                 "(the largest VERIFY)"),
                 (self.idle_after_s > 0, "idle_after_s must be > 0")]
 
 
@@ -103,6 +113,7 @@ class WorkerStats:
     errors: Counter = field(default_factory=Counter)       # ERROR replies by code name
     replies: int = 0
     replies_dropped: int = 0        # stale (older broker connection) or refused by the socket
+    queue_refusals: int = 0         # requests answered UNAVAILABLE: their broker's share of the queue was full
     heartbeats_sent: int = 0
     heartbeats_received: int = 0
     bad_broker_messages: int = 0

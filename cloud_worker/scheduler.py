@@ -12,12 +12,18 @@ Rules:
   ready (below), with every later message of that session; other sessions' messages behind them go ahead. A
   CLOSE is the exception: it drops its session's held messages and goes at once, so a worker never keeps
   prefilling for an edge that gave up.
-- At most `max_batch` VERIFYs per step, and at most MAX_CONTROL other messages handled per plan (then the
+- At most `max_batch` VERIFYs and `max_step_tokens` of their new tokens per step (a tree's nodes count as tokens,
+  like vLLM's max_num_batched_tokens), and at most MAX_CONTROL other messages handled per plan (then the
   plan yields to the event loop, so heartbeats and /healthz keep time under a flood of control messages).
+- Fair across clients (a client = the key's peer: the broker's index and the client id it gave): a client's
+  VERIFYs take at most max_step_tokens / (clients active lately) of a step while another client's wait; what
+  the others leave unused goes to the capped ones, oldest first (work-conserving). So one edge with 48 sessions
+  of 64-node trees gets half of each step beside a second edge, not all of it.
 - Chunked prefill: a session is ready when what of its context the KV store does not hold fits in
-  `prefill_tokens`. Each step carries up to `prefill_tokens` of the contexts not ready (oldest session first),
-  each chunk leaving one token uncached, so the session's first VERIFY row computes the logits after its
-  context. While a prompt is being prefilled a step goes at once, with the VERIFYs that are ready.
+  `prefill_tokens`. Each step carries up to `prefill_tokens` of the contexts not ready: an equal part per
+  client with a context pending (its oldest session first), the rest oldest first; each chunk leaves one token
+  uncached, so the session's first VERIFY row computes the logits after its context. While a prompt is being
+  prefilled a step goes at once, with the VERIFYs that are ready.
 - Waiting for more VERIFYs is worth it only while some other recently active session may still send one; with a
   single active session a step goes at once. Never longer than `max_wait_ms` after the oldest VERIFY.
 - Each request carries the broker connection it came in on (`Item.conn`): `drop(conns)` forgets the requests of
@@ -26,7 +32,7 @@ Rules:
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Collection, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -56,6 +62,11 @@ class Item:
     @property
     def is_verify(self) -> bool:
         return isinstance(self.msg, P.Verify)
+
+    @property
+    def tokens(self) -> int:
+        """New tokens a VERIFY puts in a step: its tail, its draft (or tree nodes) and the row after them."""
+        return len(self.msg.tail) + len(self.msg.draft) + 1
 
 
 @dataclass
@@ -105,30 +116,46 @@ class ChunkedPrefill:
         return any(not self.ready(key) for key in self.contexts.sessions)
 
     def rows(self, exclude: Collection[SessionKey] = ()) -> list[Row]:
-        """Chunks of the contexts not ready (oldest session first), `tokens` in all; each leaves at least one
-        token uncached, so the session's first VERIFY row computes the logits after its context."""
-        rows, budget = [], self.tokens
-        for key, s in self.contexts.sessions.items():
-            if budget <= 0:
-                break
-            if key in exclude or self.ready(key):
-                continue
-            start = self.contexts.cached(key)
-            n = min(budget, len(s.tokens) - 1 - start)
-            rows.append(Row(key, s.tokens[start:start + n]))
-            budget -= n
+        """Chunks of the contexts not ready, `tokens` in all: first an equal part per client (its oldest sessions
+        first), then what is left oldest session first; each leaves at least one token uncached, so the
+        session's first VERIFY row computes the logits after its context."""
+        pending = [(key, s) for key, s in self.contexts.sessions.items() if key not in exclude and not self.ready(key)]
+        if not pending:
+            return []
+        need = {key: len(s.tokens) - 1 - self.contexts.cached(key) for key, s in pending}
+        given: dict[SessionKey, int] = defaultdict(int)
+        budget = self.tokens
+        share = max(1, budget // len({key[0] for key, _ in pending}))
+        left: dict[bytes, int] = defaultdict(lambda: share)
+        for rounds in (left, None):  # per client's share, then the rest
+            for key, _ in pending:
+                n = min(budget, need[key] - given[key], left[key[0]] if rounds is not None else budget)
+                if n > 0:
+                    given[key] += n
+                    budget -= n
+                    if rounds is not None:
+                        left[key[0]] -= n
+        rows = []
+        for key, s in pending:
+            if given[key]:
+                start = self.contexts.cached(key)
+                rows.append(Row(key, s.tokens[start:start + given[key]]))
         return rows
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, contexts: Contexts) -> None:
         self.max_batch, self.max_wait_s = config.max_batch, config.max_wait_ms / 1000
+        self.max_step_tokens = config.max_step_tokens
         self.idle_after_s = config.idle_after_s
         self.contexts = contexts
         self.prefill = ChunkedPrefill(contexts, config.prefill_tokens)
         self.queue: deque[Item] = deque()
         self.batch: list[Item] = []                    # the VERIFYs of the step being formed
         self.last_seen: dict[SessionKey, float] = {}   # session -> arrival of its latest message
+        self._step_tokens = 0                          # new tokens of the forming step's VERIFYs
+        self.queued: Counter = Counter()               # broker connection -> its requests waiting (queue + batch)
+        self._client_tokens: dict[bytes, int] = defaultdict(int)  # ... per client (the key's peer)
 
     def __len__(self) -> int:
         """Requests waiting: queued, or in the step being formed."""
@@ -136,6 +163,7 @@ class Scheduler:
 
     def push(self, item: Item) -> None:
         self.queue.append(item)
+        self.queued[item.conn] += 1
         if not isinstance(item.msg, P.Error):  # a malformed message proves nothing about a session
             self.last_seen[item.key] = item.arrived
             if len(self.last_seen) > 2 * len(self.contexts.sessions) + 1024:  # keys a peer chose: bounded
@@ -162,12 +190,21 @@ class Scheduler:
         if stale:
             self.queue = deque(item for item in self.queue if item.conn not in conns)
             self.batch = [item for item in self.batch if item.conn not in conns]
+            self._step_tokens = sum(item.tokens for item in self.batch)
+            self._client_tokens = defaultdict(int)
+            for item in self.batch:
+                self._client_tokens[item.peer] += item.tokens
         for item in stale:
             self.last_seen.pop(item.key, None)
+        for conn in conns:
+            self.queued.pop(conn, None)
         return stale
 
     def _step(self) -> Plan:
         batch, self.batch = self.batch, []
+        self._step_tokens, self._client_tokens = 0, defaultdict(int)
+        for item in batch:
+            self.queued[item.conn] -= 1
         return Plan(Step(batch, self.prefill.rows(exclude={item.key for item in batch})))
 
     def _take(self, control: Callable[[Item], None]) -> tuple[bool, bool]:
@@ -177,32 +214,67 @@ class Scheduler:
         in_batch = {item.key for item in self.batch}
         held: set[SessionKey] = set()
         kept: deque[Item] = deque()
+        capped: list[Item] = []  # VERIFYs past their client's share: they get what the others leave
+        share = self._client_share()
         waits_for_step = False
         handled = 0
-        while self.queue and len(self.batch) < self.max_batch and handled < MAX_CONTROL:
+        while self.queue and not self._full() and handled < MAX_CONTROL:
             item = self.queue.popleft()
             if isinstance(item.msg, P.Close) and item.key in held and item.key not in in_batch:
+                self.queued[item.conn] -= sum(i.key == item.key for i in kept)
                 kept = deque(i for i in kept if i.key != item.key)  # the edge gave up: its held work goes
+                capped = [i for i in capped if i.key != item.key]
                 held.discard(item.key)
             if item.key in in_batch or item.key in held or (item.is_verify and not self.prefill.ready(item.key)):
                 waits_for_step = waits_for_step or item.key in in_batch
                 held.add(item.key)
                 kept.append(item)
+            elif item.is_verify and not self._fits(item, share):
+                held.add(item.key)
+                kept.append(item)
+                capped.append(item)
             elif item.is_verify:
-                self.batch.append(item)
-                in_batch.add(item.key)
+                self._add(item, in_batch)
             else:
+                self.queued[item.conn] -= 1
                 control(item)
                 handled += 1
                 if isinstance(item.msg, P.Close):
                     self.last_seen.pop(item.key, None)
+        for item in capped:  # work-conserving: room the other clients left, oldest first
+            if not self._full() and self._fits(item, None):
+                self._add(item, in_batch)
+                kept.remove(item)
+        waits_for_step = waits_for_step or bool(capped) and self._full()
         flooded = handled >= MAX_CONTROL and bool(self.queue)
         self.queue.extendleft(reversed(kept))
         return waits_for_step, flooded
 
+    def _add(self, item: Item, in_batch: set[SessionKey]) -> None:
+        self.batch.append(item)
+        in_batch.add(item.key)
+        self._step_tokens += item.tokens
+        self._client_tokens[item.peer] += item.tokens
+
+    def _full(self) -> bool:
+        return len(self.batch) >= self.max_batch or self._step_tokens >= self.max_step_tokens
+
+    def _fits(self, item: Item, share: int | None) -> bool:
+        """Within the step's token budget (a first VERIFY always fits) and, with a `share`, within its client's
+        share of the step (a client's first VERIFY always does)."""
+        if self.batch and self._step_tokens + item.tokens > self.max_step_tokens:
+            return False
+        used = self._client_tokens[item.peer]
+        return share is None or not used or used + item.tokens <= share
+
+    def _client_share(self) -> int:
+        """max_step_tokens over the clients active lately (sessions heard within idle_after_s, and this queue's)."""
+        clients = {key[0] for key in self.last_seen} | {item.peer for item in self.batch}
+        return max(1, self.max_step_tokens // max(1, len(clients)))
+
     def _wait_budget(self, now: float) -> float:
         """Seconds worth waiting for more VERIFYs before running the forming step (0: run it now)."""
-        if not self.batch or len(self.batch) >= self.max_batch:
+        if not self.batch or self._full():
             return 0.0
         left = self.batch[0].arrived + self.max_wait_s - now
         if left <= 0:

@@ -38,7 +38,7 @@ from ..common.ratelimit import LogLimiter
 from ..common.runner import ModelRunner
 from .config import WorkerConfig, WorkerStats
 from .connection import BrokerConnection, broker_peer
-from .scheduler import Item, Scheduler, Step
+from .scheduler import MAX_CONTROL, Item, Scheduler, Step
 from .verifier import Verifier
 
 log = structlog.get_logger("specrelay.cloud")
@@ -64,6 +64,10 @@ class CloudWorker(transport.Service):
         self.config = c = config or WorkerConfig()
         self.verifier = Verifier(runner, c, clock=clock)
         self.scheduler = Scheduler(c, self.verifier)
+        self.verifier.brokers = len(self.brokers)  # each broker: 1 / brokers of the sessions and the KV store
+        # each broker connection's requests waiting: twice its share of the sessions (a VERIFY and a CLOSE or an
+        # OPEN each), so an honest broker never meets it and a flooding one holds at most this many
+        self.queue_per_broker = max(MAX_CONTROL, 2 * c.max_sessions // len(self.brokers))
         self.health_port = c.health_port
         self._stats = WorkerStats()
         self._clock = clock
@@ -94,6 +98,7 @@ class CloudWorker(transport.Service):
             "heartbeats_sent": s.heartbeats_sent, "heartbeats_received": s.heartbeats_received,
             "bad_broker_messages": s.bad_broker_messages, "reconnects": s.reconnects,
             "evictions": self.verifier.stats["evictions"], "sessions_open": len(self.verifier.sessions),
+            "queue_refusals": s.queue_refusals, "budget_refusals": self.verifier.stats["budget_refusals"],
             "kv_free_tokens": self.verifier.kv_free_tokens, "kv_capacity_tokens": self.verifier.store.capacity,
             "kv_moves": self.verifier.store.stats["moves"], "prefill_tokens": self.verifier.stats["prefill_tokens"],
             "queued": len(self.scheduler), "connected": sum(conn.sock is not None for conn in self.connections),
@@ -156,7 +161,15 @@ class CloudWorker(transport.Service):
 
     def _on_request(self, index: int, frames: list[bytes], n_frames: int) -> None:
         self._stats.requests += 1
-        self.scheduler.push(self._decode(index, frames, n_frames))
+        item = self._decode(index, frames, n_frames)
+        if self.scheduler.queued[item.conn] >= self.queue_per_broker:  # this broker's share of the queue is full
+            self._stats.queue_refusals += 1
+            self._reply(item, P.Error(item.key[1], getattr(item.msg, "seq", 0), ErrorCode.UNAVAILABLE,
+                                      "this broker's share of the worker's queue is full; retry later"))
+            return
+        if item.is_verify:
+            self.verifier.touch(item.key)  # a session waiting in the queue is not idle
+        self.scheduler.push(item)
         self._arrived.set()
 
     def _decode(self, index: int, frames: list[bytes], n_frames: int) -> Item:
@@ -339,7 +352,10 @@ class CloudWorker(transport.Service):
     def _readyz(self) -> tuple[bool, dict]:
         """Readiness: at least one broker connected and heard from within the liveness window (the body: each)."""
         now = self._clock()
-        brokers = {c.endpoint: {"alive": c.alive, "silent_s": round(now - c.heard, 3)} for c in self.connections}
+        brokers = {c.endpoint: {"alive": c.alive, "silent_s": round(now - c.heard, 3),
+                                "queued": self.scheduler.queued[(i, c.generation)],
+                                "queue_full": self.scheduler.queued[(i, c.generation)] >= self.queue_per_broker}
+                   for i, c in enumerate(self.connections)}
         return any(c.alive for c in self.connections) and not self._closed, {"brokers": brokers}
 
 

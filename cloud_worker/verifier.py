@@ -10,6 +10,9 @@ attention reading each session's K/V in place in the `KVStore`), then each sessi
 Limits: an OPEN longer than the model's context (`max_position_embeddings`) is a BAD_REQUEST naming it; one
 that does not fit in the KV store, even after evicting sessions idle for `evict_idle_s`, is UNAVAILABLE
 (retry later, or on another worker). A draft that would run past the model's context is verified up to it.
+Budgets at OPEN (`_budgets`): a broker (the key's first byte) holds at most 1/brokers of the sessions and KV
+slots, a client (the key's peer) client_kv_share of the KV; past one, its own sessions idle for evict_idle_s are
+evicted (only idle ones ever are), else UNAVAILABLE. A queued VERIFY keeps its session from idling (`touch`).
 """
 
 from __future__ import annotations
@@ -121,7 +124,9 @@ class Verifier:
         self.store = store.from_budget(shape, budget, runner.device, block=block)
         self.store.zero_reserved = c.deterministic  # only deterministic attention reads past a span's length
         self.sessions: OrderedDict[SessionKey, CloudSession] = OrderedDict()  # LRU order: oldest first
-        self.stats = {"forward_passes": 0, "evictions": 0, "prefill_tokens": 0, "forward_tokens": 0}
+        self.stats = {"forward_passes": 0, "evictions": 0, "prefill_tokens": 0, "forward_tokens": 0,
+                      "budget_refusals": 0}
+        self.brokers = 1  # broker connections sharing this worker (the shell sets it): each gets 1 / brokers
         self._masks: dict[bytes, tuple[torch.Tensor, int]] = {}  # shared_vocab -> (mask, sessions using it)
 
     # ------------------------------------------------------------------ session lifecycle
@@ -144,14 +149,47 @@ class Verifier:
         if need > self.store.capacity:
             raise InvalidRequest(f"the context has {len(msg.tokens)} tokens; this worker's KV store holds "
                                  f"{self.store.capacity}", field="tokens")
+        self._budgets(key, need)
         if not self._keep_prefix(key, msg.tokens, need):  # validated before the old state is replaced
             self._make_room(need)
             self.store.reserve(key, need)
         self.sessions[key] = CloudSession(key, list(msg.tokens), msg.mode, params, msg.seed, msg.resample,
                                           self._hold_mask(msg.shared_vocab, shared), used=self.clock(),
                                           bitmap=msg.shared_vocab)
-        while len(self.sessions) > self.config.max_sessions:
-            self._evict(next(iter(self.sessions)))
+
+    def _budgets(self, key: SessionKey, need: int) -> None:
+        """The budgets of `key`'s broker and client (module docstring); O(sessions)."""
+        broker, client, c = key[0][:1], key[0], self.config
+        of_broker = lambda k: k[0][:1] == broker and k != key  # noqa: E731
+        of_client = lambda k: k[0] == client and k != key  # noqa: E731
+        slots = lambda match: sum(self.store.span(k).capacity for k in self.sessions if match(k))  # noqa: E731
+        checks = [(of_client, lambda: slots(of_client) + need <= int(self.store.capacity * c.client_kv_share),
+                   "this client holds its share of the worker's KV store")] * (c.client_kv_share < 1)
+        checks += [(of_broker, lambda: slots(of_broker) + need <= self.store.capacity // self.brokers,
+                    "this broker's sessions hold its share of the worker's KV store")] * (self.brokers > 1)
+        if key not in self.sessions:
+            checks += [(of_broker, lambda: sum(map(of_broker, self.sessions)) < c.max_sessions // self.brokers,
+                        "this broker holds its share of the worker's sessions"),
+                       (lambda k: True, lambda: len(self.sessions) < c.max_sessions,
+                        "the worker holds its maximum of sessions")]
+        for match, fits, refusal in checks:
+            if not self._evict_idle(match, fits):
+                self.stats["budget_refusals"] += 1
+                raise Overloaded(f"{refusal}; retry later")
+
+    def _evict_idle(self, match: Callable[[SessionKey], bool], enough: Callable[[], bool]) -> bool:
+        """Evict sessions `match` accepts idle for evict_idle_s, least recently used first, until `enough()`."""
+        idle = [k for k, s in self.sessions.items() if match(k) and self.idle(s)]
+        while idle and not enough():
+            self._evict(idle.pop(0))
+        return enough()
+
+    def idle(self, session: CloudSession) -> bool:
+        return self.clock() - session.used >= self.config.evict_idle_s
+
+    def touch(self, key: SessionKey) -> None:
+        if (session := self.sessions.get(key)) is not None:
+            session.used = self.clock()
 
     def _keep_prefix(self, key: SessionKey, tokens: list[int], need: int) -> bool:
         """A re-OPEN (the edge timed out or retried) keeps the K/V its session already holds for the common
@@ -241,16 +279,7 @@ class Verifier:
     def _make_room(self, tokens: int, busy: frozenset = frozenset()) -> None:
         """Free `tokens` KV slots by evicting sessions idle for evict_idle_s (least recently used first).
         Raises KVFull when that is not enough."""
-        if self.store.free_tokens >= tokens:
-            return
-        now = self.clock()
-        for key in list(self.sessions):
-            if self.store.free_tokens >= tokens:
-                return
-            s = self.sessions[key]
-            if key not in busy and now - s.used >= self.config.evict_idle_s:
-                self._evict(key)
-        if self.store.free_tokens < tokens:
+        if not self._evict_idle(lambda key: key not in busy, lambda: self.store.free_tokens >= tokens):
             raise KVFull(f"the worker's KV memory is full ({self.store.free_tokens} free token slots, {tokens} "
                          "needed); retry later")
 

@@ -78,8 +78,12 @@ class WorkerLost(RequestError, code=ErrorCode.WORKER_LOST, retryable=True):
     """The worker holding the session vanished: re-OPEN."""
 
 
+NO_LIVE_WORKER = "no live cloud worker"  # how a broker's UNAVAILABLE begins when it has no worker for a new session
+
+
 class Overloaded(RequestError, code=ErrorCode.UNAVAILABLE, retryable=True):
-    """No live worker has room, or a per-client limit was reached: retry later."""
+    """No live worker has room (the message starts with NO_LIVE_WORKER), or a per-client limit was reached:
+    retry later."""
 
 
 class ConnectionLost(RequestError, code=ErrorCode.UNAVAILABLE, retryable=True):

@@ -40,6 +40,7 @@ from .textstream import TextStream
 log = structlog.get_logger("specrelay.http")
 
 GRACE_S = 5.0  # on stop: requests in flight get this long, then they are cancelled (their sessions CLOSEd)
+TOKENISE_AT_ONCE = 2  # prompts tokenised at once, each in its own thread (a prompt's work is bounded by the context)
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
 
@@ -126,6 +127,7 @@ class OpenAIApp:
         self.limits = limits or HttpLimits()
         self.share = httpguard.FairShare(self.limits)
         self.bodies = httpguard.BodyBudget(self.limits.max_body_bytes_in_flight)
+        self.tokenising = asyncio.Semaphore(TOKENISE_AT_ONCE)
 
     def asgi(self) -> Starlette:
         routes = [Route("/v1/models", self.models), Route("/health", self.health),
@@ -158,12 +160,19 @@ class OpenAIApp:
             key = httpguard.authorize(self.limits, request.headers.get("authorization"))
             req = api.parse(await httpguard.read_body(request, self.limits, self.bodies), kind)
             api.check(req, self.served_model)
-            ids = await asyncio.to_thread(prompt_ids, self.edge.tokenizer, req)
+            ticket = self.share.admit(key)  # the concurrency limit and the key's share, before any tokenising
+        except Exception as exc:
+            return self._error(api_error(exc, request_id), request_id)
+        try:
+            async with self.tokenising:  # bounded work (api.bounded_encode) on a bounded number of threads
+                ids = await asyncio.to_thread(prompt_ids, self.edge.tokenizer, req,
+                                              self.edge.context_limit - max_tokens(req, 1))
+            ticket.add(len(ids))  # the key's share of prompt tokens in flight
             room = self.edge.context_limit - len(ids)  # the chat default is "up to the context"
             config = api.session_config(req, max_tokens(req, room), self.edge.config)
             self.edge.check_fits(len(ids), config.max_new_tokens)
-            ticket = self.share.admit(key, len(ids))
         except Exception as exc:
+            ticket.release()
             return self._error(api_error(exc, request_id), request_id)
         shape = api.Shape(chat=kind is api.ChatRequest, model=self.served_model)
         stream_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -184,6 +193,7 @@ class OpenAIApp:
             if not work.done():
                 work.cancel()
                 self.stats.http_disconnects += 1
+                await asyncio.gather(work, return_exceptions=True)  # until its session is CLOSEd
         if work.cancelled():
             return JSONResponse({}, status_code=499)  # nobody is listening
         if work.exception() is not None:

@@ -11,7 +11,8 @@
                      max_body_bytes_in_flight (429 past it), so many large bodies at once cannot exhaust memory
     concurrency      at most max_concurrent generations in flight (429 with Retry-After)
     fair share       with N API keys, one key holds at most 1/N of the edge's budget of requests and prompt tokens
-                     in flight (the edge's share of its broker quota), so one key cannot exhaust it for everyone
+                     in flight (the edge's share of its broker quota), so one key cannot exhaust it for everyone;
+                     a request is admitted (its slot) before its prompt is tokenised, its tokens counted after
 """
 
 from __future__ import annotations
@@ -125,6 +126,11 @@ class Ticket:
             self.held = False
             self.share.release(self)
 
+    def add(self, tokens: int) -> None:
+        """The prompt's tokens, once counted (after admission): a 429 past the key's share (the ticket is then
+        released by the caller)."""
+        self.share.add(self, tokens)
+
 
 @dataclass
 class FairShare:
@@ -136,7 +142,7 @@ class FairShare:
     requests: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
-    def admit(self, key: str, prompt_tokens: int) -> Ticket:
+    def admit(self, key: str, prompt_tokens: int = 0) -> Ticket:
         lim, n_keys = self.limits, max(1, len(self.limits.api_keys))
         if sum(self.requests.values()) >= lim.max_concurrent:
             raise _busy(f"the server is at its limit of {lim.max_concurrent} requests in flight")
@@ -147,6 +153,13 @@ class FairShare:
         self.requests[key] += 1
         self.tokens[key] += prompt_tokens
         return Ticket(self, key, prompt_tokens)
+
+    def add(self, ticket: Ticket, tokens: int) -> None:
+        key, share = ticket.key, self.limits.max_prompt_tokens // max(1, len(self.limits.api_keys))
+        if self.requests[key] > 1 and self.tokens[key] + tokens > share:  # a key's only request may take it all
+            raise _busy("this API key is at its share of prompt tokens in flight")
+        self.tokens[key] += tokens
+        ticket.tokens += tokens
 
     def release(self, ticket: Ticket) -> None:
         self.requests[ticket.key] -= 1

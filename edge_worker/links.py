@@ -25,10 +25,14 @@ import zmq.asyncio
 from ..common import protocol as P
 from ..common import transport
 from ..common.brokers import choose
-from ..common.errors import ConnectionLost, InvalidRequest
+from ..common.errors import NO_LIVE_WORKER, ConnectionLost, InvalidRequest, Overloaded
 from .route import Route
 
 log = structlog.get_logger("specrelay.edge")
+
+# A broker that answered "no live worker" gets no new sessions for this long (unless no other broker is up): long
+# enough that a burst of sessions does not find it one by one, short enough that a worker joining it is soon used.
+NO_WORKER_AVOID_S = 10.0
 
 CONNECTING, UP, DOWN = "connecting", "up", "down"
 GRACE_BEATS = P.HEARTBEAT_LIVENESS  # heartbeat intervals a broker may take to answer the first handshake, or stay silent
@@ -53,7 +57,8 @@ class BrokerLink:
         self.monitor: transport.Monitor | None = None
         self.on_state: Callable[[BrokerLink, str], None] = lambda link, old: None
         self.on_refused: Callable[[BrokerLink], None] = lambda link: None  # a refused CURVE key
-        self.stats = Counter()  # lost, stale_replies
+        self.stats = Counter()  # lost, stale_replies, no_worker
+        self.no_worker_until = float("-inf")  # it said "no live worker": new sessions go elsewhere until then
 
     def open(self) -> None:
         self.sock = transport.make_socket(self._ctx, zmq.DEALER, linger_ms=self._linger_ms, identity=self._identity,
@@ -155,13 +160,29 @@ class BrokerLinks:
         return [loop for link in self.links for loop in (self._receive(link), link.monitor.run())]
 
     def choose(self, session: int, avoid: int | None = None) -> int:
-        """The broker for `session`: among those up, else those not known to be lost, else all (a session then
-        waits for its broker to come back); `avoid` (the broker a session leaves) only when there is another."""
-        for states in ((UP,), (UP, CONNECTING), (UP, CONNECTING, DOWN)):
-            candidates = [link.index for link in self.links if link.state in states and link.index != avoid]
+        """The broker for `session`: among those up that lately had a worker, else those up, else those not known
+        to be lost, else all (a session then waits for its broker to come back); `avoid` (the broker a session
+        leaves) only when there is another."""
+        now = self._clock()
+        for states, workerless in (((UP,), False), ((UP,), True), ((UP, CONNECTING), True),
+                                   ((UP, CONNECTING, DOWN), True)):
+            candidates = [link.index for link in self.links if link.state in states and link.index != avoid
+                          and (workerless or link.no_worker_until <= now)]
             if candidates:
                 return choose(session, candidates, self.salt)
         return avoid if avoid is not None else 0
+
+    def move_after(self, route: Route, exc: BaseException) -> int | None:
+        """After a failure of the session on `route`: the broker to re-OPEN it on when it should leave its own
+        (lost, or it has no live worker: that one then gets no new sessions for NO_WORKER_AVOID_S); None = stay."""
+        link = self.links[route.link]
+        if isinstance(exc, Overloaded) and str(exc).startswith(NO_LIVE_WORKER):
+            link.no_worker_until = self._clock() + NO_WORKER_AVOID_S
+            link.stats["no_worker"] += 1
+        elif link.state != DOWN:
+            return None
+        moved = self.choose(route.session.sid, avoid=route.link)
+        return moved if moved != route.link else None
 
     def send(self, route: Route, frames: list[bytes]) -> zmq.ZMQError | None:
         return self.links[route.link].send(frames)
@@ -219,7 +240,8 @@ class BrokerLinks:
                 "broker_up_per_broker": {link.endpoint: int(link.state == UP) for link in self.links},
                 "broker_sessions_per_broker": {link.endpoint: on[link.index] for link in self.links},
                 "broker_lost_per_broker": {link.endpoint: link.stats["lost"] for link in self.links},
-                "stale_replies_per_broker": {link.endpoint: link.stats["stale_replies"] for link in self.links}}
+                "stale_replies_per_broker": {link.endpoint: link.stats["stale_replies"] for link in self.links},
+                "broker_no_worker_per_broker": {link.endpoint: link.stats["no_worker"] for link in self.links}}
 
     def states(self) -> dict[str, str]:
         return {link.endpoint: link.state for link in self.links}

@@ -49,7 +49,7 @@ from .config import EdgeConfig, SessionConfig
 from .draftlen import EdgeEstimates
 from .drafter import Drafter
 from .frontend import ClientFrontend
-from .links import DOWN, BrokerLink, BrokerLinks
+from .links import BrokerLink, BrokerLinks
 from .loading import load_drafter, target_context
 from .route import Retries, Route
 from .session import EdgeSession
@@ -279,14 +279,12 @@ class EdgeWorker(transport.Service):
         delay = retries.backoff_s(exc)
         if delay is not None:
             await asyncio.sleep(delay)
-        if self.links[route.link].state == DOWN:
-            moved = self.links.choose(session.sid, avoid=route.link)
-            if moved != route.link:
-                self._send(route, session.close_message())
-                slog.info("session moves to another broker", lost=self.brokers[route.link],
-                          to=self.brokers[moved])
-                route.link = moved
-                self.metrics.failovers += 1
+        moved = self.links.move_after(route, exc)  # the broker is lost or has no live worker
+        if moved is not None:
+            self._send(route, session.close_message())
+            slog.info("session moves to another broker", left=self.brokers[route.link], to=self.brokers[moved])
+            route.link = moved
+            self.metrics.failovers += 1
         route.reopened()
         self._send(route, session.open_message())
 

@@ -249,6 +249,9 @@ class EdgeSession:
         block, n = self._block, v.n_accepted
         if n > len(block.ids):
             raise InvalidRequest(f"n_accepted {n} exceeds the draft length {len(block.ids)}", field="n_accepted")
+        if v.next_token < 0 and (self.mode != Mode.SAMPLE or n >= len(block.q_rows)):  # no q' row to finish from
+            raise WorkerMisbehaved(f"the worker sent no next token for session {self.sid} outside a sample-mode "
+                                   "rejection")
         self.stats.cloud_calls += 1
         self.stats.accepted_tokens += n
         self.prefill_due = 0

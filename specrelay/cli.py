@@ -69,7 +69,7 @@ def cmd_cloud_worker(args) -> int:
                     max_wait_ms=args.max_wait_ms, health_port=args.health_port, health_host=args.health_host,
                     max_cache_bytes=int(args.max_cache_mb * 2**20), kv_cache_fraction=args.kv_cache_fraction,
                     deterministic=args.deterministic, prefill_tokens=args.prefill_tokens, attention=args.attention,
-                    curve=curve)
+                    max_step_tokens=args.max_step_tokens, curve=curve)
         warning.cancel()
 
     run_async(main())

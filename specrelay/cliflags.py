@@ -168,6 +168,8 @@ def cloud_worker_flags(p) -> None:
     p.add_argument("--attention", default=W.attention, choices=ATTENTION_PATHS,
                    help="one attention call per layer for the whole batch (batched) or one per session "
                         "(per-session); auto: batched on cuda, per-session on the cpu (docs/gpu.md)")
+    p.add_argument("--max-step-tokens", type=cliargs.positive_int, default=W.max_step_tokens,
+                   help="new tokens of the VERIFYs in one forward pass (tree nodes count; shared fairly by clients)")
     add_health(p)
     add_client_keys(p)
 

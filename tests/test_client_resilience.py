@@ -59,6 +59,24 @@ def test_ids_a_worker_sends_outside_the_vocabulary_are_a_retryable_error(tiny_ru
     assert session.generated == []
 
 
+@pytest.mark.parametrize("mode", ["greedy", "sample-all-accepted"])
+def test_no_next_token_outside_a_sample_rejection_is_a_retryable_error(tiny_runners, mode):
+    """A VERDICT with next_token = -1 where no q' row can finish the draw (greedy, or every draft token accepted)
+    raised IndexError before (not retried): now the retryable WorkerMisbehaved, nothing committed."""
+    target, draft = tiny_runners
+    if mode == "greedy":
+        config = SessionConfig(max_new_tokens=8, draft_len=2)
+        session = EdgeSession(target.tokenizer("def f():").input_ids, config, Drafter(draft, target.vocab_size),
+                              sid=4)
+    else:
+        session = sampled_session(tiny_runners)
+    request = session.next_request()
+    n = 0 if mode == "greedy" else len(session._block.ids)
+    with pytest.raises(WorkerMisbehaved, match="no next token") as info:
+        session.apply(P.Verdict(4, request.seq, n, -1))
+    assert info.value.retryable and session.generated == []
+
+
 async def test_the_start_up_probe_retries_worker_lost(zctx):
     """The broker answers WORKER_LOST while the worker it picked goes away; the probe asks again (before the fix it
     gave up at once: `specrelay generate` failed although a worker was back within its budget)."""

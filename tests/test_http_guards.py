@@ -51,18 +51,20 @@ def stack(tiny_pair, tmp_path_factory):
     key_file = tok_dir / "api-keys"
     key_file.write_text(f"# the second key\n{KEYS[1]}\n")
     http_port, edge_health, listen = free_port(), free_port(), f"tcp://127.0.0.1:{free_port()}"
-    with LocalCluster(str(target), threads=1) as cluster:
+    log_path = tok_dir / "edge.log"
+    with LocalCluster(str(target), threads=1) as cluster, open(log_path, "wb") as edge_log:
         edge = subprocess.Popen([sys.executable, "-m", "specrelay.cli", "edge-worker", "--broker", cluster.frontend,
                                  "--draft-model", str(draft), "--target-tokenizer", str(tok_dir), "--listen", listen,
                                  "--http", f"127.0.0.1:{http_port}", "--served-model-name", MODEL,
                                  "--api-key", KEYS[0], "--api-key-file", str(key_file),
                                  "--max-concurrent-requests", "2", "--http-read-timeout", str(READ_TIMEOUT),
                                  "--health-port", str(edge_health)],
-                                env=dict(os.environ, SPECRELAY_THREADS="1", OMP_NUM_THREADS="1"))
+                                env=dict(os.environ, SPECRELAY_THREADS="1", OMP_NUM_THREADS="1"),
+                                stdout=edge_log, stderr=subprocess.STDOUT)
         try:
             base = f"http://127.0.0.1:{http_port}"
             httpfuzz.wait_http(base + "/health", edge)
-            yield {"base": base, "port": http_port, "edge": edge, "listen": listen,
+            yield {"base": base, "port": http_port, "edge": edge, "listen": listen, "log": log_path,
                    "health": {"broker": cluster.broker_health_port, "cloud worker": cluster.health_ports[0],
                               "edge": edge_health}}
         finally:
@@ -279,3 +281,33 @@ def test_template_errors_are_logged_not_returned(stack):
 def test_idle_connections_do_not_starve_the_health_port(stack, role):
     worst = httpfuzz.healthz_under_idle(stack["health"][role], n_idle=64)
     assert worst < 1, f"{role} /healthz took {worst:.2f} s with 64 idle connections held"
+
+
+# ------------------------------------------------------------------------------------------ bounded before expensive
+
+def test_huge_prompts_are_refused_before_tokenising_beside_a_legit_request(stack):
+    """8 prompts of 7.5 MB at once (under the 8 MiB body limit; each took 21 s of tokenising and the 8 took the
+    edge from 500 to 5,766 MiB): each a 400 on `prompt`, the edge's RSS grows by far less, a legit request alongside
+    is served."""
+    out = httpfuzz.huge_prompts(stack["base"], stack["edge"].pid, n=8, key=KEYS[1], legit_key=KEYS[0], model=MODEL)
+    assert out["statuses"] == [400] * 8 and out["params"] == ["prompt"] * 8, out
+    assert out["rss_growth_mib"] <= 100, out
+    assert out["legit_status"] == 200 and out["slowest_refusal_s"] < 10, out  # 21 s each before, one after another
+    assert stack["edge"].poll() is None
+
+
+def test_a_client_leaving_a_plain_request_logs_no_traceback(stack):
+    before = stack["log"].read_bytes().count(b"InvalidStateError")
+    body = json.dumps({"model": MODEL, "prompt": "a b c", "max_tokens": 300, "temperature": 0}).encode()
+    with socket.create_connection(("127.0.0.1", stack["port"]), timeout=30) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEYS[0]}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(1.0)  # the generation is under way
+    deadline = time.monotonic() + 60
+    while metric(stack["health"]["edge"], "specrelay_edge_http_in_flight") > 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    time.sleep(0.5)
+    assert stack["log"].read_bytes().count(b"InvalidStateError") == before
+    assert metric(stack["health"]["edge"], "specrelay_edge_http_disconnects_total") >= 1
+    assert post(stack["base"], "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2})[0] == 200

@@ -247,7 +247,8 @@ def test_admission_by_memory_and_eviction_of_idle_sessions(tiny_runners):
     target, _ = tiny_runners
     now = [0.0]
     per_token = KVShape.of(target.model.config, torch.float32).bytes_per_token
-    v = Verifier(target, VerifierConfig(max_cache_bytes=256 * per_token, evict_idle_s=10.0), clock=lambda: now[0])
+    v = Verifier(target, VerifierConfig(max_cache_bytes=256 * per_token, evict_idle_s=10.0, client_kv_share=1.0),
+                 clock=lambda: now[0])
     v.open((b"e", 1), P.Open(1, [5] * 100))        # 100 + headroom -> 192 of 256 slots
     assert v.kv_free_tokens == 64
     with pytest.raises(KVFull, match="KV memory is full"):

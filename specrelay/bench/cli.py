@@ -38,6 +38,8 @@ EXTERNAL: dict[str, tuple[str, str, str]] = {
     "broker": ("specrelay.bench.broker_load", "main", "round trips per broker core, fake workers and edges"),
     "gpu": ("specrelay.bench.gpucheck", "main", "the cloud worker on a device: exactness, step, attention paths"),
     "worker-abuse": ("specrelay.bench.worker_abuse", "main", "RESAMPLE floods, OPEN/CLOSE churn, long prefill"),
+    "hostile-broker": ("specrelay.bench.hostile_broker", "main", "a hostile broker's OPEN flood beside an honest one"),
+    "fairshare": ("specrelay.bench.fairshare", "main", "one client's tree flood against the others' share of a step"),
 }
 # what each benchmark of specrelay.bench.legacy measures (its --help)
 LEGACY_HELP = {

@@ -114,11 +114,46 @@ def seconds_until_closed(socks: list[socket.socket]) -> float:
     return time.monotonic() - t0
 
 
-def timed_request(base: str, **body) -> tuple[int, float]:
+def timed_request(base: str, key: str = KEY, model: str = MODEL, **body) -> tuple[int, float]:
     t0 = time.monotonic()
-    status, _, _ = post(base, "/v1/completions", {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 8,
-                                                  "temperature": 0} | body, timeout=60)
+    status, _, _ = post(base, "/v1/completions", {"model": model, "prompt": "def add(a, b):", "max_tokens": 8,
+                                                  "temperature": 0} | body, key, timeout=60)
     return status, time.monotonic() - t0
+
+
+def huge_prompts(base: str, edge_pid: int, n: int = 8, key: str = KEY, legit_key: str = KEY,
+                 model: str = MODEL) -> dict:
+    """n prompts of 7.5 MB at once (each under the 8 MiB body limit, past protocol.MAX_PROMPT_CHARS) beside one
+    legit request: their statuses and refused params, the slowest refusal, the edge's peak RSS growth (sampled
+    every 20 ms), the legit request's status and seconds."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = {"model": model, "prompt": "ab " * 2_500_000, "max_tokens": 1}
+    before, peak, done = rss_kib(edge_pid), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.02):
+            peak[0] = max(peak[0], rss_kib(edge_pid))
+
+    def one(_) -> tuple[int, str | None, float]:
+        t0 = time.monotonic()
+        status, answer, _ = post(base, "/v1/completions", body, key, timeout=300)
+        return status, answer.get("error", {}).get("param"), time.monotonic() - t0
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    with ThreadPoolExecutor(n + 1) as pool:
+        refused = [pool.submit(one, i) for i in range(n)]
+        legit = pool.submit(timed_request, base, legit_key, model)
+        answers = [f.result() for f in refused]
+        legit_status, legit_s = legit.result()
+    done.set()
+    sampler.join()
+    return {"statuses": [a[0] for a in answers], "params": [a[1] for a in answers],
+            "slowest_refusal_s": round(max(a[2] for a in answers), 3),
+            "rss_growth_mib": round((max(peak[0], rss_kib(edge_pid)) - before) / 1024, 1),
+            "legit_status": legit_status, "legit_s": round(legit_s, 3)}
 
 
 def healthz_under_idle(port: int, n_idle: int = 64) -> float:
@@ -160,6 +195,8 @@ def attack(base: str, port: int, edge_pid: int, health: dict[str, int]) -> dict:
     status, body, _ = post(base, "/v1/completions", {"model": MODEL, "prompt": [5], "max_tokens": 5000})
     out["past_context"] = {"status": status, "seconds": round(time.monotonic() - t0, 3),
                            "message": body.get("error", {}).get("message")}
+    out["huge_prompts_8"] = huge_prompts(base, edge_pid)
+    out["at_rest_after"] = timed_request(base)
     out["healthz_64_idle_s"] = {role: round(healthz_under_idle(p), 3) for role, p in health.items()}
     return out
 

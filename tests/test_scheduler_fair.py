@@ -1,0 +1,86 @@
+"""The cloud scheduler's step token budget and its fairness across clients, pure (no sockets): a tree VERIFY's
+nodes count as tokens (max_step_tokens, like vLLM's max_num_batched_tokens), one client's VERIFYs take at most its
+share of a step while another's wait (before: first come first served, 48 sessions of 64-node trees made a legit
+session's round trip 115x slower), what is left unused goes to the capped client, and chunked prefill gives each
+client with a pending context its part of the prefill budget (before: oldest session first, whoever sent it)."""
+
+from __future__ import annotations
+
+import types
+
+from specrelay.cloud_worker.config import SchedulerConfig
+from specrelay.cloud_worker.scheduler import ChunkedPrefill, Item, Scheduler
+from specrelay.common import protocol as P
+
+TREE = list(range(64))  # a full 64-node tree: 65 new tokens with the row after it
+
+
+class Contexts:
+    def __init__(self, lengths: dict[tuple[bytes, int], int] | None = None) -> None:
+        self.sessions = {key: types.SimpleNamespace(tokens=list(range(n))) for key, n in (lengths or {}).items()}
+
+    def cached(self, key) -> int:
+        return 0
+
+
+def tree(client: bytes, sid: int, t: float = 0.0) -> Item:
+    return Item((client, sid), P.Verify(sid, 1, 1, draft=TREE, parents=[-1] + list(range(63))), t)
+
+
+def chain(client: bytes, sid: int, t: float = 0.0) -> Item:
+    return Item((client, sid), P.Verify(sid, 1, 1, draft=[1, 2, 3, 4]), t)
+
+
+def scheduler(**config) -> Scheduler:
+    return Scheduler(SchedulerConfig(**{"max_batch": 32, "max_wait_ms": 2.0, **config}), Contexts())
+
+
+def test_a_tree_s_nodes_count_against_the_step_token_budget():
+    s = scheduler(max_step_tokens=256)
+    for sid in range(48):
+        s.push(tree(b"flood", sid))
+    step = s.plan(0.0, lambda it: None).step
+    assert sum(it.tokens for it in step.verifies) <= 256 and len(step.verifies) == 3  # 3 x 65, not 32 x 65
+    assert len(s.queue) == 45
+
+
+def test_a_legit_chain_behind_48_trees_of_another_client_goes_in_the_first_step():
+    s = scheduler(max_step_tokens=256)
+    for sid in range(48):
+        s.push(tree(b"flood", sid))
+    s.push(chain(b"legit", 1))
+    step = s.plan(0.0, lambda it: None).step
+    assert (b"legit", 1) in [it.key for it in step.verifies]
+    flood = sum(it.tokens for it in step.verifies if it.peer == b"flood")
+    assert flood <= 256 - 5 and sum(it.tokens for it in step.verifies) <= 256
+
+
+def test_a_client_past_its_share_gets_what_the_others_leave():
+    s = scheduler(max_step_tokens=256)
+    s.last_seen[(b"legit", 1)] = 0.0  # the legit client was active lately: a share is kept for it ...
+    for sid in range(8):
+        s.push(tree(b"flood", sid))
+    s.push(chain(b"legit", 1))
+    step = s.plan(0.0, lambda it: None).step
+    by = {peer: sum(it.tokens for it in step.verifies if it.peer == peer) for peer in (b"flood", b"legit")}
+    assert by[b"legit"] == 5 and 128 <= by[b"flood"] <= 251  # ... and what it leaves unused goes to the flood
+
+
+def test_each_session_keeps_its_order_under_the_budget():
+    s = scheduler(max_step_tokens=130)
+    for it in [tree(b"a", 1), tree(b"a", 2), Item((b"a", 2), P.Close(2), 0.0), tree(b"a", 3)]:
+        s.push(it)
+    handled: list = []
+    first = s.plan(0.0, lambda it: handled.append(it.msg)).step
+    assert [it.key[1] for it in first.verifies] == [1, 2] and handled == []  # the budget: 2 x 65
+    second = s.plan(0.0, lambda it: handled.append(it.msg)).step
+    assert isinstance(handled[0], P.Close) and [it.key[1] for it in second.verifies] == [3]
+
+
+def test_prefill_gives_each_client_its_part_oldest_session_first_within_it():
+    contexts = Contexts({(b"flood", 1): 500, (b"flood", 2): 500, (b"flood", 3): 500, (b"legit", 1): 100})
+    rows = ChunkedPrefill(contexts, 64).rows()
+    given = {row.key: len(row.ids) for row in rows}
+    assert given[(b"legit", 1)] == 32 and given[(b"flood", 1)] == 32 and sum(given.values()) == 64
+    alone = ChunkedPrefill(Contexts({(b"flood", 1): 100, (b"flood", 2): 500, (b"legit", 1): 10}), 64).rows()
+    assert {row.key: len(row.ids) for row in alone} == {(b"flood", 1): 64}  # legit's is ready: the flood's turn

@@ -99,7 +99,7 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="specrelay bench hostile-broker", description=__doc__,
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="specrelay bench hostile-broker", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(MODELS / "demo-target"))
     ap.add_argument("--draft", default=str(MODELS / "demo-draft"))

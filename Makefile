@@ -34,7 +34,7 @@ real-models: venv
 	$(BIN)/python scripts/real_models.py
 
 test-fast: venv
-	$(BIN)/python -m pytest -q -ra -m "unit and not extended"
+	$(BIN)/python -m pytest -q -ra -m "unit and not extended and not real"
 
 bench: venv
 	$(BIN)/python -m specrelay.bench all

@@ -133,3 +133,22 @@ def test_in_process_generation_with_a_reused_drafter_is_still_exact(synthetic):
     for _ in range(2):
         ids, _ = speculative_generate(drafter, target, list(prompt), config)
         assert ids == target_generate(target, list(prompt), 12)
+
+
+@pytest.mark.demo
+@pytest.mark.timeout(600)
+def test_demo_cross_pair_sessions_after_the_first_stay_under_1_kbit_per_token():
+    """Through a real broker and worker: run_edge's warm-up is the edge's first session with the pair (it sends
+    the bitmap); every session after it names the bitmap by hash, <= 1 kbit/token uplink for 48 tokens."""
+    import asyncio
+
+    from specrelay.bench import run_edge
+    from specrelay.cluster import LocalCluster
+    from specrelay.bench.runs import DEMO_DRAFT_XV, DEMO_TARGET
+
+    prompts = ["def add(a, b):\n", "class Point:\n", "import os\n"]
+    with LocalCluster(str(DEMO_TARGET)) as cluster:
+        out, _ = asyncio.run(run_edge(cluster.frontend, str(DEMO_DRAFT_XV), prompts, 1, str(DEMO_TARGET),
+                                      max_new_tokens=48))
+    for ids, stats in out:
+        assert stats["generated_tokens"] == len(ids) and 8 * stats["uplink_bytes"] / len(ids) <= 1000, stats

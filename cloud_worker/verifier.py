@@ -22,7 +22,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import structlog
 import torch
 
@@ -38,6 +37,7 @@ from ..common.sampling import SamplingParams, probs_from_logits
 from ..common.tree import TreeDraft
 from . import treeverify
 from .attention import Row, forward_packed, install, self_check
+from .bitmaps import BitmapCache
 from .config import VerifierConfig
 from .kvcache import KVFull, KVStore
 from .owncache import OwnCacheStore, announce_fallback, forward_own_cache
@@ -65,7 +65,6 @@ class CloudSession:
     last_draft: tuple = ()       # (draft, parents) of the last VERIFY
     last_reply: P.Verdict | None = None
     pending: resample.Pending | None = None  # a sampled rejection awaiting RESAMPLE
-    bitmap: bytes = b""          # the OPEN's shared_vocab: the key of `shared` in Verifier._masks
     resamples: TokenBucket = field(default_factory=lambda: TokenBucket(RESAMPLE_RATE, RESAMPLE_BURST))
 
     @property
@@ -127,7 +126,7 @@ class Verifier:
         self.stats = {"forward_passes": 0, "evictions": 0, "prefill_tokens": 0, "forward_tokens": 0,
                       "budget_refusals": 0}
         self.brokers = 1  # broker connections sharing this worker (the shell sets it): each gets 1 / brokers
-        self._masks: dict[bytes, tuple[torch.Tensor, int]] = {}  # shared_vocab -> (mask, sessions using it)
+        self.bitmaps = BitmapCache(runner.vocab_size, clock)  # shared-vocabulary masks by hash (bitmaps.py)
 
     # ------------------------------------------------------------------ session lifecycle
     def open(self, key: SessionKey, msg: P.Open) -> None:
@@ -144,7 +143,7 @@ class Verifier:
             raise InvalidRequest(f"the context has {len(msg.tokens)} tokens; the target model {self.runner.name} "
                                  f"takes at most {self.max_context} (max_position_embeddings)", field="tokens")
         self._check_ids(msg.tokens, "tokens")
-        shared = self._shared_mask(msg.shared_vocab)  # checked now, cached only once the session is admitted
+        shared = self.bitmaps.mask(msg.shared_vocab, msg.shared_vocab_hash)
         need = self.store.round_up(len(msg.tokens) + OPEN_HEADROOM)
         if need > self.store.capacity:
             raise InvalidRequest(f"the context has {len(msg.tokens)} tokens; this worker's KV store holds "
@@ -154,8 +153,7 @@ class Verifier:
             self._make_room(need)
             self.store.reserve(key, need)
         self.sessions[key] = CloudSession(key, list(msg.tokens), msg.mode, params, msg.seed, msg.resample,
-                                          self._hold_mask(msg.shared_vocab, shared), used=self.clock(),
-                                          bitmap=msg.shared_vocab)
+                                          shared, used=self.clock())
 
     def _budgets(self, key: SessionKey, need: int) -> None:
         """The budgets of `key`'s broker and client (module docstring); O(sessions)."""
@@ -206,8 +204,6 @@ class Verifier:
             self.close(key)
             return False
         self.sessions.pop(key)
-        if old.bitmap:
-            self._release_mask(old.bitmap)
         self.store.truncate(key, kept)
         try:
             self._make_room(max(0, need - self.store.span(key).capacity), busy=frozenset([key]))
@@ -218,16 +214,13 @@ class Verifier:
         return True
 
     def close(self, key: SessionKey) -> None:
-        session = self.sessions.pop(key, None)
+        self.sessions.pop(key, None)
         self.store.free(key)
-        if session is not None and session.bitmap:
-            self._release_mask(session.bitmap)
 
     def reset(self) -> None:
         """Forget every session (the broker connection they came on is gone)."""
         self.sessions.clear()
         self.store.clear()
-        self._masks.clear()
 
     @property
     def kv_free_tokens(self) -> int:
@@ -235,35 +228,6 @@ class Verifier:
 
     def cached(self, key: SessionKey) -> int:
         return self.store.span(key).length
-
-    def _shared_mask(self, bitmap: bytes) -> torch.Tensor | None:
-        """The OPEN's shared_vocab bitmap -> [V_target] bool mask (the cached one when a session holds it)."""
-        if not bitmap:
-            return None
-        if bitmap in self._masks:
-            return self._masks[bitmap][0]
-        v = self.runner.vocab_size
-        if len(bitmap) != (v + 7) // 8:
-            raise InvalidRequest(f"shared_vocab bitmap must be {(v + 7) // 8} bytes for a {v}-token target",
-                                 field="shared_vocab")
-        bits = np.unpackbits(np.frombuffer(bitmap, dtype=np.uint8), bitorder="little")[:v]
-        return torch.from_numpy(bits.astype(bool))
-
-    def _hold_mask(self, bitmap: bytes, mask: torch.Tensor | None) -> torch.Tensor | None:
-        """An admitted session shares the cached mask; the cache holds a mask only while a session uses it,
-        so it never has more entries than there are sessions."""
-        if mask is None:
-            return None
-        mask, users = self._masks.get(bitmap, (mask, 0))
-        self._masks[bitmap] = (mask, users + 1)
-        return mask
-
-    def _release_mask(self, bitmap: bytes) -> None:
-        mask, users = self._masks.get(bitmap, (None, 1))
-        if users <= 1:
-            self._masks.pop(bitmap, None)
-        else:
-            self._masks[bitmap] = (mask, users - 1)
 
     def _check_ids(self, ids: list[int], name: str) -> None:
         v = self.runner.vocab_size

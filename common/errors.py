@@ -5,6 +5,7 @@
     │   ├── InvalidRequest      malformed frame, wrong type, out-of-range field       -> BAD_REQUEST
     │   │   └── ChainsOnly      a token tree to a worker that verifies chains only    -> CHAINS_ONLY
     │   ├── UnknownSession      no live state for this (peer, session): re-OPEN       -> UNKNOWN_SESSION
+    │   │   └── UnknownVocab    the OPEN's bitmap hash is not cached: re-OPEN with it -> UNKNOWN_VOCAB
     │   ├── WorkerLost          the worker holding the session vanished (retryable)   -> WORKER_LOST
     │   ├── Overloaded          no live worker / a limit reached (retryable)          -> UNAVAILABLE
     │   ├── ConnectionLost      the link to the broker dropped mid-request (local)    -> UNAVAILABLE
@@ -36,6 +37,7 @@ class ErrorCode(enum.IntEnum):
     # 7 is reserved (an unused key-permission code in 0.1.0): never reuse it, a peer of 0.1.0 may know it
     CONTEXT_FULL = 8     # the session reached the target's context: the generation ends there ("length")
     CHAINS_ONLY = 9      # this worker cannot verify token trees: re-OPEN and send chains (parents = [])
+    UNKNOWN_VOCAB = 10   # the OPEN named its shared-vocabulary bitmap by hash only, not cached here: send it
 
 
 class SpecRelayError(Exception):
@@ -72,6 +74,11 @@ class ChainsOnly(InvalidRequest, code=ErrorCode.CHAINS_ONLY):
 
 class UnknownSession(RequestError, code=ErrorCode.UNKNOWN_SESSION, retryable=True):
     """Nobody holds this (peer, session): re-OPEN with the whole context."""
+
+
+class UnknownVocab(UnknownSession, code=ErrorCode.UNKNOWN_VOCAB):
+    """A hash-only OPEN whose bitmap this worker does not hold (never sent, expired or pushed out of its cache):
+    the edge re-OPENs at once with the bitmap itself."""
 
 
 class WorkerLost(RequestError, code=ErrorCode.WORKER_LOST, retryable=True):
@@ -116,8 +123,8 @@ class ContextFull(RequestError, code=ErrorCode.CONTEXT_FULL):
     finishes the generation with what it committed (finish_reason "length")."""
 
 
-_BY_CODE = {cls.code: cls for cls in (InvalidRequest, ChainsOnly, UnknownSession, WorkerLost, Overloaded,
-                                      GenerationTimeout, InternalError, ContextFull)}
+_BY_CODE = {cls.code: cls for cls in (InvalidRequest, ChainsOnly, UnknownSession, UnknownVocab, WorkerLost,
+                                      Overloaded, GenerationTimeout, InternalError, ContextFull)}
 
 
 def from_wire(code: ErrorCode, message: str) -> RequestError:

@@ -1,7 +1,10 @@
 """Checks on a model argument and a device, made before anything heavy is loaded (no torch import unless CUDA
 must be asked about).
 
-A model argument is a local directory or a Hugging Face hub id ("gpt2", "Qwen/Qwen2.5-0.5B"). A
+A model argument is a local directory, a GGUF file (or a directory holding exactly one, and no config.json), or a
+Hugging Face hub id ("gpt2", "Qwen/Qwen2.5-0.5B"). A GGUF file is read by transformers' GGUF support and
+dequantised to the --dtype asked for (it needs the `gguf` package: the `real` extra); its header is checked here
+(magic, architecture, every tensor's quantisation) so that what transformers cannot read fails in one line. A
 path-looking argument (absolute, relative with ./ or ../, ~, more than one slash, an existing file, or a first
 component that is a local folder, as in "models/demo-targt") is NEVER sent to the hub: a typo must not turn into
 a minute of download retries. A local directory must hold a config, weights and tokenizer files. A hub id must be
@@ -40,11 +43,15 @@ def check_model(name: str, what: str = "model", *, weights: bool = True, tokeniz
         check_hub(name, what)
         return name
     path = Path(name).expanduser()
+    gguf = gguf_of(path, what)
+    if gguf is not None:
+        return check_gguf(gguf, what)
     if not path.exists():
-        raise ConfigError(f"{what}: directory {name} does not exist{_did_you_mean(path)} "
+        kind = "file" if path.suffix.lower() == ".gguf" else "directory"
+        raise ConfigError(f"{what}: {kind} {name} does not exist{_did_you_mean(path)} "
                           "(a path is never looked up on the Hugging Face hub)")
     if not path.is_dir():
-        raise ConfigError(f"{what}: {name} is a file; give the model's directory")
+        raise ConfigError(f"{what}: {name} is a file; give the model's directory (or a .gguf file)")
     if weights and not (path / "config.json").is_file():
         raise ConfigError(f"{what}: {name} has no config.json, so it is not a Hugging Face model directory")
     if weights and not any(next(path.glob(pattern), None) for pattern in WEIGHTS):
@@ -53,6 +60,64 @@ def check_model(name: str, what: str = "model", *, weights: bool = True, tokeniz
         raise ConfigError(f"{what}: {name} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...): "
                           "copy the model's tokenizer into that directory")
     return str(path)
+
+
+def gguf_of(path: Path, what: str = "model") -> Path | None:
+    """The GGUF file a model argument names: the file itself (*.gguf), or the single *.gguf in a directory that has
+    no config.json; None when it names none. A directory with several is refused: which one is meant?"""
+    if path.is_file():
+        return path if path.suffix.lower() == ".gguf" else None
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    found = sorted(path.glob("*.gguf"))
+    if len(found) > 1:
+        raise ConfigError(f"{what}: {path} holds {len(found)} GGUF files ({', '.join(f.name for f in found[:4])}); "
+                          "name the file")
+    return found[0] if found else None
+
+
+def check_gguf(path: Path, what: str = "model") -> str:
+    """The GGUF file's path once its header says transformers can read it: the magic, an architecture transformers
+    maps, and tensor types the gguf package dequantises. Reads the header only (the file is memory-mapped)."""
+    with path.open("rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ConfigError(f"{what}: {path} is not a GGUF file (it does not start with the GGUF magic)")
+    try:
+        import gguf
+        from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+    except ImportError as exc:
+        raise ConfigError(f"{what}: {path} is a GGUF file; reading it needs the gguf package ({exc.name} is "
+                          "missing): pip install 'specrelay[real]'") from None
+    try:
+        reader = gguf.GGUFReader(path)
+        field = reader.fields["general.architecture"]
+        arch = bytes(field.parts[field.data[0]]).decode()
+    except (KeyError, IndexError, ValueError, OSError) as exc:
+        raise ConfigError(f"{what}: {path}: cannot read its GGUF header ({exc})") from None
+    if arch not in GGUF_SUPPORTED_ARCHITECTURES and _GGUF_ALIASES.get(arch) not in GGUF_SUPPORTED_ARCHITECTURES:
+        raise ConfigError(f"{what}: {path} is a GGUF of architecture {arch!r}, which transformers "
+                          f"{metadata.version('transformers')} cannot read (it reads "
+                          f"{', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))})")
+    plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
+    bad = sorted({t.tensor_type.name for t in reader.tensors
+                  if t.tensor_type not in plain and t.tensor_type not in gguf.quants._type_traits})
+    if bad:
+        raise ConfigError(f"{what}: {path} holds tensors quantised as {', '.join(bad)}, which gguf "
+                          f"{metadata.version('gguf')} cannot dequantise")
+    return str(path)
+
+
+# GGUF architecture names that transformers maps to another name before looking them up (load_gguf_checkpoint)
+_GGUF_ALIASES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2",
+                 "t5encoder": "t5"}
+
+
+def pretrained_args(name: str) -> tuple[str, dict]:
+    """(what to pass to from_pretrained, its extra keyword arguments) for a checked model argument: a GGUF file is
+    its directory plus gguf_file=its name."""
+    if name.lower().endswith(".gguf") and os.path.isfile(name):
+        return os.path.dirname(os.path.abspath(name)), {"gguf_file": os.path.basename(name)}
+    return name, {}
 
 
 def check_hub(name: str, what: str = "model", timeout: float = HUB_TIMEOUT_S) -> None:

@@ -111,9 +111,9 @@ class Base(msgspec.Struct, array_like=True, omit_defaults=True, forbid_unknown_f
 class Open(Base):
     """Start (or re-prefill) a session on a worker. session: chosen by the edge, unique per edge. tokens: the
     whole target-vocab context (prompt, plus the committed history when re-sending after UNKNOWN_SESSION).
-    temperature/top_k/top_p: the shared transform. seed: the counter-based RNG seed. shared_vocab: V_c as a
-    packed bitmap over the target ids (numpy packbits, little bit order); b"" = same vocabulary (V_c = all).
-    vocab_size: the target vocabulary size the edge's noise and q' rows assume; a mismatch is refused (0: unchecked)."""
+    temperature/top_k/top_p: the shared transform. seed: the counter-based RNG seed. shared_vocab: V_c, bits over the
+    target ids (common/bitmap.py); shared_vocab_hash: its content hash, alone it names a bitmap the worker cached;
+    neither = same vocabulary. vocab_size: the target vocabulary size the edge assumes; a mismatch is refused."""
 
     session: U63
     tokens: Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_CONTEXT)]
@@ -125,6 +125,7 @@ class Open(Base):
     resample: Strategy = DEFAULT_STRATEGY
     shared_vocab: bytes = b""
     vocab_size: Annotated[int, msgspec.Meta(ge=0)] = 0
+    shared_vocab_hash: Annotated[bytes, msgspec.Meta(max_length=32)] = b""
 
 
 class QRow(Base):

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from .errors import FatalError
-from .modelsource import check_device, check_model
+from .modelsource import check_device, check_model, pretrained_args
 from .selfcheck import refuse_recurrent
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,11 +64,15 @@ class ModelRunner:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         name_or_path = check_model(name_or_path)  # a path-looking name is never sent to the hub
         check_device(device)
+        source, gguf = pretrained_args(name_or_path)  # a GGUF file: dequantised to `dtype` by transformers
         try:
-            tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype]).to(device)
-        except (OSError, ValueError) as exc:
+            tokenizer = AutoTokenizer.from_pretrained(source, **gguf)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype], **gguf).to(device)
+        except (OSError, ValueError, NotImplementedError) as exc:
             raise FatalError(f"cannot load model {name_or_path!r}: {exc}") from exc
+        if gguf:  # plain tensors now: nothing of the quantisation remains to apply
+            model.hf_quantizer = None
+            model.config.__dict__.pop("quantization_config", None)
         refuse_recurrent(model)  # a state-space layer's state cannot roll back: refused here, in one line
         return cls(model, tokenizer, name=str(name_or_path))
 

@@ -116,8 +116,9 @@ class Drafter:
         return DraftJob(job.state, context, job.position + len(ids), d, job.mode, job.params, job.seed,
                         job.unverified + tuple(ids))
 
-    def shared_bitmap(self) -> bytes:
-        return b""
+    def open_vocab(self, resend: bool = False) -> tuple[bytes, bytes]:
+        """(shared_vocab, shared_vocab_hash) for an OPEN: one vocabulary, so neither."""
+        return b"", b""
 
     def to_target(self, q: torch.Tensor) -> torch.Tensor:  # q: [V_draft] -> q' [V_target]
         """Same tokenizer, possibly a different embedding size: V_c = ids valid in both."""

@@ -4,7 +4,7 @@ drafter for that pair (same or cross vocabulary). `server.load_edge` builds an E
 from __future__ import annotations
 
 from ..common.errors import FatalError
-from ..common.modelsource import check_model
+from ..common.modelsource import check_model, pretrained_args
 from ..common.runner import ModelRunner, config_context
 from . import draftkv
 from .drafter import Drafter
@@ -37,8 +37,9 @@ def load_target_tokenizer(name: str):
 
     name = check_model(name, "target tokenizer", weights=False)  # a path-looking name is never sent to the hub
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
-    except (OSError, ValueError) as exc:
+        source, gguf = pretrained_args(name)  # a GGUF file holds its tokenizer
+        tokenizer = AutoTokenizer.from_pretrained(source, **gguf)
+    except (OSError, ValueError, NotImplementedError) as exc:
         raise FatalError(f"cannot load the target tokenizer {name!r}: {exc}") from exc
     config = _target_config(name)
     return tokenizer, getattr(config, "vocab_size", None)
@@ -49,8 +50,9 @@ def _target_config(name: str):
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(check_model(name, "target tokenizer", weights=False))
-    except (OSError, ValueError):
+        source, gguf = pretrained_args(check_model(name, "target tokenizer", weights=False))
+        return AutoConfig.from_pretrained(source, **gguf)
+    except (OSError, ValueError, NotImplementedError):
         return None
 
 

@@ -115,19 +115,22 @@ class EdgeSession:
         self._predrafting = self._opened = False   # pre-drafting while this VERIFY is in flight; first after OPEN
         self._catchup = False                      # its draft first caught up on a stretch the draft never saw
         self._rejection: Rejection | None = None
+        self._resend_vocab = False                 # a worker lacked the bitmap the last OPEN named by hash
         self._pending: P.Resample | None = None
         self.trees = TreeRounds(self, self.tree_estimates or TreeEstimates(), self.config.trees,
                                 self.config.tree_nodes)  # token trees (edge_worker/treeround.py)
 
     # ---------------------------------------------------------------------------- requests
-    def open_message(self) -> P.Open:
-        """OPEN with the whole committed context (also the re-prefill on a retry)."""
+    def open_message(self, resend_vocab: bool = False) -> P.Open:
+        """OPEN with the whole committed context (also the re-prefill on a retry); with the shared-vocabulary
+        bitmap itself when `resend_vocab` or the worker lacked it (UNKNOWN_VOCAB), else maybe by hash only."""
         c = self.config
         self.cloud_len = self.prefill_due = len(self.tokens)
         self._rejection = self._pending = None
+        vocab, vocab_hash = self.drafter.open_vocab(resend_vocab or self._resend_vocab)
+        self._resend_vocab = False
         return P.Open(self.sid, list(self.tokens), self.mode, c.params.temperature, c.params.top_k,
-                      c.params.top_p, c.seed, c.resample, self.drafter.shared_bitmap(),
-                      self.drafter.target_vocab_size)
+                      c.params.top_p, c.seed, c.resample, vocab, self.drafter.target_vocab_size, vocab_hash)
 
     def next_request(self) -> P.Verify | P.Resample:
         """The next message to send: a pending RESAMPLE, or a VERIFY for a freshly drafted block."""
@@ -230,6 +233,7 @@ class EdgeSession:
                 return []
             if reply.code == ErrorCode.UNKNOWN_SESSION:
                 self.stats.reopens += 1
+            self._resend_vocab = reply.code == ErrorCode.UNKNOWN_VOCAB  # its re-OPEN carries the bitmap
             if self.trees.block is not None and _refuses_trees(reply):
                 self.trees.refused()
                 raise TreesRefused(f"the worker verifies chains only: {reply.message}")

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 import codecs
 
+from ..common import bitmap
 from ..common.protocol import Mode
 from ..common.runner import ModelRunner
 from .drafter import DraftBlock, Drafter, DraftJob, DraftState
@@ -55,14 +55,18 @@ class CrossVocabDrafter(Drafter):
         self.shared_mask = vocab.target_mask[:n_target]           # [V_target] bool
         self._shared_t = vocab.shared_target_ids                   # [V_c] target ids
         self._shared_d = vocab.shared_draft_ids                    # [V_c] draft ids, aligned
-        self._bitmap = np.packbits(self.shared_mask.numpy(), bitorder="little").tobytes()
+        self._bitmap, self._bitmap_hash = bitmap.pack(self.shared_mask.numpy())  # common/bitmap.py
+        self._bitmap_sent = False
         self.retokenize = retokenize
         self._draft_table = token_bytes(runner.tokenizer)
         self._draft_eos = runner.eos_ids
         self._target_encoder = text_encoder(target_tokenizer)
 
-    def shared_bitmap(self) -> bytes:
-        return self._bitmap
+    def open_vocab(self, resend: bool = False) -> tuple[bytes, bytes]:
+        """(shared_vocab, shared_vocab_hash) for an OPEN: the bitmap itself with this edge's first OPEN for the pair
+        and after a worker answered UNKNOWN_VOCAB (`resend`), its hash alone otherwise (the worker cached it)."""
+        first, self._bitmap_sent = not self._bitmap_sent, True
+        return (self._bitmap if first or resend else b""), self._bitmap_hash
 
     def new_state(self, prompt_ids: list[int]) -> CrossVocabState:
         return CrossVocabState(text=DraftContext(self.runner.tokenizer, self.table))

@@ -55,7 +55,7 @@ def add_health(p, default: str = "off") -> None:
 
 
 def add_edge(p) -> None:
-    p.add_argument("--draft-model", default=demo_model("demo-draft"), help="draft model directory or hub id")
+    p.add_argument("--draft-model", default=demo_model("demo-draft"), help="draft model: directory, .gguf or hub id")
     p.add_argument("--target-tokenizer", default=None,
                    help="the target's tokenizer (directory or hub id) when it differs from the draft's")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
@@ -65,7 +65,7 @@ def add_edge(p) -> None:
 def add_target(p) -> None:
     from .cloud_worker.config import WorkerConfig as W  # the worker's defaults, defined once there
 
-    p.add_argument("--model", default=demo_model("demo-target"), help="target model directory or hub id")
+    p.add_argument("--model", default=demo_model("demo-target"), help="target model: directory, .gguf or hub id")
     p.add_argument("--max-batch", type=cliargs.positive_int, default=W.max_batch,
                    help="VERIFYs verified in one forward")
     p.add_argument("--max-wait-ms", type=cliargs.nonneg_float, default=W.max_wait_ms,

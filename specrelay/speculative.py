@@ -16,6 +16,7 @@ import torch
 from .cloud_worker.config import VerifierConfig
 from .cloud_worker.verifier import Verifier
 from .common import protocol as P
+from .common.errors import UnknownVocab
 from .common.packing import enum_value
 from .common.protocol import Mode
 from .common.rng import Purpose, gumbel, sample_index, uniform
@@ -53,7 +54,10 @@ def speculative_generate_batch(draft: ModelRunner | Drafter, target: ModelRunner
                 for i, (p, c) in enumerate(zip(prompts, configs))]
     t0 = time.perf_counter()
     for s in sessions:
-        verifier.open((b"", s.sid), s.open_message())
+        try:
+            verifier.open((b"", s.sid), s.open_message())
+        except UnknownVocab:  # this verifier never saw the drafter's bitmap: the edge's re-OPEN, in-process
+            verifier.open((b"", s.sid), s.open_message(resend_vocab=True))
     live = list(sessions)
     while live:
         jobs = [(s, s.draft_job()) for s in live]

@@ -47,7 +47,8 @@ LEGACY_HELP = {
     "srdv_k": "SR-DV candidates per round K: downlink bits per token (cross-vocabulary pair, T = 1)",
     "calls": "cloud calls per token through the broker, greedy, per --draft-len / --objective",
     "concurrency": "aggregate tokens/s at 16 concurrent sessions against one",
-    "hf": "one session's tokens/s against HF assisted generation, outputs compared",
+    "hf": "one session's tokens/s against HF assisted generation, outputs compared (--real: the real pair, "
+          "bench/realhf.py)",
     "xvocab": "cross-vocabulary pair at T = 1: bits per token up and down per resampling mode",
 }
 
@@ -179,6 +180,9 @@ def _legacy_parsers(add) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["hf"] and "--real" in argv:  # the real pair (bench/realhf.py), not the demo pair's legacy run
+        from .realhf import main as real_main
+        return real_main([a for a in argv[1:] if a != "--real"])
     if argv and argv[0] in EXTERNAL:
         module, fn, _ = EXTERNAL[argv[0]]
         try:

@@ -36,7 +36,7 @@ async def measure(target: str, draft: str, tokens: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--real", action="store_true")
     p.add_argument("--tokens", type=int, default=48)
     args = p.parse_args()

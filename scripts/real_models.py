@@ -122,7 +122,7 @@ def dequantise(ck: Checkpoint, gguf: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=[c.name for c in CHECKPOINTS], help="just this checkpoint")
     args = parser.parse_args()
     scratch = REAL / ".pkgs"

@@ -34,7 +34,7 @@ PROMPTS = ["The best way to learn a new language is", "def binary_search(items, 
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="specrelay bench hf --real", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="specrelay bench hf --real", description=__doc__.splitlines()[0])
     p.add_argument("--num-prompts", type=int, default=3, help="the first N of the built-in prompts")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--link", default="50ms", help="the emulated link's RTT beside loopback (bench/link.py)")

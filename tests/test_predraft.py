@@ -126,8 +126,8 @@ async def test_speculation_metrics_and_load_hints(zctx, linked, twin_drafter, ti
         text = await asyncio.to_thread(metrics, health.port)
         ready = await asyncio.to_thread(urllib.request.urlopen, f"http://127.0.0.1:{health.port}/readyz")
         assert ready.status == 200
-        assert running.estimates.forward.known  # VERDICTs carried the worker's load hint
-        assert running.estimates.step.count > 0 and running.estimates.step.value > 0  # the draft thread was timed
+        assert running.estimates.cloud.known  # VERDICTs carried the worker's load hint
+        assert running.estimates.draft.known and running.estimates.step() > 0  # the draft thread was timed
     drafts = sum(s["cloud_calls"] for _, s in results)
     accepted = sum(s["accepted_tokens"] for _, s in results)
     assert f"specrelay_edge_spec_decode_num_drafts_total {float(drafts)}" in text

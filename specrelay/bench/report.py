@@ -219,7 +219,7 @@ def _relative(path: Path, start: Path) -> str:
 
 _NOTES = {
     "sweep": "Greedy unless the command says otherwise. `d` is the draft length (`auto` = goodput-driven, "
-             "docs/draftlen.md); `0` is the target alone through the same path. Cloud calls are counted by the "
+             "docs/policy.md); `0` is the target alone through the same path. Cloud calls are counted by the "
              "workers; theory = rounds / Σ E(d) at the measured per-position acceptance (bench/theory.py). "
              "The edge side runs on CPU 0 and the cloud side on the other CPU unless the command says --no-pin.",
     "stress": "Real processes: `specrelay broker`, `specrelay cloud-worker` ×K, `specrelay edge-worker` ×N, each "

@@ -232,6 +232,8 @@ def demo_flags(p) -> None:
     add_objective(p)
     p.add_argument("--link-ms", type=cliargs.nonneg_float, default=50.0,
                    help="also run over an emulated link of this round trip (user-space relay); 0 = loopback only")
+    p.add_argument("--no-pin", action="store_true", help="edge and cloud share every core (default: the edge on "
+                   "CPU 0, broker and cloud worker on the others, as on separate machines)")
 
 
 def bench_flags(p) -> None:

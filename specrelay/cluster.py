@@ -1,4 +1,5 @@
-"""Brokers and cloud workers as child processes on 127.0.0.1 (demo, benchmarks, end-to-end tests)."""
+"""Brokers and cloud workers as child processes on 127.0.0.1 (demo, benchmarks, end-to-end tests), placed on the
+cloud side's cores and the calling process (the in-process edge) on the edge side's (specrelay/placement.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 import urllib.request
 
 from .cloud_worker.config import WorkerConfig
+from .placement import CLOUD, EDGE, Placement
 
 
 def free_port() -> int:
@@ -23,17 +25,24 @@ class LocalCluster:
     """`with LocalCluster(model) as c:` starts `brokers` x `specrelay broker` and `workers` x `specrelay
     cloud-worker` (each given every broker), waits until every process answers /healthz, and stops them all
     (SIGTERM, then SIGKILL) on exit. `frontend` / `backend` / `broker` are the first broker's; `frontends`, ...
-    every broker's, in order (an edge given `frontends` spreads its sessions over them)."""
+    every broker's, in order (an edge given `frontends` spreads its sessions over them).
+
+    `pin` (default; `--no-pin` of the commands turns it off): the children run on the cloud side's CPUs and, from
+    `__enter__` to `stop`, this process (the edge that uses the cluster) on the edge side's, as on two machines;
+    `spawn_edge` starts an edge-worker process on the edge side. `threads` None: torch threads follow the
+    placement (one per core of the process's side)."""
 
     def __init__(self, target_model: str, workers: int = 1, max_batch: int = WorkerConfig.max_batch,
                  threads: int | None = None, extra_worker_args: tuple[str, ...] = (), startup_timeout: float = 120.0,
                  extra_broker_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-                 launcher: tuple[str, ...] = (), brokers: int = 1) -> None:
+                 launcher: tuple[str, ...] = (), brokers: int = 1, pin: bool = True) -> None:
         self.target_model, self.workers, self.max_batch = target_model, workers, max_batch
         self.threads, self.extra, self.startup_timeout = threads, extra_worker_args, startup_timeout
         self.broker_extra = extra_broker_args
         self.env = env or {}  # extra environment of the children (e.g. SPECRELAY_LOG_LEVEL)
-        self.launcher = launcher  # a command prefix for the children, e.g. ("taskset", "-c", "0")
+        self.launcher = launcher  # a command prefix for the children, e.g. ("valgrind",)
+        self.placement = Placement.choose(pin)
+        self._edge_side = None  # this process's placement on the edge side while the cluster runs
         self.frontends = [f"tcp://127.0.0.1:{free_port()}" for _ in range(brokers)]
         self.backends = [f"tcp://127.0.0.1:{free_port()}" for _ in range(brokers)]
         self.broker_health_ports = [free_port() for _ in range(brokers)]
@@ -58,15 +67,30 @@ class LocalCluster:
     def broker(self) -> subprocess.Popen | None:
         return self.broker_procs[0]
 
-    def _spawn(self, *args: str) -> subprocess.Popen:
-        env = dict(os.environ) | self.env
-        if self.threads:
-            env["OMP_NUM_THREADS"] = env["SPECRELAY_THREADS"] = str(self.threads)
+    def _spawn(self, *args: str, side: str = CLOUD) -> subprocess.Popen:
+        env = dict(os.environ) | self.placement.env(side, self.threads) | self.env
         quiet = subprocess.DEVNULL if os.environ.get("SPECRELAY_QUIET_CHILDREN") else None  # never an unread pipe
         proc = subprocess.Popen([*self.launcher, sys.executable, "-m", "specrelay.cli", *args], env=env,
                                 stdout=subprocess.DEVNULL, stderr=quiet)
+        self.placement.place(proc.pid, side)  # before its interpreter starts a thread: they all inherit it
         self.procs.append(proc)
         return proc
+
+    def spawn_edge(self, *args: str) -> subprocess.Popen:
+        """`specrelay edge-worker ARGS` on the edge side's CPUs (stopped with the cluster)."""
+        return self._spawn("edge-worker", *args, side=EDGE)
+
+    def place_cloud(self, pid: int) -> None:
+        """Another process of the cloud side (a link relay) on the cloud side's CPUs."""
+        self.placement.place(pid, CLOUD)
+
+    def place_caller(self) -> None:
+        """This process on the edge side (CPUs, torch threads) until `stop`. `__enter__` calls it; call it first
+        from the thread that will run the edge when `__enter__` runs on another (torch counts threads per
+        thread)."""
+        if self._edge_side is None:
+            self._edge_side = self.placement.here(EDGE, self.threads)
+            self._edge_side.__enter__()
 
     def start_worker(self) -> subprocess.Popen:
         proc, port = self._spawn_worker()
@@ -122,6 +146,7 @@ class LocalCluster:
 
     def __enter__(self) -> "LocalCluster":
         try:
+            self.place_caller()
             for index in range(len(self.frontends)):
                 self.start_broker(index)
             started = [self._spawn_worker() for _ in range(self.workers)]  # they load their models side by side
@@ -146,3 +171,6 @@ class LocalCluster:
                 proc.kill()
                 proc.wait()
         self.procs.clear()
+        if self._edge_side is not None:
+            self._edge_side.__exit__(None, None, None)
+            self._edge_side = None

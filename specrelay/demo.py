@@ -28,7 +28,6 @@ PROMPTS = [
     "class Stack:\n    def __init__(self):\n",
     "    def __repr__(self):\n",
 ]
-THREADS = 1  # torch threads per process: the edge (here) and the worker share the cores; more oversubscribes
 TOTALS = ("generated_tokens", "draft_tokens", "accepted_tokens", "cloud_calls", "resample_calls", "uplink_bytes",
           "downlink_bytes")
 
@@ -103,15 +102,12 @@ LOOPBACK_NOTE = ("(on loopback the draft and the target share this machine's CPU
 
 async def run_demo(frontend: str, draft: Path, prompts: list[str], max_new_tokens: int,
                    temperature: float, resample: str | None = None, mode: str | None = None,
-                   link_ms: float = 0.0, objective: str = "balanced") -> dict:
+                   link_ms: float = 0.0, objective: str = "balanced", place_relay=None) -> dict:
     from .common import protocol as P
     from .edge_worker.config import SessionConfig, session_config
     from .edge_worker.server import load_edge
 
     with Progress(f"loading the draft model ({draft.name})"):
-        import torch
-
-        torch.set_num_threads(THREADS)
         target_tokenizer = None if draft.name == "demo-draft" else str(draft.parent / "demo-target")
         edge = await load_edge(frontend, str(draft), target_tokenizer)
     config = session_config(edge.config, max_new_tokens=max_new_tokens, temperature=temperature, seed=1, mode=mode,
@@ -130,7 +126,8 @@ async def run_demo(frontend: str, draft: Path, prompts: list[str], max_new_token
         alone_config = replace(config, draft_len=0)
         alone, alone_wall = await run("target alone (--draft-len 0)", alone_config)
         spec, spec_wall = await run("speculative", config)
-    linked = await run_over_link(frontend, edge, ids, config, alone_config, link_ms) if link_ms > 0 else None
+    linked = (await run_over_link(frontend, edge, ids, config, alone_config, link_ms, place_relay) if link_ms > 0
+              else None)
     results = [{"prompt": p, "text": tok.decode(out), "token_ids": out, "stats": stats}
                for p, (out, stats) in zip(prompts, spec)]
     return {"results": results, "speculative": totals(results, spec_wall),
@@ -141,14 +138,17 @@ async def run_demo(frontend: str, draft: Path, prompts: list[str], max_new_token
             "objective": config.objective.name.lower(), "link": linked}
 
 
-async def run_over_link(frontend: str, edge, ids: list[list[int]], config, alone_config, rtt_ms: float) -> dict:
+async def run_over_link(frontend: str, edge, ids: list[list[int]], config, alone_config, rtt_ms: float,
+                        place_relay=None) -> dict:
     """Target alone, then speculative, through a relay that delays each direction by rtt_ms / 2: a second edge
-    (same draft model) connects to the broker through it."""
+    (same draft model) connects to the broker through it. `place_relay(pid)`: put the relay on the cloud side."""
     from .bench.link import LinkRelay, LinkSpec
     from .edge_worker.server import EdgeWorker
 
     rows = {}
     with LinkRelay(LinkSpec.parse(f"{rtt_ms}ms"), frontend, rate_by="relay") as relay:
+        if place_relay is not None and relay.proc is not None:
+            place_relay(relay.proc.pid)
         async with EdgeWorker(relay.endpoint, edge.drafter, edge.tokenizer, edge.config) as far:
             await far.generate(ids[0], config)  # warm-up: auto learns this link's round trip
             for name, cfg in (("target_alone", alone_config), ("speculative", config)):
@@ -175,11 +175,12 @@ def main(args) -> int:
     target = models / "demo-target"
     print(f"demo pair in {models}", file=sys.stderr)
     with Progress(f"starting a broker and a cloud worker on 127.0.0.1 (loads {target.name})"):
-        cluster = LocalCluster(str(target), threads=THREADS,
+        cluster = LocalCluster(str(target), pin=not getattr(args, "no_pin", False),
                                env={"SPECRELAY_LOG_LEVEL": args.log_level or "warning"}).__enter__()
     try:
         out = run_async(run_demo(cluster.frontend, models / args.draft, prompts, args.max_new_tokens,
-                                 args.temperature, args.resample, args.mode, args.link_ms, args.objective))
+                                 args.temperature, args.resample, args.mode, args.link_ms, args.objective,
+                                 cluster.place_cloud))
     finally:
         cluster.stop()
     for r in out["results"]:

@@ -5,6 +5,7 @@ documented schema, greedy outputs equal the target alone's, the result files and
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -34,6 +35,7 @@ def test_sweep_smoke_writes_schema_valid_rows(tiny_pair, tmp_path):
         assert validate(row, SWEEP_ROW) == [], row
         assert row["outputs_identical_to_target_alone"] and row["errors"] == 0
         assert row["link_rtt_ms"] == 10 and row["rtt_ms_measured"] > 5
+        assert row["placement"]["pinned"] == (len(os.sched_getaffinity(0)) >= 2) and len(row["load_average"]) == 3
     assert rows[0]["cloud_calls_per_token"] == 1.0  # the target alone: one VERIFY per token
     result = json.loads((out / "sweep.json").read_text())
     assert result["meta"]["command"].startswith("specrelay bench sweep") and result["rows"] == rows
@@ -43,6 +45,17 @@ def test_sweep_smoke_writes_schema_valid_rows(tiny_pair, tmp_path):
     render_docs(out, docs, tmp_path / "docs" / "bench")  # what `specrelay bench report` runs
     text = docs.read_text()
     assert "specrelay bench sweep" in text and "![sweep_tokens_per_s](bench/sweep_tokens_per_s.png)" in text
+
+
+def test_calls_records_its_placement_and_load_and_no_pin_shares(tiny_pair, tmp_path):
+    target, draft = tiny_pair
+    for flags, pinned in (((), len(os.sched_getaffinity(0)) >= 2), (("--no-pin",), False)):
+        run = bench("calls", "--target", str(target), "--draft", str(draft), "--num-prompts", "2",
+                    "--max-new-tokens", "8", "--concurrency", "2", "--no-plots", "--out", str(tmp_path), *flags)
+        assert run.returncode == 0, run.stderr[-3000:]
+        result = json.loads((tmp_path / "calls.json").read_text())
+        assert result["placement"]["pinned"] is pinned and len(result["load_average"]) == 3
+        assert result["outputs_identical_to_draft_len_0"]
 
 
 def test_legacy_benches_run_as_a_module_into_the_working_directory(tmp_path):

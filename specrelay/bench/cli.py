@@ -46,7 +46,8 @@ def _models(p: argparse.ArgumentParser, draft: str = DEMO_DRAFT, target_tokenize
                    "stdlib prompts); a bare number N means --num-prompts N")
     p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process (edge and each worker)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per process (edge and each worker; "
+                   "default: one per core of its side, half the cores each with --no-pin)")
 
 
 def _output(p: argparse.ArgumentParser) -> None:
@@ -54,8 +55,8 @@ def _output(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON lines on stdout (the rows) instead of tables")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--tag", default="", help="suffix of the result file names (sweep-TAG.json)")
-    p.add_argument("--no-pin", action="store_true", help="do not pin the edge side to CPU 0 and the cloud side "
-                   "(broker, workers, relay) to the other CPUs (pinning emulates separate machines)")
+    p.add_argument("--no-pin", action="store_true", help="edge and cloud share every core (default: the edge side "
+                   "on CPU 0, the cloud side - broker, workers, relay - on the others, as on separate machines)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -168,12 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     from .. import logs
     os.environ.setdefault("SPECRELAY_LOG", "warning")  # child processes (broker, workers, edges) log warnings only
     logs.configure("warning")
-    if getattr(args, "threads", None):
-        import torch
-
+    if hasattr(args, "threads"):
         from ..edge_worker.server import GIL_SWITCH_S
-        torch.set_num_threads(args.threads)  # the in-process edge shares the cores with the workers
-        sys.setswitchinterval(GIL_SWITCH_S)  # as in an edge-worker process
+        sys.setswitchinterval(GIL_SWITCH_S)  # as in an edge-worker process (torch threads: the placement's)
     if args.name == "schema":
         from .schema import describe
         print(json.dumps(describe(), indent=1))

@@ -7,7 +7,8 @@
     wire          bytes of each message for d = 4 and d = 8
     srdv_k        SR-DV candidates per round: downlink bits vs extra round trips
 
-Everything runs on 127.0.0.1 (broker and workers as child processes, `specrelay.cluster`).
+Everything runs on 127.0.0.1 (broker and workers as child processes, `specrelay.cluster`), the edge (this
+process) and the cloud side on separate cores unless --no-pin (specrelay/placement.py); a result records both.
 """
 
 from __future__ import annotations
@@ -16,26 +17,28 @@ import asyncio
 import time
 
 from ..common.protocol import Mode, Strategy
+from ..placement import stamp
 from .runs import load_prompts, run_edge, totals
 
 
 def bench_calls(args) -> dict:
     """Cloud calls per token through the broker, greedy, under --draft-len (auto: under --objective) against
     --draft-len 0 (whose output is the target alone's); per-position acceptance and the lengths auto chose."""
-    from ..cluster import LocalCluster
     from .link import LinkRelay, LinkSpec
 
     texts = load_prompts(args.prompts, args.num_prompts)
     draft_len = None if args.draft_len == "auto" else int(args.draft_len)
     run = dict(target_tok=args.target_tokenizer, max_new_tokens=args.max_new_tokens)
-    with LocalCluster(args.target) as c, LinkRelay(LinkSpec.parse(args.link), c.frontend, rate_by="relay") as link:
+    with cluster(args) as c, LinkRelay(LinkSpec.parse(args.link), c.frontend, rate_by="relay") as link:
+        if link.proc is not None:
+            c.place_cloud(link.proc.pid)
         spec, wall = asyncio.run(run_edge(link.endpoint, args.draft, texts, args.concurrency, draft_len=draft_len,
                                           objective=args.objective, **run))
         base, base_wall = asyncio.run(run_edge(link.endpoint, args.draft, texts, args.concurrency, draft_len=0,
                                                **run))
     s, b = totals(spec), totals(base)
     per_tok = s["cloud_calls"] / s["generated_tokens"]
-    return {"prompts": len(texts), "max_new_tokens": args.max_new_tokens, "draft": args.draft,
+    return stamp({"prompts": len(texts), "max_new_tokens": args.max_new_tokens, "draft": args.draft,
             "cross_vocab": bool(args.target_tokenizer), "concurrency": args.concurrency, "link": link.described,
             "draft_len": args.draft_len, "objective": args.objective,
             "generated_tokens": s["generated_tokens"], "cloud_calls": s["cloud_calls"],
@@ -47,7 +50,14 @@ def bench_calls(args) -> dict:
             "rounds_by_draft_len": rounds_by_length(spec),
             "tokens_per_s": round(s["generated_tokens"] / wall, 2),
             "target_alone_tokens_per_s": round(b["generated_tokens"] / base_wall, 2),
-            "outputs_identical_to_draft_len_0": all(x[0] == z[0] for x, z in zip(spec, base))}
+            "outputs_identical_to_draft_len_0": all(x[0] == z[0] for x, z in zip(spec, base))}, c.placement)
+
+
+def cluster(args, **options):
+    """A LocalCluster of the target, placed as the flags say (--no-pin, --threads)."""
+    from ..cluster import LocalCluster
+
+    return LocalCluster(args.target, threads=args.threads, pin=not args.no_pin, **options)
 
 
 def position_acceptance(out: list[tuple[list[int], dict]], top: int = 12) -> list[float]:
@@ -71,14 +81,9 @@ def rounds_by_length(out: list[tuple[list[int], dict]]) -> dict[str, int]:
 
 def bench_concurrency(args) -> dict:
     """Aggregate tokens/s at 16 concurrent sessions against one, through a local broker and worker (greedy)."""
-    from ..cluster import LocalCluster
-
-    import torch
-
     texts = load_prompts(args.prompts, 16)
     rows = {}
-    torch.set_num_threads(args.threads)  # the edge (this process) and the worker share the machine's cores
-    with LocalCluster(args.target, max_batch=32, threads=args.threads) as c:
+    with cluster(args, max_batch=32) as c:
         for n in (1, 16):
             batch = texts[:n] if n > 1 else texts[:4]
             out, wall = asyncio.run(run_edge(c.frontend, args.draft, batch, n,
@@ -87,15 +92,14 @@ def bench_concurrency(args) -> dict:
             rows[n] = {"sessions": n, "generated_tokens": t["generated_tokens"], "wall_s": round(wall, 3),
                        "tokens_per_s": round(t["generated_tokens"] / wall, 2)}
     ratio = rows[16]["tokens_per_s"] / rows[1]["tokens_per_s"]
-    return {"one_session": rows[1], "sixteen_sessions": rows[16], "speedup": round(ratio, 2), "bar_ge_5x": ratio >= 5}
+    return stamp({"one_session": rows[1], "sixteen_sessions": rows[16], "speedup": round(ratio, 2),
+                  "bar_ge_5x": ratio >= 5}, c.placement)
 
 
 def bench_hf(args) -> dict:
     """Tokens/s of one session through specrelay against HF assisted generation in one process, outputs compared."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ..cluster import LocalCluster
 
     texts = load_prompts(args.prompts, args.num_prompts)
     tok = AutoTokenizer.from_pretrained(args.target)
@@ -111,24 +115,23 @@ def bench_hf(args) -> dict:
         n_hf += len(hf_out[-1])
     hf_wall = time.perf_counter() - t0
     del target
-    with LocalCluster(args.target) as c:
+    with cluster(args) as c:
         out, wall = asyncio.run(run_edge(c.frontend, args.draft, texts, 1,
                                          max_new_tokens=args.max_new_tokens))
     ours = totals(out)["generated_tokens"] / wall
     hf = n_hf / hf_wall
     same = sum(a == b[0] for a, b in zip(hf_out, out))
-    return {"prompts": len(texts), "specrelay_tokens_per_s": round(ours, 2), "hf_assisted_tokens_per_s": round(hf, 2),
-            "ratio": round(ours / hf, 3), "bar_ge_0.9": ours / hf >= 0.9, "outputs_equal_hf": f"{same}/{len(texts)}"}
+    return stamp({"prompts": len(texts), "specrelay_tokens_per_s": round(ours, 2),
+                  "hf_assisted_tokens_per_s": round(hf, 2), "ratio": round(ours / hf, 3), "bar_ge_0.9": ours / hf >= 0.9,
+                  "outputs_equal_hf": f"{same}/{len(texts)}"}, c.placement)
 
 
 def bench_xvocab(args) -> dict:
     """Cross-vocabulary pair at T = 1, default flags (auto, balanced), 8 sessions: bits per token up and down per
     resampling mode, tokens per VERDICT; coupled output checked against the target alone (d = 0, same seed)."""
-    from ..cluster import LocalCluster
-
     texts = load_prompts(args.prompts, args.num_prompts)
     rows, outs = {}, {}
-    with LocalCluster(args.target) as c:
+    with cluster(args) as c:
         def run(**cfg) -> list[tuple[list[int], dict]]:
             return asyncio.run(run_edge(c.frontend, args.draft, texts, 8, temperature=1.0, seed=7,
                                         target_tok=args.target_tokenizer or args.target,
@@ -148,9 +151,9 @@ def bench_xvocab(args) -> dict:
         alone = run(mode=Mode.COUPLED, draft_len=0)  # coupled is drafter-invariant: the target alone's text
         rows["coupled"]["outputs_identical_to_target_alone"] = all(
             a[0] == b[0] for a, b in zip(outs["coupled"], alone))
-    return {"temperature": 1.0, "prompts": len(texts), "modes": rows,
-            "bar_srdv_down_le_150": rows["srdv"]["downlink_bits_per_token"] <= 150,
-            "bar_coupled_down_le_64": rows["coupled"]["downlink_bits_per_token"] <= 64}
+    return stamp({"temperature": 1.0, "prompts": len(texts), "modes": rows,
+                  "bar_srdv_down_le_150": rows["srdv"]["downlink_bits_per_token"] <= 150,
+                  "bar_coupled_down_le_64": rows["coupled"]["downlink_bits_per_token"] <= 64}, c.placement)
 
 
 def bench_srdv_k(args) -> dict:

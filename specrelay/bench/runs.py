@@ -161,25 +161,6 @@ def cpu_seconds(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def pin(pid: int | None, cpus: set[int]) -> None:
-    """Restrict every thread of a process (None: this one) to `cpus`."""
-    base = f"/proc/{pid or os.getpid()}/task"
-    for tid in os.listdir(base):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except (ProcessLookupError, PermissionError, OSError):
-            pass  # a thread that ended meanwhile
-
-
-def split_cpus(enabled: bool) -> tuple[set[int], set[int]] | None:
-    """(edge cpus, cloud cpus) when pinning: the edge side gets CPU 0, the cloud side (broker, workers, relay)
-    the others, so the edge and the cloud compute as if on separate machines. None: no pinning (or 1 CPU)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if not enabled or len(cpus) < 2:
-        return None
-    return {cpus[0]}, set(cpus[1:])
-
-
 # ------------------------------------------------------------------------------------------ provenance
 
 def machine() -> dict:

@@ -70,6 +70,9 @@ SWEEP_ROW: dict[str, tuple[tuple[type, ...], str]] = {
                                      "out): a steady state of `sessions` in flight"),
     "uplink_bytes_per_token": (NUM, "edge -> cloud bytes per generated token"),
     "downlink_bytes_per_token": (NUM, "cloud -> edge bytes per generated token"),
+    "placement": ((dict, type(None)), "CPUs and torch threads of the edge and the cloud side "
+                                      "(specrelay/placement.py; pinned false: --no-pin, both share every core)"),
+    "load_average": ((list,), "the machine's load average (1, 5, 15 min) as the row was written"),
 }
 
 STRESS_SUMMARY: dict[str, tuple[tuple[type, ...], str]] = {
@@ -94,6 +97,9 @@ STRESS_SUMMARY: dict[str, tuple[tuple[type, ...], str]] = {
     "outputs_mismatched": ((int,), "of those, how many differed"),
     "rss_growth_max": (OPT_NUM, "largest RSS growth of any process after the warm-up (fraction; bar < 0.10)"),
     "rss": ((dict,), "per process: RSS MB after the warm-up, at the end, growth"),
+    "placement": ((dict, type(None)), "CPUs and torch threads of the edge and the cloud side "
+                                      "(specrelay/placement.py; pinned false: --no-pin, both share every core)"),
+    "load_average": ((list,), "the machine's load average (1, 5, 15 min) as the row was written"),
 }
 
 

@@ -24,9 +24,9 @@ from pathlib import Path
 
 from ..common import protocol as P
 from .link import LinkRelay, LinkSpec, measure_rtt
+from ..placement import stamp
 from .runs import load_prompts
-from .runs import split_cpus
-from .sweep import _pct, _pin, scrape
+from .sweep import _pct, scrape
 
 REQUEST_TIMEOUT_S = 300.0
 
@@ -124,20 +124,18 @@ def run(args) -> dict:
     from ..cluster import LocalCluster, free_port
 
     link, texts = LinkSpec.parse(args.link), load_prompts(args.prompts, args.num_prompts or 20)
-    cpus = split_cpus(not args.no_pin)
     warmup = args.warmup if args.warmup is not None else max(20.0, 0.1 * args.duration)
     refs = references(args, tqdm(texts, desc="target-alone references", leave=False, disable=None))
     with LocalCluster(args.target, workers=args.cloud_workers, max_batch=args.max_batch,
-                      threads=args.threads) as cluster:
+                      threads=args.threads, pin=not args.no_pin) as cluster:
         with LinkRelay(link, cluster.frontend, rate_by=args.rate_by) as relay:
             probe = {"link": relay.described, **measure_rtt(relay.endpoint)}
             edges = []
             for i in range(args.edges):
                 listen, port = f"tcp://127.0.0.1:{free_port()}", free_port()
                 extra = ["--target-tokenizer", args.target_tokenizer] if args.target_tokenizer else []
-                proc = cluster._spawn("edge-worker", "--broker", relay.endpoint, "--draft-model", args.draft,
-                                      "--listen", listen, "--health-port", str(port), "--objective",
-                                      args.objective, *extra)
+                proc = cluster.spawn_edge("--broker", relay.endpoint, "--draft-model", args.draft, "--listen", listen,
+                                          "--health-port", str(port), "--objective", args.objective, *extra)
                 cluster._wait_healthy(port, proc, f"edge worker {len(edges)}")
                 edges.append((listen, proc))
             procs = {"broker": cluster.broker.pid,
@@ -145,12 +143,11 @@ def run(args) -> dict:
                      **{f"edge-{i}": p.pid for i, (_, p) in enumerate(edges)}}
             if relay.proc is not None:
                 procs["link-relay"] = relay.proc.pid
-            _pin(cpus, [None, *(p.pid for _, p in edges)], [pid for name, pid in procs.items()
-                                                            if not name.startswith("edge-")])
+                cluster.place_cloud(relay.proc.pid)
             from ..runtime import run_async
             measured = run_async(_load(args, [e for e, _ in edges], texts, warmup, procs, cluster.health_ports))
     result = summarise(args, probe, warmup, measured, refs)
-    result["summary"]["cpu_pinning"] = None if cpus is None else {"edge": sorted(cpus[0]), "cloud": sorted(cpus[1])}
+    result["summary"] = stamp(result["summary"], cluster.placement)
     return result
 
 

@@ -4,8 +4,9 @@ theory, acceptance per position, inter-token latency, and whether the outputs eq
 One broker and `--workers` cloud workers run as child processes; per link a relay (bench/link.py) sits in front
 of the broker's frontend and in-process edges connect through it. Configurations run interleaved slice by slice
 (`--sessions` prompts at a time, the order rotating), `--repeat` times, so a slow spell of a shared machine hits
-them alike; tokens/s = all tokens / all wall time of a configuration. By default the edge side is pinned to CPU
-0 and the cloud side to the other CPUs (`--no-pin` to share), as if on separate machines.
+them alike; tokens/s = all tokens / all wall time of a configuration. By default the edge side (this process)
+runs on CPU 0 and the cloud side (broker, workers, relay) on the other CPUs (`--no-pin` to share), as if on
+separate machines (specrelay/placement.py); every row records the placement and the load average.
 `--draft-len 0` (the target alone through the same path) always runs: it is the reference for speed and output.
 `auto` runs once per `--objectives` entry (rows carry `objective`), each on an edge of its own.
 """
@@ -21,7 +22,8 @@ from dataclasses import dataclass, field
 from . import theory, treesweep
 from .treesweep import Config
 from .link import LinkRelay, LinkSpec, measure_rtt
-from .runs import SessionRun, cpu_seconds, load_prompts, pin, run_sessions, split_cpus, wall_split
+from ..placement import stamp
+from .runs import SessionRun, cpu_seconds, load_prompts, run_sessions, wall_split
 
 AUTO = "auto"
 OBJECTIVES = ("speed", "balanced", "cloud")
@@ -110,21 +112,22 @@ def run(args) -> dict:
     configs = treesweep.expand([Config(d, p) for d in lens for p in _predraft_modes(args.predraft, d)],
                                args.trees, args.tree_nodes)
     rows, itl, tpot = [], {}, {}
-    cluster = LocalCluster(args.target, workers=args.workers, max_batch=args.max_batch, threads=args.threads)
-    cpus = split_cpus(not args.no_pin)
+    cluster = LocalCluster(args.target, workers=args.workers, max_batch=args.max_batch, threads=args.threads,
+                           pin=not args.no_pin)
     with started(cluster, args.draft, args.target_tokenizer) as loaded:
         drafter, tokenizer = loaded
-        _pin(cpus, [None], [p.pid for p in cluster.procs])
         for link in links:
             with LinkRelay(link, cluster.frontend, rate_by=args.rate_by) as relay:
                 described = relay.described
-                _pin(cpus, [], [relay.proc.pid] if relay.proc else [])
+                if relay.proc:
+                    cluster.place_cloud(relay.proc.pid)
                 probe = measure_rtt(relay.endpoint)
                 cloud_pids = [proc.pid for proc in cluster.procs] + ([relay.proc.pid] if relay.proc else [])
                 tallies = _run_async(_sweep_link(args, relay.endpoint, cluster.health_ports, cloud_pids, texts,
                                                  configs, drafter, tokenizer))
             for c, tally in tallies.items():
-                row = make_row(args, link, described, probe, c, tally, tallies[Config(0, False)], len(texts))
+                row = stamp(make_row(args, link, described, probe, c, tally, tallies[Config(0, False)], len(texts)),
+                            cluster.placement)
                 rows.append(row)
                 label = f"{link.label} {c.label}"
                 itl[label] = sorted(round(g, 2) for r in tally.sessions for g in r.gaps_ms())
@@ -134,7 +137,7 @@ def run(args) -> dict:
                        "prompts": len(texts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeat,
                        "predraft": args.predraft, "trees": args.trees, "tree_nodes": args.tree_nodes,
                        "workers": args.workers, "temperature": args.temperature,
-                       "cpu_pinning": None if cpus is None else {"edge": sorted(cpus[0]), "cloud": sorted(cpus[1])},
+                       "placement": cluster.placement.describe(),
                        "mode": args.mode or ("greedy" if args.temperature == 0 else "sample")},
             "rows": rows, "bars": bars, "itl_ms_samples": itl, "tpot_ms_samples": tpot}
 
@@ -148,6 +151,7 @@ def started(cluster, draft: str, target_tokenizer: str | None):
     from ..edge_worker.loading import load_drafter
 
     try:
+        cluster.place_caller()  # here: this thread starts the edge's draft thread (torch threads per thread)
         with ThreadPoolExecutor(1) as pool:
             up = pool.submit(cluster.__enter__)
             try:
@@ -157,15 +161,6 @@ def started(cluster, draft: str, target_tokenizer: str | None):
         yield loaded
     finally:
         cluster.stop()
-
-
-def _pin(cpus, edge_pids: list, cloud_pids: list[int]) -> None:
-    """Edge side on its CPU, cloud side on the others: as if on separate machines (split_cpus)."""
-    if cpus is not None:
-        for pid in edge_pids:
-            pin(pid, cpus[0])
-        for pid in cloud_pids:
-            pin(pid, cpus[1])
 
 
 def _predraft_modes(choice: str, d: int | str) -> list[bool]:

@@ -10,7 +10,7 @@ from functools import lru_cache
 
 from ...common.protocol import MAX_DRAFT, LoadHint, Objective
 from ..drafttree import TreeShape
-from .estimates import PRIOR_ACCEPT, AcceptanceCounts, EdgeEstimates
+from .estimates import AcceptanceCounts, EdgeEstimates
 
 MAX_LEN = 32           # the longest chain, the deepest tree auto drafts (past it a demo pair's chance of
                        # reaching a position is ~0)
@@ -104,7 +104,7 @@ class DraftPolicy:
 
     def rates(self, n: int) -> list[float]:
         """a_0..a_{n-1}: this session's counts shrunk toward the edge's pooled rates (themselves toward the prior)."""
-        return self.own.rates(self.edge.acceptance.rates([PRIOR_ACCEPT] * n))
+        return self.own.rates(n, self.edge.acceptance.rates(n))
 
     def choose(self, remaining: int) -> int:
         """The chain length d in 0..min(MAX_LEN, remaining - 1): fixed, d = 1 when EXPLORE_EVERY rounds at d = 0

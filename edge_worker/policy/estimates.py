@@ -9,12 +9,12 @@ from ..drafttree import BUCKETS, MAX_BRANCH
 PRIOR_ACCEPT = 0.7     # acceptance assumed where nothing was measured (a demo pair's typical first-position rate);
                        # a later sibling of a tree node gets half of it (its elder siblings were rejected)
 PRIOR_WEIGHT = 4.0     # the prior, and a session's pull toward the edge's pooled rates, are worth this many rounds
-DECAY = 0.98           # per observation, of every estimator (memory ~50: follows a prompt's drift and a load
-                       # change within seconds, not one block's luck)
+ACCEPT_DECAY = 0.995   # per verdict: acceptance counts (memory ~200 blocks of all sessions: deep positions are
+                       # reached rarely, and their rates must not fall back to the prior between two visits)
+DECAY = 0.98           # per observation: timings (memory ~50: follows a load change within seconds)
 CLIP = 3.0             # a timing over CLIP x its estimate counts as CLIP x (one stall is not a trend)
 DRAFT_PRIOR = 0.25     # a draft forward's cost relative to the cloud's fixed cost, until one is timed (a demo
                        # draft has ~1/4 of its target's layers)
-SLOPE_PRIOR = 0.02     # the cloud's cost per token relative to its fixed cost, until the load hints vary
 
 
 class EWMean:
@@ -32,17 +32,16 @@ class EWMean:
 
 
 class EWLine:
-    """y = c + s * x by exponentially weighted least squares, shrunk toward the line the first observation sets
-    (c0 = y / (1 + r x), s0 = r c0 with r = slope_ratio): a slope is learnt only once x varies."""
+    """y = c + s * x by exponentially weighted least squares, shrunk toward the flat line through the first
+    observation: a slope is learnt only once x varies."""
 
-    def __init__(self, slope_ratio: float) -> None:
-        self.ratio, self.count, self.prior = slope_ratio, 0, (0.0, 0.0)
+    def __init__(self) -> None:
+        self.count, self.prior = 0, 0.0
         self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
 
     def observe(self, x: float, y: float) -> None:
         if not self.count:
-            c0 = y / (1 + self.ratio * x)
-            self.prior = (c0, self.ratio * c0)
+            self.prior = y
         elif self.count:
             c, s = self.fit()
             y = min(y, CLIP * (c + s * x))
@@ -56,9 +55,9 @@ class EWLine:
         return self.count > 0
 
     def fit(self) -> tuple[float, float]:
-        """(c, s): the weighted normal equations plus the prior line as one pseudo-observation at x = 0 and 1."""
-        (c0, s0), a11, a12, a22 = self.prior, self.sw + 2, self.sx + 1, self.sxx + 1
-        b1, b2 = self.sy + 2 * c0 + s0, self.sxy + c0 + s0
+        """(c, s): the weighted normal equations plus the prior line as pseudo-observations at x = 0 and 1."""
+        c0, a11, a12, a22 = self.prior, self.sw + 2, self.sx + 1, self.sxx + 1
+        b1, b2 = self.sy + 2 * c0, self.sxy + c0
         det = a11 * a22 - a12 * a12
         return max(0.0, (b1 * a22 - a12 * b2) / det), max(0.0, (a11 * b2 - a12 * b1) / det)
 
@@ -79,18 +78,21 @@ class AcceptanceCounts:
         accepted block (position d) was the target's (None: no guess)."""
         top = d + 1 if n == d and bonus_match is not None else d
         grow = max(0, top - len(self.reached))
-        self.reached = [r * DECAY for r in self.reached] + [0.0] * grow
-        self.accepted = [a * DECAY for a in self.accepted] + [0.0] * grow
+        self.reached = [r * ACCEPT_DECAY for r in self.reached] + [0.0] * grow
+        self.accepted = [a * ACCEPT_DECAY for a in self.accepted] + [0.0] * grow
         for j in range(min(n + 1, top)):  # positions 0..n reached, 0..n-1 accepted (n too if the guess matched)
             self.reached[j] += 1.0
             self.accepted[j] += float(j < n or bool(bonus_match))
 
-    def rates(self, prior: list[float]) -> list[float]:
-        """a_j for every position of `prior`: counts shrunk toward it (worth PRIOR_WEIGHT rounds)."""
-        out = []
-        for j, p in enumerate(prior):
+    def rates(self, n: int, prior: list[float] | None = None) -> list[float]:
+        """a_0..a_{n-1}: counts shrunk toward `prior` (worth PRIOR_WEIGHT rounds); without one, each position
+        toward the rate of the one before (the first toward PRIOR_ACCEPT): past the positions measured, the last
+        measured rate."""
+        out, before = [], PRIOR_ACCEPT
+        for j in range(n):
             r, a = (self.reached[j], self.accepted[j]) if j < len(self.reached) else (0.0, 0.0)
-            out.append((a + PRIOR_WEIGHT * p) / (r + PRIOR_WEIGHT))
+            before = (a + PRIOR_WEIGHT * (prior[j] if prior else before)) / (r + PRIOR_WEIGHT)
+            out.append(before)
         return out
 
 
@@ -107,8 +109,8 @@ class RankAcceptance:
     def decay(self) -> None:
         for rows in (self.reached, self.accepted):
             for row in rows:
-                row[:] = [x * DECAY for x in row]
-        self.seen = [x * DECAY for x in self.seen]
+                row[:] = [x * ACCEPT_DECAY for x in row]
+        self.seen = [x * ACCEPT_DECAY for x in self.seen]
 
     def observe(self, bucket: int, children: int, accepted: int | None) -> None:
         """A node of class `bucket` the verdict's walk reached with `children` sent; `accepted`: the rank the path
@@ -147,9 +149,9 @@ class EdgeEstimates:
     def __init__(self, predraft: bool = False) -> None:
         self.predraft = predraft
         self.acceptance, self.ranks = AcceptanceCounts(), RankAcceptance()
-        self.draft = EWLine(0.0)              # seconds per draft forward vs its columns (sessions, tree nodes)
-        self.cloud = EWLine(SLOPE_PRIOR)      # the worker's forward, seconds vs its tokens (load hints)
-        self.latency = EWLine(SLOPE_PRIOR)    # without load hints: seconds from VERIFY to VERDICT vs our row
+        self.draft = EWLine()              # seconds per draft forward vs its columns (sessions, tree nodes)
+        self.cloud = EWLine()      # the worker's forward, seconds vs its tokens (load hints)
+        self.latency = EWLine()    # without load hints: seconds from VERIFY to VERDICT vs our row
         self.rtt = EWMean()                   # the link and the worker's queue: latency - the worker's forward
         self.batch = EWMean(1.0)              # rows per worker forward
         self.steps_per_token = EWMean(1.0)    # draft forwards per target token (a cross-vocabulary draft: > 1)
@@ -205,7 +207,7 @@ class EdgeEstimates:
             return self.rtt.value + c0 + c1 * self.batch.value * (tokens + 1)
         if self.latency.known:
             return self.latency.at(tokens + 1)
-        return (1.0 + SLOPE_PRIOR * (tokens + 1)) / DRAFT_PRIOR  # in-process: in units of one draft forward
+        return 1.0 / DRAFT_PRIOR  # in-process: in units of one draft forward
 
     def predraft_budget(self, tokens: int) -> int:
         """Draft tokens the idle draft thread can pre-draft while a row of `tokens` is verified (0 without

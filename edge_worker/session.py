@@ -187,10 +187,10 @@ class EdgeSession:
         if chain.block.ids and chain.block.ids[-1] in self.drafter.eos_ids:
             return None
         remaining = self.config.max_new_tokens - len(self.generated) - len(chain.block.ids)
-        d_next = self.policy.choose(remaining - 1)  # if the whole block and the bonus guess are accepted
+        d_next = self.policy.choose(remaining - 1, explore=False)  # if the block and the bonus guess are accepted
         k = min(1 + d_next, remaining - 1, self.estimates.predraft_budget(len(chain.block.ids)))
-        # on the idle draft thread a pre-draft is free; at d = 0 only `auto` wants the guess (an acceptance sample)
-        if k <= 0 or not (d_next > 0 or self.policy.probes):
+        # on the idle draft thread a pre-draft is free; at d = 0 nothing is (the next round drafts nothing)
+        if k <= 0 or d_next <= 0:
             return None
         return self.drafter.continue_job(job, chain.block.ids, k)
 
@@ -204,7 +204,7 @@ class EdgeSession:
         and from sending it to its VERDICT. Feeds the auto draft length."""
         self.stats.draft_s += draft_s or 0.0
         self.stats.verify_s += latency_s
-        self.policy.observe_round(self._width, latency_s, self._hint)
+        self.policy.observe_round(self._width, latency_s, self._hint, draft_s)
 
     # ---------------------------------------------------------------------------- replies
     def apply(self, reply: P.Base) -> list[int]:

@@ -61,15 +61,24 @@ def test_pick_is_one_rule():
     assert pick(rows, Objective.SPEED) == 1 and pick(rows, Objective.BALANCED) == 2
 
 
-def test_d_0_explores_once_every_few_rounds_without_samples():
-    est = edge(draft_s=0.030, rtt_s=0.0002)
+def explored(est: EdgeEstimates, rounds: int, explore_s: float) -> int:
     policy = DraftPolicy(est, Objective.BALANCED)
     chosen = []
-    for _ in range(100):
+    for _ in range(rounds):
         d = policy.choose(48)
         chosen.append(d)
-        policy.observe_block(d, d)  # no pre-drafted guess: d = 0 rounds teach nothing
-    assert 1 <= chosen.count(1) <= 100 // 30 and chosen.count(1) + chosen.count(0) == 100
+        policy.observe_block(d, d)  # d = 0 rounds teach nothing
+        policy.observe_round(d + 1, est.wait(d), None, explore_s if d else 0.0)
+    assert chosen.count(1) + chosen.count(0) == rounds
+    return chosen.count(1)
+
+
+def test_d_0_explores_at_a_small_share_of_the_time():
+    """Exploring costs ~EXPLORE_SHARE of the time at d = 0: as often as a round's time allows, less often when
+    the measured exploring round (its catch-up) costs more."""
+    cheap = explored(edge(draft_s=0.030, rtt_s=0.0002), 400, 0.0)
+    dear = explored(edge(draft_s=0.030, rtt_s=0.0002), 400, 0.2)
+    assert 1 <= dear < cheap <= 400 // 30
 
 
 def test_a_fixed_length_is_kept():

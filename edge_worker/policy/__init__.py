@@ -13,8 +13,9 @@ forward). A pre-draft runs on the otherwise idle draft thread during the wait, s
 costs nothing. One objective rule picks among chains (d = 0 included) and trees alike (choose.pick): of the
 candidates whose rate E / T is within the objective's tolerance of the best, the most tokens per call (`speed`
 0: the fastest; `balanced` 10 %; `cloud` 30 %). A draft slower than the verify it saves loses by the model.
-Exploring d = 0: a round at d = 0 pre-drafts the guess for the next token while the VERIFY is in flight (a free
-acceptance sample where it fits the wait); where none fits, every EXPLORE_EVERY-th round drafts d = 1.
+Exploring d = 0: a round drafts d = 1 (an acceptance sample) once the rounds at d = 0 since the last sample took
+1 / EXPLORE_SHARE x what the last exploring round's draft cost (its catch-up on the stretch the draft had not
+seen), so exploring costs ~3 % where drafting does not pay.
 """
 
 from .choose import MAX_LEN, TOLERANCE, DraftPolicy, chain_rows, pick, static_tree, tree_rows, tree_time

@@ -10,15 +10,16 @@ from functools import lru_cache
 
 from ...common.protocol import MAX_DRAFT, LoadHint, Objective
 from ..drafttree import TreeShape
-from .estimates import AcceptanceCounts, EdgeEstimates
+from .estimates import PREDRAFT_SHARE, AcceptanceCounts, EdgeEstimates
 
 MAX_LEN = 32           # the longest chain, the deepest tree auto drafts (past it a demo pair's chance of
                        # reaching a position is ~0)
 TREE_FILL = (1.5, 2, 3, 4)  # tree candidates per depth D: ceil(f x D) nodes (up to MAX_BRANCH per level on average)
 TOLERANCE = {Objective.SPEED: 0.0, Objective.BALANCED: 0.10, Objective.CLOUD: 0.30}  # share of the best modelled
                        # rate an objective gives up for more tokens per call (balanced's promise: within 10 %)
-EXPLORE_EVERY = 32     # rounds at d = 0 without an acceptance sample before one drafts d = 1 (~3 % of the rounds
-                       # where nothing pre-drafts the guess; a pre-drafted guess is a sample and resets the count)
+EXPLORE_SHARE = 0.03   # at d = 0, a round drafts d = 1 (an acceptance sample) once the rounds since the last
+                       # sample took 1 / EXPLORE_SHARE x what the last such round's draft cost (its catch-up on the
+                       # stretch the draft has not seen): where drafting does not pay, exploring costs ~3 %
 MIN_VALUE = 0.01       # a tree node less likely than this to be on the accepted path is never drafted
 
 
@@ -35,14 +36,13 @@ def chain_rows(est: EdgeEstimates, a: list[float], top: int) -> list[tuple[float
     """(E(d), T(d)) for d = 0..top at acceptance a_0..a_top: E(d) = sum_{k<=d} P_k with P_k = prod_{j<k} a_j;
     T(d) = t s (d + lookahead) less the pre-drafted start (P_{d+1} x what fits the wait) + R + V(d)."""
     rows, e, p, t = [], 0.0, 1.0, est.per_token()
+    (w0, w1), share = est.wait_line(), PREDRAFT_SHARE / max(t, 1e-12) if est.predraft and est.draft.known else 0.0
     for d in range(top + 1):
         e += p
         p *= a[d]
-        if d == 0:
-            rows.append((e, est.wait(0)))
-            continue
-        saved = p * min(d, max(0, est.predraft_budget(d) - 1))  # the guess, then the next block's start
-        rows.append((e, t * (d + est.lookahead - saved) + est.wait(d)))
+        wait = w0 + w1 * (d + 1)
+        saved = p * min(d, max(0, int(share * wait) - 1))  # the guess, then the next block's start (predraft_budget)
+        rows.append((e, t * (d + est.lookahead - saved) * (d > 0) + wait))
     return rows
 
 
@@ -96,23 +96,21 @@ class DraftPolicy:
         self.edge, self.objective, self.fixed = edge or EdgeEstimates(), objective, fixed
         self.own = AcceptanceCounts()
         self.idle = 0  # rounds at d = 0 since the last acceptance sample
-
-    @property
-    def probes(self) -> bool:
-        """At d = 0: pre-draft the guess for the next token (an acceptance sample) if it fits the wait."""
-        return self.fixed is None
+        self.exploring = False  # the round in flight drafts d = 1 to sample acceptance
 
     def rates(self, n: int) -> list[float]:
         """a_0..a_{n-1}: this session's counts shrunk toward the edge's pooled rates (themselves toward the prior)."""
         return self.own.rates(n, self.edge.acceptance.rates(n))
 
-    def choose(self, remaining: int) -> int:
-        """The chain length d in 0..min(MAX_LEN, remaining - 1): fixed, d = 1 when EXPLORE_EVERY rounds at d = 0
-        taught nothing, else the objective's pick."""
+    def choose(self, remaining: int, explore: bool = True) -> int:
+        """The chain length d in 0..min(MAX_LEN, remaining - 1): fixed, d = 1 when exploring is due (EXPLORE_SHARE;
+        `explore` False: a pre-draft asking, which must not start a catch-up), else the objective's pick."""
         top = max(0, min(MAX_LEN, remaining - 1))
         if self.fixed is not None:
             return min(self.fixed, top)
-        if top and self.idle >= EXPLORE_EVERY:
+        round_s = self.edge.wait(0)
+        if explore and top and self.idle * round_s * EXPLORE_SHARE >= max(round_s, self.edge.explore_s.value):
+            self.exploring = True
             return 1
         return pick(chain_rows(self.edge, self.rates(top + 1), top), self.objective)
 
@@ -145,5 +143,9 @@ class DraftPolicy:
             self.edge.acceptance.observe(d, n, bonus_match)
         self.idle = 0 if sampled else self.idle + 1
 
-    def observe_round(self, width: int, latency_s: float, hint: LoadHint | None) -> None:
+    def observe_round(self, width: int, latency_s: float, hint: LoadHint | None, draft_s: float | None) -> None:
+        """The round's timings (`draft_s`: the wait for its draft, None: not timed)."""
         self.edge.observe_round(width, latency_s, hint)
+        if self.exploring and draft_s is not None:
+            self.edge.explore_s.observe(draft_s)
+        self.exploring = False

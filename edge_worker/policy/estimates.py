@@ -155,6 +155,7 @@ class EdgeEstimates:
         self.rtt = EWMean()                   # the link and the worker's queue: latency - the worker's forward
         self.batch = EWMean(1.0)              # rows per worker forward
         self.steps_per_token = EWMean(1.0)    # draft forwards per target token (a cross-vocabulary draft: > 1)
+        self.explore_s = EWMean()             # the draft wait of a round exploring from d = 0 (its catch-up)
         self.tree_saved = EWMean()            # tree levels a pre-draft had drafted when the VERDICT came
         self.lookahead = 0                    # target tokens drafted past a block (1 across vocabularies)
         self.sessions = 1                     # sessions in flight (set by the edge shell)
@@ -199,15 +200,19 @@ class EdgeEstimates:
         """A draft token's cost on the critical path: t x draft forwards per target token."""
         return self.step() * self.steps_per_token.value
 
-    def wait(self, tokens: int) -> float:
-        """R + V: seconds from sending a row of `tokens` draft tokens to its VERDICT. V = c0 + c1 B (tokens + 1):
-        the worker's forward if every row of its batch drafted as we do (mean field)."""
+    def wait_line(self) -> tuple[float, float]:
+        """(w0, w1): R + V = w0 + w1 (tokens + 1), seconds from sending a row of `tokens` draft tokens to its
+        VERDICT. V = c0 + c1 B (tokens + 1): the worker's forward if every row of its batch drafted as we do."""
         if self.cloud.known:
             c0, c1 = self.cloud.fit()
-            return self.rtt.value + c0 + c1 * self.batch.value * (tokens + 1)
+            return self.rtt.value + c0, c1 * self.batch.value
         if self.latency.known:
-            return self.latency.at(tokens + 1)
-        return 1.0 / DRAFT_PRIOR  # in-process: in units of one draft forward
+            return self.latency.fit()
+        return 1.0 / DRAFT_PRIOR, 0.0  # in-process: in units of one draft forward
+
+    def wait(self, tokens: int) -> float:
+        w0, w1 = self.wait_line()
+        return w0 + w1 * (tokens + 1)
 
     def predraft_budget(self, tokens: int) -> int:
         """Draft tokens the idle draft thread can pre-draft while a row of `tokens` is verified (0 without

@@ -108,7 +108,7 @@ class EdgeSession:
         self._reused = DraftBlock()                # the start of the next block, taken from the chain
         self._chain: DraftChain | None = None      # the block in flight and its pre-drafted continuation
         self._hint: P.LoadHint | None = None
-        self._width = 0                            # the last block's cloud row width
+        self._width = self._steps = 0              # the last block's cloud row width, fresh draft forwards
         self._catchup = False                      # its draft first caught up on a stretch the draft never saw
         self._rejection: Rejection | None = None
         self._pending: P.Resample | None = None
@@ -162,7 +162,7 @@ class EdgeSession:
         # not what a block of d costs while drafting goes on, so its steps do not teach s (edge_worker/policy)
         self._catchup = self.prefill_due > 0 or self._block is None or not self._block.ids
         self._block, reused = self._reused + block, len(self._reused.ids)
-        self._reused = DraftBlock()
+        self._reused, self._steps = DraftBlock(), block.steps  # draft forwards waited for
         self._width = len(self.tokens) - self.cloud_len + len(self._block.ids) + 1  # the row the cloud runs
         self.seq += 1
         self.stats.draft_tokens += len(self._block.ids)
@@ -204,7 +204,8 @@ class EdgeSession:
         and from sending it to its VERDICT. Feeds the auto draft length."""
         self.stats.draft_s += draft_s or 0.0
         self.stats.verify_s += latency_s
-        self.policy.observe_round(self._width, latency_s, self._hint, draft_s)
+        steps = self._steps if self.trees.block is None and not self.trees.last_steps else 0  # chains only
+        self.policy.observe_round(self._width, latency_s, self._hint, draft_s, steps, self._catchup)
 
     # ---------------------------------------------------------------------------- replies
     def apply(self, reply: P.Base) -> list[int]:

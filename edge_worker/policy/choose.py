@@ -143,9 +143,13 @@ class DraftPolicy:
             self.edge.acceptance.observe(d, n, bonus_match)
         self.idle = 0 if sampled else self.idle + 1
 
-    def observe_round(self, width: int, latency_s: float, hint: LoadHint | None, draft_s: float | None) -> None:
-        """The round's timings (`draft_s`: the wait for its draft, None: not timed)."""
+    def observe_round(self, width: int, latency_s: float, hint: LoadHint | None, draft_s: float | None,
+                      steps: int = 0, catchup: bool = False) -> None:
+        """The round's timings: `draft_s` the wait for its chain's `steps` fresh forwards (None: not timed),
+        `catchup` whether they first caught the draft up on a stretch it had not seen (exploring's cost)."""
         self.edge.observe_round(width, latency_s, hint)
         if self.exploring and draft_s is not None:
             self.edge.explore_s.observe(draft_s)
+        elif draft_s is not None and steps > 0 and not catchup:
+            self.edge.waited.observe(draft_s / steps)
         self.exploring = False

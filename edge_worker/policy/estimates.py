@@ -155,6 +155,8 @@ class EdgeEstimates:
         self.rtt = EWMean()                   # the link and the worker's queue: latency - the worker's forward
         self.batch = EWMean(1.0)              # rows per worker forward
         self.steps_per_token = EWMean(1.0)    # draft forwards per target token (a cross-vocabulary draft: > 1)
+        self.waited = EWMean()                # a chain round's wait for its draft per fresh forward (the critical
+                                              # path: the loop, queueing behind other sessions' batches included)
         self.explore_s = EWMean()             # the draft wait of a round exploring from d = 0 (its catch-up)
         self.tree_saved = EWMean()            # tree levels a pre-draft had drafted when the VERDICT came
         self.lookahead = 0                    # target tokens drafted past a block (1 across vocabularies)
@@ -197,8 +199,8 @@ class EdgeEstimates:
         return DRAFT_PRIOR * base if base > 0 else 1.0
 
     def per_token(self) -> float:
-        """A draft token's cost on the critical path: t x draft forwards per target token."""
-        return self.step() * self.steps_per_token.value
+        """A chain's draft token on the critical path: the measured wait per forward (else t) x forwards per token."""
+        return (self.waited.value if self.waited.count else self.step()) * self.steps_per_token.value
 
     def wait_line(self) -> tuple[float, float]:
         """(w0, w1): R + V = w0 + w1 (tokens + 1), seconds from sending a row of `tokens` draft tokens to its

@@ -5,11 +5,11 @@ whether to pre-draft. The whole model (docs/policy.md):
     E(S) = 1 + sum over the tree's nodes of their reach    the same for a tree (reach from the rank chances P_r)
     T    = t s (d + lookahead) - pre-drafted start + R + V(d)   seconds a round takes (a tree: one forward a level)
 
-with one set of estimators per edge (estimates.py): acceptance per draft position (and per confidence class and
-rank for trees), pooled over the edge's sessions, each session's own counts pulling lightly; t, the draft's
-seconds per forward against its columns (the draft thread's timings); V, the worker's forward (fixed + per token,
-from the VERDICT's load hint, every row of its batch drafting as we do); R, the link (latency - the worker's
-forward). A pre-draft runs on the otherwise idle draft thread during the wait, so a block's start it drafted
+with one set of estimators per edge (estimates.py): acceptance per draft position (and per confidence class and rank
+for trees), pooled over the edge's sessions, each session's own counts pulling lightly; t, the draft's seconds per
+forward against its columns (the draft thread's timings; a chain's: the measured wait per forward); V, the worker's
+forward (fixed + per token, from the VERDICT's load hint, every row of its batch drafting as we do); R, the link
+(latency - the worker's forward). A pre-draft runs on the otherwise idle draft thread during the wait, so a block's start it drafted
 costs nothing. One objective rule picks among chains (d = 0 included) and trees alike (choose.pick): of the
 candidates whose rate E / T is within the objective's tolerance of the best, the most tokens per call (`speed`
 0: the fastest; `balanced` 10 %; `cloud` 30 %). A draft slower than the verify it saves loses by the model.

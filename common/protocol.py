@@ -85,7 +85,7 @@ class Strategy(enum.IntEnum):
 
 
 class Objective(enum.IntEnum):
-    """What `--draft-len auto` optimises (docs/draftlen.md): SPEED the session's tokens per second; BALANCED the
+    """What `--draft-len auto` optimises (docs/policy.md): SPEED the session's tokens per second; BALANCED the
     fewest cloud calls within a tolerance of the best speed; CLOUD the fewest cloud calls drafting can give."""
 
     SPEED = 0
@@ -101,7 +101,7 @@ class ResampleKind(enum.IntEnum):
 
 DEFAULT_SAMPLED_MODE = Mode.COUPLED  # at temperature > 0 when no mode is named: fewest bytes and round trips
 DEFAULT_STRATEGY = Strategy.SRDV     # in SAMPLE mode when no strategy is named (docs/modes.md)
-DEFAULT_OBJECTIVE = Objective.BALANCED  # what auto optimises when nobody names it (docs/draftlen.md)
+DEFAULT_OBJECTIVE = Objective.BALANCED  # what auto optimises when nobody names it (docs/policy.md)
 
 
 class Base(msgspec.Struct, array_like=True, omit_defaults=True, forbid_unknown_fields=False):
@@ -156,7 +156,7 @@ HINT_EVERY = 4  # a worker attaches a LoadHint to a session's VERDICTs with seq 
 
 
 class LoadHint(Base):
-    """The worker's load when it verified a request, for the edge's draft length (edge_worker/draftlen.py):
+    """The worker's load when it verified a request, for the edge's draft length (edge_worker/policy):
     batch = rows in the forward pass, width = the widest row's new tokens, forward_us = its duration, queue_us =
     how long the request waited for it, tokens = all the tokens it ran (every row's uncached context and draft,
     and prompt chunks), prefill = how many were prompt chunks, busy = the worker's recent share of wall time in

@@ -48,9 +48,9 @@ class PreDraft:
 
 class DraftBatcher:
     def __init__(self, drafter: Drafter, pool: Executor, max_batch: int = 64, chunk: int = 1,
-                 on_timing: Callable[[int, float], None] | None = None) -> None:
+                 on_timing: Callable[[int, int, float], None] | None = None) -> None:
         self.drafter, self.pool, self.max_batch, self.chunk = drafter, pool, max_batch, chunk
-        self.on_timing = on_timing  # (draft-model forwards, seconds in the draft thread) of every batch and chunk
+        self.on_timing = on_timing  # (rows, draft-model forwards, seconds in the draft thread) of every batch, chunk
         self._warm = False          # set by the first batch (only the draft thread touches it)
         self._queue: list[tuple[DraftJob, asyncio.Future]] = []
         self._pre: list[PreDraft] = []
@@ -178,7 +178,7 @@ class DraftBatcher:
         if self.on_timing is not None and warm:
             steps = max((b.steps for b in blocks), default=0)  # draft-model forwards, not target tokens
             try:
-                loop.call_soon_threadsafe(self.on_timing, steps, time.perf_counter() - t0)
+                loop.call_soon_threadsafe(self.on_timing, len(jobs), steps, time.perf_counter() - t0)
             except RuntimeError:  # the loop closed meanwhile (shutdown): nothing to learn any more
                 pass
         return blocks

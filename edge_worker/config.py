@@ -23,7 +23,7 @@ from ..common.protocol import (DEFAULT_OBJECTIVE, DEFAULT_SAMPLED_MODE, DEFAULT_
 from ..common.sampling import SamplingParams
 
 SEED_LIMIT = 1 << 63
-TREES = ("off", "on", "auto")  # token trees (edge_worker/treeshape.py)  # seeds travel as unsigned 63-bit integers (protocol.U63)
+TREES = ("off", "on", "auto")  # token trees (edge_worker/policy)  # seeds travel as unsigned 63-bit integers (protocol.U63)
 
 
 @dataclass(frozen=True)
@@ -37,9 +37,9 @@ class SessionConfig:
     seed: int = 0
     draft_len: int | None = None  # None = auto
     resample: Strategy = DEFAULT_STRATEGY
-    objective: Objective = DEFAULT_OBJECTIVE  # what `auto` optimises (edge_worker/draftlen.py)
+    objective: Objective = DEFAULT_OBJECTIVE  # what `auto` optimises (edge_worker/policy)
     trees: str = "off"             # token trees: off (chains), on (trees), auto (the shape policy may choose chains)
-    tree_nodes: int | None = None  # a tree's node budget; None = chosen (edge_worker/treeshape.py)
+    tree_nodes: int | None = None  # a tree's node budget; None = chosen (edge_worker/policy)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "resample", enum_value(Strategy, self.resample, "resample"))
@@ -90,12 +90,10 @@ class EdgeConfig:
     retry_backoff_s: float = 0.1      # doubled per consecutive failure, capped at max_backoff_s
     max_backoff_s: float = 1.0
     default_objective: Objective = DEFAULT_OBJECTIVE  # what auto optimises when a request names none
-    default_trees: str = "off"        # token trees: off, on, auto (edge_worker/treeshape.py)
+    default_trees: str = "off"        # token trees: off, on, auto (edge_worker/policy)
     linger_ms: int = 100
     heartbeat_s: float = HEARTBEAT_INTERVAL  # ZMTP heartbeats on the broker connection (drop a dead TCP peer)
     predraft: bool = True             # draft ahead while a VERIFY is in flight (edge_worker/predraft.py)
-    predraft_window: str = "wait"     # the whole wait for the VERDICT, or only while it goes up ("uplink":
-                                      # when a cloud worker shares this machine's CPU)
     max_context: int | None = None    # the target's context (prompt + max_new_tokens); None = unknown
 
     def __post_init__(self) -> None:
@@ -107,8 +105,6 @@ class EdgeConfig:
             raise ValueError("linger_ms must be in [0, 5000] so shutdown cannot hang")
         check = SessionConfig(objective=self.default_objective, trees=self.default_trees)  # validates both
         self.default_objective = check.objective  # a name -> its member
-        if self.predraft_window not in ("uplink", "wait"):
-            raise ValueError("predraft_window must be 'uplink' or 'wait'")
 
 
 def session_config(edge: EdgeConfig, *, max_new_tokens: int = SessionConfig.max_new_tokens,

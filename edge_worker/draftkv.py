@@ -5,7 +5,7 @@ shortens it. A lockstep draft batch (`LockstepKV`) gathers its rows' pasts once,
 workspace; the model then writes each step's K/V in place (`BufferLayer`), and when the batch ends or a row
 leaves it, each row's new positions go back to its session's buffer. Before, every step restacked every
 session's past, and the cache and the per-session append concatenated it twice more: at 16 sessions that was
-~60 % of the edge's draft time (docs/draftlen.md).
+~60 % of the edge's draft time (docs/policy.md).
 
 Layout: a batch holds [layers, 2 (keys, values), rows, kv_heads, capacity, head_dim]. Row i's past sits right-
 aligned before column `past`; the columns after it are the batch's steps, where a row fed fewer tokens than

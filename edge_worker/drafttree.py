@@ -13,11 +13,55 @@ while the VERIFY was in flight, starts the next block.
 
 from __future__ import annotations
 
+import heapq
+from bisect import bisect_right
 from dataclasses import dataclass, field
 
 import torch
 
 ROOT = -1
+BUCKETS = (1.17, 1.5, 2.25, 3.2)  # class edges of the draft's top-1 / top-2 probability ratio (unsure .. sure)
+MAX_BRANCH = 4                    # children of one node at most
+CANDIDATES = 8                    # candidates kept per fed node: children, then guesses of the next token
+
+
+def bucket_of(q: torch.Tensor) -> int:  # q: [V] the draft's probabilities after the node
+    """The node's confidence class, 0 (the draft hesitates between two tokens) .. len(BUCKETS) (sure)."""
+    top = q.topk(2).values.double()
+    return bisect_right(BUCKETS, float(top[0] / top[1].clamp(min=1e-30)))
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """widths[k - 1]: nodes at depth k. A chain of d: widths (1,) * d. min_value: a node less likely than this to
+    be on the accepted path costs more (cloud and draft time) than the tokens it is worth (the policy sets it)."""
+
+    widths: tuple[int, ...] = ()
+    min_value: float = 0.0
+
+    @classmethod
+    def chain(cls, d: int) -> "TreeShape":
+        return cls((1,) * d)
+
+    @property
+    def depth(self) -> int:
+        return len(self.widths)
+
+    @property
+    def nodes(self) -> int:
+        return sum(self.widths)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(w == 1 for w in self.widths)
+
+    def width(self, depth: int) -> int:
+        return self.widths[depth - 1] if 0 < depth <= len(self.widths) else 0
+
+    def label(self) -> str:
+        return "chain" if self.is_chain else "tree"
+
+
 
 
 @dataclass
@@ -161,3 +205,38 @@ def adopt(tree: DraftTree, kv, ids: list[int], context: list[int]) -> tuple[list
         return ids, rest
     kv.nodes.clear()
     return ids, None
+
+
+def expand_level(tree: DraftTree, level: list[int], want: int, acceptance,
+                 eos: frozenset[int], mode_sample: bool, branching: int | None = None,
+                 least: float = 0.0) -> list[int]:
+    """Give the level's nodes their children: the `want` most valuable candidates (a node's children are a prefix
+    of its ranked candidates), none below `least`, and at most `branching` nodes with a second child (None: any).
+    Marks every node of the level expanded. Returns the new ids."""
+    heap = []
+    for u in level:
+        node = tree.node(u)
+        if node.dist is not None and not node.final:
+            heapq.heappush(heap, (-_value(node, 0, acceptance), u, 0))
+    new = []
+    while heap and len(new) < want:
+        v, u, r = heapq.heappop(heap)
+        if -v < least:
+            break
+        if r == 1 and branching is not None:
+            if branching <= 0:
+                continue
+            branching -= 1
+        node = tree.node(u)
+        token = node.dist.ranked[r]
+        q = float(node.dist.q[token]) if mode_sample else 0.0
+        new.append(tree.add(u, token, -v, q, final=token in eos))
+        if r + 1 < min(MAX_BRANCH, len(node.dist.ranked)):
+            heapq.heappush(heap, (-_value(node, r + 1, acceptance), u, r + 1))
+    for u in level:
+        tree.node(u).expanded = True
+    return new
+
+
+def _value(node: TreeNode, rank: int, acceptance) -> float:  # acceptance: policy.RankAcceptance
+    return node.value * acceptance.p_rank(node.dist.bucket)[rank]

@@ -17,6 +17,7 @@ from typing import Callable
 
 from ..common.protocol import Mode
 from .drafter import DraftBlock
+from .drafttree import expand_level
 
 
 @dataclass
@@ -53,10 +54,10 @@ class DraftChain:
 class OutcomePlan:
     """While a tree VERIFY is in flight: what each pre-draft chunk (one draft forward) feeds, likeliest verdict
     first. A verdict is a path (to node u) and the next token t; with A_r, P_r per confidence class
-    (edge_worker/treeshape.py), P(u, t = u's r-th candidate) ~ value(u) * P_r(bucket(u)) for r past u's sent
+    (edge_worker/policy), P(u, t = u's r-th candidate) ~ value(u) * P_r(bucket(u)) for r past u's sent
     children (a leaf: r >= 0, once the leaf itself was fed). Each guess becomes an `outcome` node of the draft tree;
     under it the next tree grows, level by level with the next round's shape, each subtree on its own: a node's
-    children never depend on another subtree's draws (sample mode's exactness, docs/trees.md)."""
+    children never depend on another subtree's draws (sample mode's exactness, docs/policy.md)."""
 
     def __init__(self, sent: list[int], shape, chunks: int, width: int = 32) -> None:
         self.sent, self.shape, self.chunks, self.width = set(sent), shape, chunks, width
@@ -115,7 +116,6 @@ class OutcomePlan:
         """In every guess's subtree, expand the levels whose nodes are all fed (no forward needed), shallowest
         first, and note the unfed nodes of the first level that is not."""
         from .treedraft import branching_left
-        from .treeshape import expand_level
 
         tree, job = cursor.job.state.tree, cursor.job
         sample, depth = job.mode == Mode.SAMPLE, self.shape.depth

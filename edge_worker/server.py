@@ -19,7 +19,7 @@ committed context, under the policy of `route.Retries` (`retry_budget_s` seconds
 broker restart, a gap with no worker).
 
 While a VERIFY is in flight the draft thread, when idle, pre-drafts the session's chain on (`predraft`); the
-measured draft wait and round-trip latency of every round feed the auto draft length (edge_worker/draftlen.py,
+draft thread's timings and the round-trip latency of every round feed the draft policy (edge_worker/policy,
 one `EdgeEstimates` per edge). `metrics` (telemetry.py) counts what EdgeHealth serves on /metrics.
 """
 
@@ -46,14 +46,13 @@ from ..common.errors import (AuthenticationFailed, FatalError, GenerationTimeout
 from . import telemetry
 from .batcher import DraftBatcher
 from .config import EdgeConfig, SessionConfig
-from .draftlen import EdgeEstimates
 from .drafter import Drafter
 from .frontend import ClientFrontend
 from .links import BrokerLink, BrokerLinks
 from .loading import load_drafter, target_context
+from .policy import EdgeEstimates
 from .route import Retries, Route
 from .session import EdgeSession
-from .treeshape import TreeEstimates
 
 log = structlog.get_logger("specrelay.edge")
 
@@ -98,8 +97,7 @@ class EdgeWorker(transport.Service):
         self._next_sid = 1
         self._pool: ThreadPoolExecutor | None = None
         self._batcher: DraftBatcher | None = None
-        self.estimates = EdgeEstimates(self.config.predraft, self.config.predraft_window)  # shared by sessions
-        self.tree_estimates = TreeEstimates()  # tree shapes (edge_worker/treeshape.py), shared by sessions
+        self.estimates = EdgeEstimates(self.config.predraft)  # the draft policy's (edge_worker/policy), shared
         self._log = log.bind(broker=",".join(self.brokers))
 
     @property
@@ -175,8 +173,7 @@ class EdgeWorker(transport.Service):
         if self.auth_error is not None:
             raise self.auth_error
         self.check_fits(len(prompt_ids), config.max_new_tokens)
-        session = EdgeSession(list(prompt_ids), config, self.drafter, sid=self._new_sid(), estimates=self.estimates,
-                              tree_estimates=self.tree_estimates)
+        session = EdgeSession(list(prompt_ids), config, self.drafter, sid=self._new_sid(), estimates=self.estimates)
         route = self._routes[session.sid] = Route(session, self.links.choose(session.sid))
         slog = self._log.bind(session=session.sid)
         t0, retries, error = time.perf_counter(), Retries(self.config), None

@@ -6,8 +6,8 @@ itself after a rejection travels once, as the `tail` of the next VERIFY; on a re
 `open_message()` carries the whole history and the cloud re-prefills from it (after UNKNOWN_SESSION,
 WORKER_LOST or a timeout).
 
-The draft length of each block comes from a policy (edge_worker/draftlen.py): fixed, or `auto` = goodput-driven
-from the acceptance this session measures and the timings the shell reports (`record_timing`). While a VERIFY
+The shape of each block comes from the draft policy (edge_worker/policy): fixed, or `auto` = the objective's
+pick on the model of the acceptance and the timings the shell reports (`record_timing`). While a VERIFY
 is in flight the shell may pre-draft the chain on (`predraft_job` / `take_predraft`, edge_worker/predraft.py);
 the next `draft_job` then starts from the part of it that the verdict confirmed.
 """
@@ -23,12 +23,11 @@ from ..common.packing import f32
 from ..common.protocol import Mode
 from ..common.resample import Rejection
 from .config import SessionConfig
-from .draftlen import EdgeEstimates, FixedDraftLen, GoodputController
 from .drafter import DraftBlock, Drafter, DraftJob
+from .policy import DraftPolicy, EdgeEstimates
 from .predraft import DraftChain
 from .treedraft import TreeBlock
 from .treeround import TreeRounds, TreesRefused
-from .treeshape import TreeEstimates
 
 
 def _refuses_trees(error: P.Error) -> bool:
@@ -89,8 +88,7 @@ class EdgeSession:
     drafter: Drafter
     sid: int = 1
     stats: SessionStats = field(default_factory=SessionStats)
-    estimates: EdgeEstimates | None = None  # shared by an edge's sessions (auto draft length)
-    tree_estimates: TreeEstimates | None = None  # shared by an edge's sessions (tree shapes)
+    estimates: EdgeEstimates | None = None  # shared by an edge's sessions (edge_worker/policy)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -102,23 +100,20 @@ class EdgeSession:
         self.prefill_due = 0                     # tokens the cloud prefills before its next VERDICT (after OPEN)
         self.seq = 0
         self.done = False
-        d = self.config.draft_len
-        self.policy = (GoodputController(self.estimates, objective=self.config.objective) if d is None
-                       else FixedDraftLen(d, self.estimates))
+        self.estimates = self.estimates or EdgeEstimates()
+        self.policy = DraftPolicy(self.estimates, self.config.objective, self.config.draft_len)
         self.state = self.drafter.new_state(self.prompt_ids)
         self._block: DraftBlock | None = None
         self._job: DraftJob | None = None          # the job that drafted the block in flight
         self._reused = DraftBlock()                # the start of the next block, taken from the chain
         self._chain: DraftChain | None = None      # the block in flight and its pre-drafted continuation
         self._hint: P.LoadHint | None = None
-        self._fresh = self._width = 0              # last block: draft forwards waited for, cloud row width
-        self._predrafting = self._opened = False   # pre-drafting while this VERIFY is in flight; first after OPEN
+        self._width = self._steps = 0              # the last block's cloud row width, fresh draft forwards
         self._catchup = False                      # its draft first caught up on a stretch the draft never saw
         self._rejection: Rejection | None = None
         self._resend_vocab = False                 # a worker lacked the bitmap the last OPEN named by hash
         self._pending: P.Resample | None = None
-        self.trees = TreeRounds(self, self.tree_estimates or TreeEstimates(), self.config.trees,
-                                self.config.tree_nodes)  # token trees (edge_worker/treeround.py)
+        self.trees = TreeRounds(self, self.config.trees, self.config.tree_nodes)  # (edge_worker/treeround.py)
 
     # ---------------------------------------------------------------------------- requests
     def open_message(self, resend_vocab: bool = False) -> P.Open:
@@ -167,16 +162,14 @@ class EdgeSession:
         self.trees.block, self.trees.last_steps = None, 0
         # a block drafted after the session's OPEN or after a round at d = 0 first feeds the draft model the whole
         # stretch it has not seen (the prompt, every token the target alone committed): a one-off cost that is
-        # not what a block of d costs while drafting goes on, so its timing does not teach t or s (draftlen)
+        # not what a block of d costs while drafting goes on, so its steps do not teach s (edge_worker/policy)
         self._catchup = self.prefill_due > 0 or self._block is None or not self._block.ids
         self._block, reused = self._reused + block, len(self._reused.ids)
-        self._reused, self._fresh = DraftBlock(), block.steps  # draft-model forwards waited for
-        self._predrafting = False  # until predraft_job starts one for this VERIFY
-        self._opened = self.prefill_due > 0  # the first VERIFY after an OPEN: the cloud prefills the prompt first
+        self._reused, self._steps = DraftBlock(), block.steps  # draft forwards waited for
         self._width = len(self.tokens) - self.cloud_len + len(self._block.ids) + 1  # the row the cloud runs
         self.seq += 1
         self.stats.draft_tokens += len(self._block.ids)
-        if block.drafted and self.estimates is not None:  # a cross-vocabulary block: forwards per target token
+        if block.drafted:  # a cross-vocabulary block: forwards per target token
             self.estimates.observe_block_steps(block.steps, len(block.ids), timed=not self._catchup)
         self.stats.predraft_tokens += reused
         self.stats.predraft_rounds += reused > 0
@@ -197,17 +190,12 @@ class EdgeSession:
         if chain.block.ids and chain.block.ids[-1] in self.drafter.eos_ids:
             return None
         remaining = self.config.max_new_tokens - len(self.generated) - len(chain.block.ids)
-        d_next = self.policy.choose(remaining - 1)  # if the whole block and the bonus guess are accepted
-        budget = self.estimates.predraft_budget() if self.estimates is not None else 0
-        k = min(1 + d_next, remaining - 1, budget)
-        if k <= 0:
+        d_next = self.policy.choose(remaining - 1, explore=False)  # if the block and the bonus guess are accepted
+        k = min(1 + d_next, remaining - 1, self.estimates.predraft_budget(len(chain.block.ids)))
+        # on the idle draft thread a pre-draft is free; at d = 0 nothing is (the next round drafts nothing)
+        if k <= 0 or d_next <= 0:
             return None
-        # where it pays (auto; a fixed length always); at d = 0 only `auto` wants the guess (an acceptance sample)
-        if not (self.policy.predrafts(len(chain.block.ids), d_next) if d_next > 0 else self.policy.probes):
-            return None
-        job = self.drafter.continue_job(job, chain.block.ids, k)
-        self._predrafting = job is not None
-        return job
+        return self.drafter.continue_job(job, chain.block.ids, k)
 
     def take_predraft(self, more: DraftBlock) -> None:
         """The pre-drafted continuation of the block in flight (call before `apply` of its VERDICT)."""
@@ -218,11 +206,9 @@ class EdgeSession:
         """What the shell measured for the last VERIFY round: seconds waited for its draft (None: not timed)
         and from sending it to its VERDICT. Feeds the auto draft length."""
         self.stats.draft_s += draft_s or 0.0
-        self.trees.record_timing(draft_s, self._fresh)
         self.stats.verify_s += latency_s
-        d = len(self._block.ids) if self._block is not None else 0
-        self.policy.observe_round(self._fresh, None if self._catchup else draft_s, latency_s, self._width, d,
-                                  self._hint, self._predrafting, self._opened)
+        steps = self._steps if self.trees.block is None and not self.trees.last_steps else 0  # chains only
+        self.policy.observe_round(self._width, latency_s, self._hint, draft_s, steps, self._catchup)
 
     # ---------------------------------------------------------------------------- replies
     def apply(self, reply: P.Base) -> list[int]:

@@ -1,7 +1,7 @@
 """Drafting token trees for many sessions at once: ONE batched draft forward per depth level, not one per branch.
 
 A tree job grows its session's draft tree (edge_worker/drafttree.py) level by level to its shape
-(edge_worker/treeshape.py): at each step every session still drafting feeds the nodes of its next level (the
+(edge_worker/drafttree.py, chosen by edge_worker/policy): at each step every session still drafting feeds the nodes of its next level (the
 draft model with a tree attention mask over its K/V, edge_worker/draftkv.py `trees=True`), then each fed node's
 children are chosen from what the draft says after it (`node_dist`), in the mode's way:
   greedy   the draft's likeliest tokens;
@@ -28,8 +28,8 @@ from ..common.rng import Purpose, gumbel
 from ..common.sampling import SamplingParams, probs_from_logits
 from ..common.tree import draw_children
 from .draftkv import LockstepKV, TreeFeed, Workspace
-from .drafttree import ROOT, DraftTree, NodeDist
-from .treeshape import BUCKETS, CANDIDATES, RankAcceptance, TreeShape, bucket_of, expand_level
+from .drafttree import BUCKETS, CANDIDATES, ROOT, DraftTree, NodeDist, TreeShape, bucket_of, expand_level
+from .policy import RankAcceptance
 
 PREDRAFT_WIDTH = 64     # columns one pre-draft chunk feeds per session at most (a chunk delays a real draft)
 PREDRAFT_COLUMNS = 128  # ... and all sessions of an edge together (each gets its share, at least 4)

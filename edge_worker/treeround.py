@@ -17,15 +17,13 @@ from ..common.packing import f32
 from ..common.protocol import Mode
 from ..common.resample import Rejection
 from ..common.tree import Tree, encode_q_row
-from .draftlen import EdgeEstimates
 from .drafter import DraftBlock, DraftJob
-from .drafttree import ROOT
+from .drafttree import ROOT, TreeShape
 from .predraft import OutcomePlan, TreePreDraft
+from .policy import PREDRAFT_SHARE, EdgeEstimates
 from .treedraft import PREDRAFT_COLUMNS, PREDRAFT_WIDTH, TreeBlock, TreeJob
-from .treeshape import TreeEstimates, TreeShape
 
 MAX_FRAME_ROWS = 6 << 20  # bytes of q rows one VERIFY may carry (common/protocol.py MAX_FRAME is 8 MiB)
-PREDRAFT_SHARE = 0.9      # pre-draft chunks end within this share of the expected wait for the VERDICT
 
 
 class TreesRefused(InternalError):
@@ -34,8 +32,8 @@ class TreesRefused(InternalError):
 
 
 class TreeRounds:
-    def __init__(self, session, estimates: TreeEstimates, trees: str, nodes: int | None) -> None:
-        self.s, self.estimates, self.trees, self.nodes = session, estimates, trees, nodes
+    def __init__(self, session, trees: str, nodes: int | None) -> None:
+        self.s, self.trees, self.nodes = session, trees, nodes
         self.block: TreeBlock | None = None   # the tree in flight
         self.tree = None                      # its DraftTree (state.tree when sent)
         self.shape: TreeShape | None = None
@@ -50,13 +48,11 @@ class TreeRounds:
         return self.trees != "off" and getattr(self.s.drafter, "trees", False) and not self.chains_only
 
     def edge(self) -> EdgeEstimates:
-        if self.s.estimates is None:
-            self.s.estimates = EdgeEstimates()
-        return self.s.estimates
+        return self.s.policy.edge
 
-    def next_shape(self, remaining: int) -> TreeShape:
-        c = self.s.config
-        return self.estimates.shape(self.edge(), c.objective, self.trees, remaining - 1, c.draft_len, self.nodes)
+    def next_shape(self, remaining: int) -> TreeShape | None:
+        """The policy's tree (None: with `auto`, a chain pays more)."""
+        return self.s.policy.shape(remaining, self.trees, self.s.config.draft_len, self.nodes)
 
     def job(self) -> TreeJob | DraftJob | None:
         """The next tree job; with `auto`, None when the shape policy finds no tree that pays (the session drafts
@@ -65,13 +61,13 @@ class TreeRounds:
         s, c = self.s, self.s.config
         retry = self.block is not None and self.root_len == len(s.tokens)
         shape = self.shape if retry else self.next_shape(c.max_new_tokens - len(s.generated))
-        if not retry and self.trees == "auto" and shape.is_chain:
+        if shape is None or (not retry and self.trees == "auto" and shape.is_chain):
             return None
         if shape.depth == 0:
             s._job = DraftJob(s.state, list(s.tokens), len(s.tokens), 0, s.mode, c.params, c.seed)
             return s._job
         self.shape, s._job = shape, None
-        return TreeJob(s.state, list(s.tokens), shape, s.mode, c.params, c.seed, self.estimates.acceptance,
+        return TreeJob(s.state, list(s.tokens), shape, s.mode, c.params, c.seed, self.edge().ranks,
                        branching=self._rows_left())
 
     def _rows_left(self) -> int | None:
@@ -86,7 +82,6 @@ class TreeRounds:
         self.last_steps = block.steps
         self.chain = all(p == i - 1 for i, p in enumerate(block.parents))
         s._block, s._chain, s._reused = DraftBlock(list(block.ids)), None, DraftBlock()
-        s._fresh, s._predrafting, s._opened = block.steps, False, s.prefill_due > 0
         s._width = len(s.tokens) - s.cloud_len + len(block.ids) + 1
         s.seq += 1
         st = s.stats
@@ -96,10 +91,9 @@ class TreeRounds:
         st.predraft_tokens += block.reused
         st.predraft_rounds += block.reused > 0
         for width, seconds in block.forwards:
-            self.estimates.observe_forward(width, seconds)
+            self.edge().observe_forward(width, seconds)
         if self.shape.depth:
-            self.estimates.saved.observe(max(0, self.shape.depth - block.steps))
-        self.estimates.predicted.observe(sum(self.tree.nodes[u].value for u in block.nodes))
+            self.edge().tree_saved.observe(max(0, self.shape.depth - block.steps))
         sample = s.mode == Mode.SAMPLE
         req = P.Verify(s.sid, s.seq, len(s.tokens), s.tokens[s.cloud_len:], list(block.ids),
                        f32(block.q_tok) if sample else b"")
@@ -109,14 +103,6 @@ class TreeRounds:
                 req.q_rows = [encode_q_row(self.tree.node(ROOT if i < 0 else block.nodes[i]).dist.q)
                               for i in Tree.parse(block.ids, block.parents).branching()]
         return req
-
-    def record_timing(self, draft_s: float | None, forwards: int) -> None:
-        """The shell's wait for this round's draft of `forwards` forwards (a tree's or a chain's: what a forward
-        costs the critical path; None: not timed)."""
-        if draft_s is not None and forwards:
-            self.estimates.observe_wait(draft_s, forwards)
-            if not self.last_steps:  # a chain's forward: one column for each session of the batch
-                self.estimates.width.observe(max(1, self.edge().sessions))
 
     def refused(self) -> None:
         """This worker verifies chains only: chains from now on."""
@@ -168,14 +154,12 @@ class TreeRounds:
         st.cloud_calls += 1
         st.accepted_tokens += n
         st.record_tree(self.shape.depth if self.shape else 0, n, n + 1 if kids[-1] else n)
-        acc = self.estimates.acceptance
+        acc = self.edge().ranks
         acc.decay()
         for i, (w, sent_kids) in enumerate(zip(walk, kids)):
             dist = tree.node(w).dist
             if sent_kids and dist is not None:
                 acc.observe(dist.bucket, len(sent_kids), sent_kids.index(walk[i + 1]) if i + 1 < len(walk) else None)
-        self.estimates.realised.observe(n)
-        self.estimates.verdicts += 1
 
     # ------------------------------------------------------------------------------------ pre-drafting
     def predraft_job(self) -> TreePreDraft | None:
@@ -185,34 +169,30 @@ class TreeRounds:
             return None
         remaining = s.config.max_new_tokens - len(s.generated) - 1
         shape = self.next_shape(remaining)
+        if shape is None or shape.depth == 0 or remaining <= 1:
+            return None
         chunks = self._chunks(shape)
-        if shape.depth == 0 or chunks <= 0 or remaining <= 1:
+        if chunks <= 0:
             return None
         c = s.config
-        self._planned, s._predrafting = chunks, True
+        self._planned = chunks
         width = max(4, min(PREDRAFT_WIDTH, PREDRAFT_COLUMNS // max(1, self.edge().sessions)))  # all sessions share
         plan = OutcomePlan(block.nodes, shape, chunks, width)                                      # a chunk's forward
         wait = self._wait()
         return TreePreDraft(TreeJob(s.state, list(s.tokens), self.shape, s.mode, c.params, c.seed,
-                                    self.estimates.acceptance, plan, self._rows_left()),
+                                    self.edge().ranks, plan, self._rows_left()),
                             None if wait is None else PREDRAFT_SHARE * wait)
 
     def _wait(self) -> float | None:
         """The expected seconds from sending the tree to its VERDICT (None: nothing measured yet)."""
-        edge, nodes = self.edge(), len(self.block.ids)
-        if edge.forward.known:
-            return edge.link_rtt() + edge.queue.value + edge.forward_time(nodes)
-        if edge.latency.known:  # no load hints: the measured round trips
-            l0, l1 = edge.latency.fit()
-            return l0 + l1 * (nodes + 1)
-        return None
+        edge = self.edge()
+        return edge.wait(len(self.block.ids)) if edge.cloud.known or edge.latency.known else None
 
     def _chunks(self, shape: TreeShape) -> int:
         """Forwards worth pre-drafting: the guesses, then the next tree's levels (the time budget may stop it
         sooner); none when not even one chunk fits PREDRAFT_SHARE of the expected wait."""
         wait = self._wait()
-        if wait is not None and self.estimates.level.known:
-            t0, t1 = self.estimates.level.fit()
-            if PREDRAFT_SHARE * wait < t0 + t1 * PREDRAFT_WIDTH / 2:
+        if wait is not None and self.edge().draft.known:
+            if PREDRAFT_SHARE * wait < self.edge().step(PREDRAFT_WIDTH / 2):
                 return 0
         return shape.depth + 1

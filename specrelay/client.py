@@ -243,7 +243,7 @@ class Client:
                draft_len: int | None, mode: str | None, resample: str | None, objective: str | None = None) -> _Call:
         """mode: greedy | sample | coupled (None: greedy at temperature 0, else the edge's sampling mode, coupled
         by default); resample: full | hr | srdv (None: the edge's default); objective: what `draft_len=None` (auto)
-        optimises, speed | balanced | cloud (None: the edge's --objective; docs/draftlen.md). The edge builds the
+        optimises, speed | balanced | cloud (None: the edge's --objective; docs/policy.md). The edge builds the
         session's settings from this GENERATE (edge_worker/config.py) and answers a refusal with an ERROR naming
         the field."""
         if self._sock is None and self._edge is None:

@@ -15,7 +15,7 @@ from .paths import demo_model
 
 MODES = tuple(m.name.lower() for m in Mode)
 STRATEGIES = tuple(s.name.lower() for s in Strategy)
-OBJECTIVES = tuple(o.name.lower() for o in Objective)  # what --draft-len auto optimises (docs/draftlen.md)
+OBJECTIVES = tuple(o.name.lower() for o in Objective)  # what --draft-len auto optimises (docs/policy.md)
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -95,13 +95,13 @@ def add_objective(p) -> None:
     p.add_argument("--objective", choices=OBJECTIVES, default=EdgeConfig.default_objective.name.lower(),
                    help="what --draft-len auto optimises: speed (the session's tokens/s), balanced (the fewest cloud "
                    "calls within 10%% of the best speed) or cloud (the least cloud time per token, whatever the "
-                   "session's speed); docs/draftlen.md")
+                   "session's speed); docs/policy.md")
 
 
 def add_trees(p) -> None:
     p.add_argument("--trees", choices=TREES, default=EdgeConfig.default_trees,
                    help="token trees: off (chains), on (trees: several candidates where the draft is unsure), auto "
-                   "(the shape policy chooses, chains included); same vocabulary only; docs/trees.md")
+                   "(the shape policy chooses, chains included); same vocabulary only; docs/policy.md")
 
 
 def add_sampling(p) -> None:

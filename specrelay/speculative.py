@@ -23,10 +23,9 @@ from .common.rng import Purpose, gumbel, sample_index, uniform
 from .common.runner import Decoder, ModelRunner
 from .common.sampling import SamplingParams, probs_from_logits
 from .edge_worker.config import SessionConfig
-from .edge_worker.draftlen import EdgeEstimates
 from .edge_worker.drafter import Drafter
 from .edge_worker.session import EdgeSession
-from .edge_worker.treeshape import TreeEstimates
+from .edge_worker.policy import EdgeEstimates
 
 
 def speculative_generate(draft: ModelRunner | Drafter, target: ModelRunner | Verifier, prompt_ids: list[int],
@@ -49,8 +48,7 @@ def speculative_generate_batch(draft: ModelRunner | Drafter, target: ModelRunner
         target, VerifierConfig(max_sessions=max(VerifierConfig.max_sessions, len(prompts))))
     drafter = draft if isinstance(draft, Drafter) else Drafter(draft, verifier.runner.vocab_size)
     estimates = EdgeEstimates()  # shared, as on an edge; no timings in-process, so `auto` is deterministic
-    trees = TreeEstimates()
-    sessions = [EdgeSession(list(p), c, drafter, sid=i + 1, estimates=estimates, tree_estimates=trees)
+    sessions = [EdgeSession(list(p), c, drafter, sid=i + 1, estimates=estimates)
                 for i, (p, c) in enumerate(zip(prompts, configs))]
     t0 = time.perf_counter()
     for s in sessions:

@@ -76,9 +76,9 @@ async def test_greedy_with_predrafting_equals_hf_and_reuses_drafts(zctx, linked,
     endpoint, _ = linked
     target = tiny_runners[0]
     async with edge(zctx, endpoint, twin_drafter, target.tokenizer) as running:
-        # auto for speed: with a draft the target always accepts, balanced and cloud draft the whole generation
-        # in one or two blocks (the fewest calls), leaving no next block to pre-draft
-        results = await generate_all(running, [SessionConfig(max_new_tokens=48, objective="speed")] * len(PROMPTS))
+        # a fixed length: with a draft the target always accepts, auto drafts the whole generation in one or two
+        # blocks (the draft costs what the target does: long blocks), leaving no next block to pre-draft
+        results = await generate_all(running, [SessionConfig(max_new_tokens=48, draft_len=4)] * len(PROMPTS))
     for prompt, (out, stats) in zip(PROMPTS, results):
         assert out == hf_greedy(target, prompt, 48), prompt
     assert sum(s["predraft_tokens"] for _, s in results) > 0  # the chain was reused
@@ -126,8 +126,8 @@ async def test_speculation_metrics_and_load_hints(zctx, linked, twin_drafter, ti
         text = await asyncio.to_thread(metrics, health.port)
         ready = await asyncio.to_thread(urllib.request.urlopen, f"http://127.0.0.1:{health.port}/readyz")
         assert ready.status == 200
-        assert running.estimates.forward.known  # VERDICTs carried the worker's load hint
-        assert running.estimates.step.count > 0 and running.estimates.step.value > 0  # the draft thread was timed
+        assert running.estimates.cloud.known  # VERDICTs carried the worker's load hint
+        assert running.estimates.draft.known and running.estimates.step() > 0  # the draft thread was timed
     drafts = sum(s["cloud_calls"] for _, s in results)
     accepted = sum(s["accepted_tokens"] for _, s in results)
     assert f"specrelay_edge_spec_decode_num_drafts_total {float(drafts)}" in text

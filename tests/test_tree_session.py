@@ -19,7 +19,6 @@ from specrelay.edge_worker.config import SessionConfig
 from specrelay.edge_worker.drafter import Drafter
 from specrelay.edge_worker.session import EdgeSession
 from specrelay.edge_worker.treeround import TreesRefused
-from specrelay.edge_worker.treeshape import TreeEstimates
 from specrelay.speculative import speculative_generate_batch, target_generate
 
 PROMPTS = ["def add(a, b):\n", "class Point:\n", "for i in"]
@@ -86,7 +85,7 @@ def session_and_verifier(runners, **config):
     target, draft = runners
     verifier = Verifier(target, VerifierConfig())
     s = EdgeSession(target.tokenizer(PROMPTS[0]).input_ids, SessionConfig(max_new_tokens=24, **config),
-                    Drafter(draft, target.vocab_size), tree_estimates=TreeEstimates())
+                    Drafter(draft, target.vocab_size))
     verifier.open((b"", 1), s.open_message())
     return s, verifier
 

@@ -15,7 +15,8 @@ from specrelay.edge_worker.draftkv import LockstepKV, SessionKV, TreeFeed, Works
 from specrelay.edge_worker.drafter import Drafter
 from specrelay.edge_worker.drafttree import ROOT
 from specrelay.edge_worker.treedraft import TreeJob, node_dist
-from specrelay.edge_worker.treeshape import RankAcceptance, TreeShape
+from specrelay.edge_worker.drafttree import TreeShape
+from specrelay.edge_worker.policy import RankAcceptance
 
 TEXTS = ["def add(a, b):\n", "class Point:\n", "for i in range(10):\n"]
 

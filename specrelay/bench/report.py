@@ -230,7 +230,7 @@ def _relative(path: Path, start: Path) -> str:
 
 _NOTES = {
     "sweep": "Greedy unless the command says otherwise. `d` is the draft length (`auto` = goodput-driven, "
-             "docs/draftlen.md); `0` is the target alone through the same path. Cloud calls are counted by the "
+             "docs/policy.md); `0` is the target alone through the same path. Cloud calls are counted by the "
              "workers; theory = rounds / Σ E(d) at the measured per-position acceptance (bench/theory.py). "
              "Each row's `placement` says where the processes ran: the edge side on CPU 0 and the cloud side "
              "(broker, workers, relay) on the other CPUs unless the command says --no-pin (docs/single-host.md).",

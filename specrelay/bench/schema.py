@@ -8,7 +8,7 @@ NUM = (int, float)
 OPT_NUM = (int, float, type(None))
 
 SWEEP_ROW: dict[str, tuple[tuple[type, ...], str]] = {
-    "draft_len": ((int, str), "draft tokens per VERIFY, or \"auto\" (goodput-driven, edge_worker/draftlen.py)"),
+    "draft_len": ((int, str), "draft tokens per VERIFY, or \"auto\" (goodput-driven, edge_worker/policy)"),
     "objective": ((str, type(None)), "what auto optimised: speed | balanced | cloud (null for a fixed length)"),
     "predraft": ((bool,), "pre-drafting while a VERIFY is in flight"),
     "link": ((str,), "the link emulation that ran (\"none (loopback)\" or the relay's RTT and rate)"),

@@ -1,0 +1,155 @@
+"""The draft policy's one objective rule and its candidates (chains d = 0..top, trees), and the per-session
+policy the edge's session asks each round (edge_worker/policy/__init__.py states the model). Pure."""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import replace
+from functools import lru_cache
+
+from ...common.protocol import MAX_DRAFT, LoadHint, Objective
+from ..drafttree import TreeShape
+from .estimates import PREDRAFT_SHARE, AcceptanceCounts, EdgeEstimates
+
+MAX_LEN = 32           # the longest chain, the deepest tree auto drafts (past it a demo pair's chance of
+                       # reaching a position is ~0)
+TREE_FILL = (1.5, 2, 3, 4)  # tree candidates per depth D: ceil(f x D) nodes (up to MAX_BRANCH per level on average)
+TOLERANCE = {Objective.SPEED: 0.0, Objective.BALANCED: 0.10, Objective.CLOUD: 0.30}  # share of the best modelled
+                       # rate an objective gives up for more tokens per call (balanced's promise: within 10 %)
+EXPLORE_SHARE = 0.03   # at d = 0, a round drafts d = 1 (an acceptance sample) once the rounds since the last
+                       # sample took 1 / EXPLORE_SHARE x what the last such round's draft cost (its catch-up on the
+                       # stretch the draft has not seen): where drafting does not pay, exploring costs ~3 %
+MIN_VALUE = 0.01       # a tree node less likely than this to be on the accepted path is never drafted
+
+
+def pick(rows: list[tuple[float, float]], objective: Objective) -> int:
+    """The one objective rule, for chains and trees: of the candidates (E, T) whose rate E / T is within the
+    objective's tolerance of the best, the one with the most tokens per call E (ties: the first, so order the
+    candidates cheapest first). speed's tolerance is 0: its argmax."""
+    rates = [e / max(t, 1e-12) for e, t in rows]
+    floor = (1 - TOLERANCE[objective]) * max(rates) * (1 - 1e-9)
+    return max((i for i, r in enumerate(rates) if r >= floor), key=lambda i: (rows[i][0], -i))
+
+
+def chain_rows(est: EdgeEstimates, a: list[float], top: int) -> list[tuple[float, float]]:
+    """(E(d), T(d)) for d = 0..top at acceptance a_0..a_top: E(d) = sum_{k<=d} P_k with P_k = prod_{j<k} a_j;
+    T(d) = t s (d + lookahead) less the pre-drafted start (P_{d+1} x what fits the wait) + R + V(d)."""
+    rows, e, p, t = [], 0.0, 1.0, est.per_token()
+    (w0, w1), share = est.wait_line(), PREDRAFT_SHARE / max(t, 1e-12) if est.predraft and est.draft.known else 0.0
+    for d in range(top + 1):
+        e += p
+        p *= a[d]
+        wait = w0 + w1 * (d + 1)
+        saved = p * min(d, max(0, int(share * wait) - 1))  # the guess, then the next block's start (predraft_budget)
+        rows.append((e, t * (d + est.lookahead - saved) * (d > 0) + wait))
+    return rows
+
+
+@lru_cache(maxsize=256)
+def static_tree(p: tuple[float, ...], depth: int, nodes: int) -> tuple[tuple[float, tuple[int, ...]], ...]:
+    """The best tree of at most `depth` levels at rank chances p (the same at every node), grown node by node by
+    value (the chance the accepted path passes it): (sum of values, widths per level) of its first n nodes."""
+    heap, out, total, count = [(-p[0], 1, 0, 1.0)], [], 0.0, [0] * depth
+    while heap and len(out) < nodes:
+        v, k, r, up = heapq.heappop(heap)
+        total -= v
+        count[k - 1] += 1
+        out.append((total, tuple(c for c in count if c)))
+        if k < depth:
+            heapq.heappush(heap, (v * p[0], k + 1, 0, -v))
+        if r + 1 < len(p):
+            heapq.heappush(heap, (-up * p[r + 1], k, r + 1, up))
+    return tuple(out)
+
+
+def tree_time(est: EdgeEstimates, shape: TreeShape) -> float:
+    """T(S): the draft forwards a pre-draft did not do (one per level: the root's, then each level's nodes, for
+    every session of the lockstep batch), then R + V over the tree's nodes."""
+    columns = [1, *shape.widths[:-1]][min(shape.depth, round(est.tree_saved.value)):]
+    return sum(est.step(est.sessions * w) for w in columns) + est.wait(shape.nodes)
+
+
+def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | None,
+              nodes: int | None) -> list[tuple[TreeShape, float]]:
+    """(shape, E) of the tree candidates: E = 1 + the sum of the nodes' values at the class-averaged rank chances,
+    scaled so that a tree of one node per level has its chain's E (`chain`: E(d) of the chains at the positions'
+    acceptance: one estimate of how deep drafts go, the ranks only add the side branches' share)."""
+    p, out = tuple(round(x, 2) for x in est.ranks.mean_p_rank()), []  # to the percent: static_tree's cache hits
+    for d in [min(depth, top)] if depth is not None else range(1, min(MAX_LEN, top) + 1):
+        if d < 1:
+            continue
+        grown = static_tree(p, d, min(MAX_DRAFT, nodes or 4 * d))
+        for n in sorted({min(nodes, len(grown))} if nodes else {math.ceil(f * d) for f in TREE_FILL}):
+            if d < n <= len(grown) or nodes:
+                value, widths = grown[n - 1]
+                spine = sum(p[0] ** k for k in range(1, d + 1))
+                out.append((TreeShape(widths), 1.0 + value * (chain[d] - 1.0) / max(spine, 1e-9)))
+    return out
+
+
+class DraftPolicy:
+    """One session's draft: its own acceptance shrunk toward the edge's pooled rates, the edge's costs."""
+
+    def __init__(self, edge: EdgeEstimates | None = None, objective: Objective = Objective.BALANCED,
+                 fixed: int | None = None) -> None:
+        self.edge, self.objective, self.fixed = edge or EdgeEstimates(), objective, fixed
+        self.own = AcceptanceCounts()
+        self.idle = 0  # rounds at d = 0 since the last acceptance sample
+        self.exploring = False  # the round in flight drafts d = 1 to sample acceptance
+
+    def rates(self, n: int) -> list[float]:
+        """a_0..a_{n-1}: this session's counts shrunk toward the edge's pooled rates (themselves toward the prior)."""
+        return self.own.rates(n, self.edge.acceptance.rates(n))
+
+    def choose(self, remaining: int, explore: bool = True) -> int:
+        """The chain length d in 0..min(MAX_LEN, remaining - 1): fixed, d = 1 when exploring is due (EXPLORE_SHARE;
+        `explore` False: a pre-draft asking, which must not start a catch-up), else the objective's pick."""
+        top = max(0, min(MAX_LEN, remaining - 1))
+        if self.fixed is not None:
+            return min(self.fixed, top)
+        round_s = self.edge.wait(0)
+        if explore and top and self.idle * round_s * EXPLORE_SHARE >= max(round_s, self.edge.explore_s.value):
+            self.exploring = True
+            return 1
+        return pick(chain_rows(self.edge, self.rates(top + 1), top), self.objective)
+
+    def shape(self, remaining: int, trees: str, depth: int | None, nodes: int | None) -> TreeShape | None:
+        """The tree to draft (`--trees on|auto`): the objective's pick over the trees and, with `auto`, the chains
+        (None: a chain wins; the session drafts it as with trees off). depth / nodes: fixed by the caller."""
+        top = max(0, min(MAX_LEN, remaining - 1))
+        est = self.edge
+        chains = chain_rows(est, self.rates(top + 1), top)
+        rows = [(s, e, tree_time(est, s)) for s, e in tree_rows(est, [e for e, _ in chains], top, depth, nodes)]
+        if trees == "auto":
+            chains = chains if depth is None else chains[min(depth, top):min(depth, top) + 1]
+            rows = [(None, e, t) for e, t in chains] + rows
+        if not rows:
+            return None if trees == "auto" else TreeShape()
+        best = pick([(e, t) for _, e, t in rows], self.objective)
+        shape = rows[best][0]
+        if shape is None:
+            return None
+        e, t = max(((e, t) for _, e, t in rows), key=lambda r: r[0] / r[1])
+        c0, c1 = est.cloud.fit() if est.cloud.known else (0.0, 0.0)
+        node_cost = c1 * est.batch.value + est.draft.fit()[1] * est.sessions  # one more node's seconds
+        return replace(shape, min_value=max(MIN_VALUE, node_cost * e / t))
+
+    def observe_block(self, d: int, n: int, bonus_match: bool | None = None) -> None:
+        """A VERDICT on a block of d drafts (n accepted; the pre-drafted guess's match after a full block)."""
+        sampled = d > 0 or bonus_match is not None
+        if sampled:
+            self.own.observe(d, n, bonus_match)
+            self.edge.acceptance.observe(d, n, bonus_match)
+        self.idle = 0 if sampled else self.idle + 1
+
+    def observe_round(self, width: int, latency_s: float, hint: LoadHint | None, draft_s: float | None,
+                      steps: int = 0, catchup: bool = False) -> None:
+        """The round's timings: `draft_s` the wait for its chain's `steps` fresh forwards (None: not timed),
+        `catchup` whether they first caught the draft up on a stretch it had not seen (exploring's cost)."""
+        self.edge.observe_round(width, latency_s, hint)
+        if self.exploring and draft_s is not None:
+            self.edge.explore_s.observe(draft_s)
+        elif draft_s is not None and steps > 0 and not catchup:
+            self.edge.waited.observe(draft_s / steps)
+        self.exploring = False

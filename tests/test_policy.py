@@ -1,0 +1,100 @@
+"""The draft policy (edge_worker/policy), pure: no sockets, no models. Each test feeds the estimators what an edge
+would measure and checks the choice the model implies."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from specrelay.common.protocol import LoadHint, Objective
+from specrelay.edge_worker.policy import TOLERANCE, DraftPolicy, EdgeEstimates, chain_rows, pick
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def edge(draft_s: float, rtt_s: float, forward_s: float = 0.010, per_token_s: float = 0.0002,
+         accept: float = 0.8, predraft: bool = False) -> EdgeEstimates:
+    """An edge that measured: draft forwards of draft_s, a link of rtt_s, a worker forward of forward_s (+ per
+    token), and acceptance `accept` at every position (40 full blocks of 8)."""
+    est = EdgeEstimates(predraft)
+    for rows in (1, 2):
+        for _ in range(8):
+            est.observe_steps(rows, 4, 4 * draft_s)
+    for tokens in (2, 9, 17):
+        for _ in range(8):
+            hint = LoadHint(batch=1, forward_us=int(1e6 * (forward_s + per_token_s * tokens)), tokens=tokens)
+            est.observe_round(tokens, rtt_s + forward_s + per_token_s * tokens, hint)
+    for i in range(200):  # acceptance `accept` per position: n accepted with the geometric law, deterministic
+        n, p = 0, 1.0
+        while n < 8 and (i * 0.6180339887) % 1.0 < (p := p * accept):
+            n += 1
+        est.acceptance.observe(8, n)
+    return est
+
+
+def test_a_draft_slower_than_the_verify_it_saves_picks_d_0():
+    """The swapped demo pair: a draft forward (30 ms) costs more than a verify (10 ms) on loopback."""
+    est = edge(draft_s=0.030, rtt_s=0.0002)
+    for objective in (Objective.SPEED, Objective.BALANCED):
+        assert DraftPolicy(est, objective).choose(48) == 0
+
+
+def test_a_cheap_draft_drafts_and_longer_with_the_rtt():
+    chosen = [DraftPolicy(edge(draft_s=0.002, rtt_s=rtt), Objective.SPEED).choose(48) for rtt in (0.0, 0.05, 0.2)]
+    assert chosen[0] >= 1 and chosen[0] <= chosen[1] <= chosen[2] and chosen[0] < chosen[2]
+
+
+def test_balanced_is_within_its_tolerance_of_the_best_rate_with_more_tokens_per_call():
+    est = edge(draft_s=0.002, rtt_s=0.05)
+    policy = DraftPolicy(est, Objective.BALANCED)
+    rows = chain_rows(est, policy.rates(33), 32)
+    rates = [e / t for e, t in rows]
+    d, fast = policy.choose(48), DraftPolicy(est, Objective.SPEED).choose(48)
+    assert rates[d] >= (1 - TOLERANCE[Objective.BALANCED]) * max(rates)
+    assert rates[fast] == max(rates) and rows[d][0] >= rows[fast][0]
+    assert DraftPolicy(est, Objective.CLOUD).choose(48) >= d
+
+
+def test_pick_is_one_rule():
+    rows = [(1.0, 1.0), (2.0, 1.05), (3.0, 1.6), (4.0, 3.0)]  # rates 1, 1.905, 1.875, 1.333
+    assert pick(rows, Objective.SPEED) == 1 and pick(rows, Objective.BALANCED) == 2
+
+
+def explored(est: EdgeEstimates, rounds: int, explore_s: float) -> int:
+    policy = DraftPolicy(est, Objective.BALANCED)
+    chosen = []
+    for _ in range(rounds):
+        d = policy.choose(48)
+        chosen.append(d)
+        policy.observe_block(d, d)  # d = 0 rounds teach nothing
+        policy.observe_round(d + 1, est.wait(d), None, explore_s if d else 0.0)
+    assert chosen.count(1) + chosen.count(0) == rounds
+    return chosen.count(1)
+
+
+def test_d_0_explores_at_a_small_share_of_the_time():
+    """Exploring costs ~EXPLORE_SHARE of the time at d = 0: as often as a round's time allows, less often when
+    the measured exploring round (its catch-up) costs more."""
+    cheap = explored(edge(draft_s=0.030, rtt_s=0.0002), 400, 0.0)
+    dear = explored(edge(draft_s=0.030, rtt_s=0.0002), 400, 0.2)
+    assert 1 <= dear < cheap <= 400 // 30
+
+
+def test_a_fixed_length_is_kept():
+    assert DraftPolicy(EdgeEstimates(), fixed=5).choose(48) == 5 and DraftPolicy(fixed=5).choose(3) == 2
+
+
+def test_trees_pay_over_a_link_and_auto_keeps_chains_when_nodes_cost():
+    slow = edge(draft_s=0.002, rtt_s=0.05)
+    assert DraftPolicy(slow, Objective.SPEED).shape(48, "auto", None, None) is not None  # a tree beats chains
+    assert DraftPolicy(slow, Objective.SPEED).shape(48, "on", None, None).nodes > 1
+    dear = edge(draft_s=0.030, rtt_s=0.0002)
+    assert DraftPolicy(dear, Objective.SPEED).shape(48, "auto", None, None) is None  # d = 0 wins: a chain's
+
+
+def test_the_policy_stays_small():
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "policy_size.py")], capture_output=True, text=True,
+                         check=True).stdout
+    lines, constants = (int(x.split("=")[1]) for x in out.split())
+    assert lines <= 600 and constants <= 12

@@ -45,7 +45,8 @@ def speculative_generate_batch(draft: ModelRunner | Drafter, target: ModelRunner
     verification round, exactly as an edge and a cloud worker batch them. `observe(request, reply)` sees every
     exchange (benchmarks classify rejections with it)."""
     verifier = target if isinstance(target, Verifier) else Verifier(
-        target, VerifierConfig(max_sessions=max(VerifierConfig.max_sessions, len(prompts))))
+        target, VerifierConfig(max_sessions=max(VerifierConfig.max_sessions, len(prompts)),
+                               client_kv_share=1.0))  # in-process: one client, the whole store is its share
     drafter = draft if isinstance(draft, Drafter) else Drafter(draft, verifier.runner.vocab_size)
     estimates = EdgeEstimates()  # shared, as on an edge; no timings in-process, so `auto` is deterministic
     sessions = [EdgeSession(list(p), c, drafter, sid=i + 1, estimates=estimates)

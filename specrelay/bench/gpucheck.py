@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from .runs import DEFAULT_OUT, DEMO_DRAFT, DEMO_TARGET, load_prompts, meta, text_table, write_result
+from .runs import (DEFAULT_OUT, DEMO_DRAFT, DEMO_TARGET, load_prompts, median_ms as _median_ms, meta, text_table,
+                   write_result)
 
 PATHS = ("per-session", "batched")
 DRAFT_LEN = 4
@@ -60,7 +60,8 @@ def _verifier(runner, attention: str, sessions: int = 16, context: int = 1024):
     from ..cloud_worker.verifier import Verifier
 
     budget = sessions * (context + 96) * runner.kv_shape.bytes_per_token
-    return Verifier(runner, VerifierConfig(max_sessions=sessions, max_cache_bytes=budget, attention=attention))
+    return Verifier(runner, VerifierConfig(max_sessions=sessions, max_cache_bytes=budget, attention=attention,
+                                           client_kv_share=1.0))  # one client: the whole store
 
 
 def exactness(pair: str, target: str, draft: str | None, device: str, dtype: str, size: dict) -> list[dict]:
@@ -152,17 +153,6 @@ def _attention_calls(fn) -> int:
         F.scaled_dot_product_attention = sdpa
     return len(calls)
 
-
-def _median_ms(fns: dict, reps: int) -> dict[str, float]:
-    """Median ms of each function over `reps` interleaved rounds, after a warm-up round."""
-    times = {name: [] for name in fns}
-    for rep in range(reps + 1):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            if rep:
-                times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) * 1000 for name, t in times.items()}
 
 
 def steps(model: str, device: str, dtype: str, size: dict) -> list[dict]:

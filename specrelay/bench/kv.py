@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from .runs import MODELS, HelpFormatter, load_prompts, text_table, write_result
+from .runs import MODELS, HelpFormatter, load_prompts, median_ms as _median_ms, text_table, write_result
 from .kv_sessions import bench_concurrency, bench_determinism
 
 
@@ -44,7 +44,8 @@ def bench_step(args) -> dict:
     limit = runner.max_context or 4096
     contexts = [c for c in args.contexts if c + 8 <= limit]
     budget = int(args.budget_mb * 2**20)
-    verifiers = {det: Verifier(runner, VerifierConfig(max_sessions=64, max_cache_bytes=budget, deterministic=det))
+    verifiers = {det: Verifier(runner, VerifierConfig(max_sessions=64, max_cache_bytes=budget, deterministic=det,
+                                                       client_kv_share=1.0))
                  for det in (False, True)}
     rows, out = [], []
     for ctx in contexts:
@@ -122,18 +123,6 @@ def _step_row(runner, verifiers: dict, ctx: int, batch: int, reps: int) -> dict:
             "deterministic_cost": round(ms["deterministic"] / ms["verifier"], 3),
             "main_path_ms": round(ms["main_path"], 2)}
 
-
-def _median_ms(fns: dict, reps: int) -> dict[str, float]:
-    """Median milliseconds of each function over `reps` rounds, interleaved (load changes hit every column
-    alike), after one warm-up round."""
-    times = {name: [] for name in fns}
-    for rep in range(reps + 1):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            if rep:
-                times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) * 1000 for name, t in times.items()}
 
 
 # ---------------------------------------------------------------------------------------------- tree

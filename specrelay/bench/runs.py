@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -228,3 +229,16 @@ def write_result(out_dir: str | Path, name: str, data: dict) -> Path:
     path.write_text(json.dumps(data, indent=1))
     print(f"-> {path}", file=sys.stderr)
     return path
+
+
+def median_ms(fns: dict, reps: int) -> dict[str, float]:
+    """Median milliseconds of each function over `reps` rounds, interleaved (load changes hit every column
+    alike), after one warm-up round."""
+    times = {name: [] for name in fns}
+    for rep in range(reps + 1):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            if rep:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) * 1000 for name, t in times.items()}

@@ -8,7 +8,7 @@ Per prompt, interleaved so that a change in the shared machine's load hits every
   specrelay      one session, default flags, through a broker and a cloud worker: over loopback and over an
                  emulated link (--link, 50 ms RTT by default; bench/link.py)
 The edge side (this process: the in-process edges and both HF runs) is pinned to one CPU, the cloud side (broker,
-worker, relay) to the others, as if on separate machines (bench/runs.py split_cpus; --no-pin to skip). Every
+worker, relay) to the others, as if on separate machines (specrelay/placement.py; --no-pin to share). Every
 output is compared with the target alone's. Then `--objective cloud` over loopback: cloud calls per token.
 Prints a table, writes real-hf.json to --out.
 """
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from .runs import meta, pin, run_sessions, split_cpus, text_table, write_result
+from .runs import meta, run_sessions, text_table, write_result
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGET, DRAFT = ROOT / "models/real/gemma-3-270m", ROOT / "models/real/smollm2-135m"
@@ -34,7 +34,8 @@ PROMPTS = ["The best way to learn a new language is", "def binary_search(items, 
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="specrelay bench hf --real", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="specrelay bench hf --real",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--num-prompts", type=int, default=3, help="the first N of the built-in prompts")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--link", default="50ms", help="the emulated link's RTT beside loopback (bench/link.py)")
@@ -112,16 +113,13 @@ async def run(args) -> dict:
     from ..edge_worker.server import load_edge
     from .link import LinkRelay, LinkSpec
 
-    cpus = split_cpus(not args.no_pin)
     texts, cols = PROMPTS[:args.num_prompts], Columns()
     alone, assisted = hf_runs(args)
     config = SessionConfig(max_new_tokens=args.max_new_tokens)
-    with LocalCluster(args.target, startup_timeout=900) as c, \
+    with LocalCluster(args.target, startup_timeout=900, pin=not args.no_pin) as c, \
             LinkRelay(LinkSpec.parse(args.link), c.frontend, rate_by="relay") as link:
-        if cpus:
-            pin(None, cpus[0])
-            for pid in [p.pid for p in c.procs] + ([link.proc.pid] if link.proc else []):
-                pin(pid, cpus[1])
+        if link.proc:  # the cluster put its children on the cloud side and this process (edge, HF runs) on the edge's
+            c.place_cloud(link.proc.pid)
         endpoints = {"specrelay loopback": c.frontend, f"specrelay {args.link} RTT": link.endpoint}
         edges = {name: await load_edge(ep, args.draft, args.target) for name, ep in endpoints.items()}
         for edge in edges.values():
@@ -144,7 +142,8 @@ async def run(args) -> dict:
     want = cols.cols["target alone (HF)"]["outputs"]
     calls, tokens = sum(r.stats["cloud_calls"] for r in runs), sum(len(r.ids) for r in runs)
     return {"prompts": len(texts), "max_new_tokens": args.max_new_tokens, "target": args.target, "draft": args.draft,
-            "link": link.described, "pinned": bool(cpus), "load_average_at_end": os.getloadavg(), "rows": cols.rows("target alone (HF)"),
+            "link": link.described, "placement": c.placement.describe(), "load_average_at_end": os.getloadavg(),
+            "rows": cols.rows("target alone (HF)"),
             "objective_cloud": {"cloud_calls": calls, "tokens": tokens,
                                 "cloud_calls_per_token": round(calls / tokens, 3),
                                 "outputs_equal_target": sum(r.ids == o for r, o in zip(runs, want))}}

@@ -1,6 +1,6 @@
 """A broker that is up but has no worker, with real processes: two `specrelay broker`, one `specrelay cloud-worker`
 given only the first, one `specrelay generate --concurrency 8` given both. The sessions the hash puts on the
-workerless broker are answered UNAVAILABLE "no live worker"; the edge re-OPENs each on the other broker and steers
+workerless broker are answered UNAVAILABLE "no live cloud worker"; the edge re-OPENs each on the other broker and steers
 new sessions away from the workerless one (before, it retried that broker until the budget was spent: 3/8 failed
 after 49-61 s). All 8 greedy outputs equal the target alone's."""
 

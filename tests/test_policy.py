@@ -98,3 +98,22 @@ def test_the_policy_stays_small():
                          check=True).stdout
     lines, constants = (int(x.split("=")[1]) for x in out.split())
     assert lines <= 600 and constants <= 12
+
+
+def test_a_prompt_prefill_first_does_not_make_a_slow_cross_vocabulary_draft_pay():
+    """The real cross-vocabulary pair's rounds (gemma-3-270m target, SmolLM2-135M draft, one CPU core each): the
+    first VERDICT's forward ran the prompt too (14 tokens, 354 ms); the target's forward then costs ~90 ms + ~35
+    ms a token (its 262k-row head), a draft forward 77 ms, one per target token. A row of 1 (d = 0) takes
+    ~125 ms: drafting never pays (acceptance 0.36 measured), and the line must not take the wide first forward
+    for a row of 1's cost."""
+    est = EdgeEstimates(predraft=True)
+    policy = DraftPolicy(est, Objective.BALANCED)
+    for tokens, d, forward_ms, accepted in ((14, 4, 354, 1), (3, 2, 159, 0), (5, 4, 267, 2), (3, 2, 175, 0)):
+        est.observe_block_steps(d + 1, d)  # a draft forward per target token, one past the block
+        est.observe_steps(1, d + 1, 0.077 * (d + 1))
+        policy.observe_block(d, accepted)
+        hint = LoadHint(batch=1, width=d + 1, forward_us=forward_ms * 1000, tokens=tokens)
+        policy.observe_round(d + 1, forward_ms * 1e-3 + 0.002, hint, 0.077 * (d + 1), d + 1)
+    assert est.wait(0) < 0.2  # measured: 120-160 ms for rows of 1 to 3
+    for objective in (Objective.SPEED, Objective.BALANCED):
+        assert DraftPolicy(est, objective).choose(32) == 0

@@ -33,15 +33,17 @@ class EWMean:
 
 class EWLine:
     """y = c + s * x by exponentially weighted least squares, shrunk toward the flat line through the first
-    observation: a slope is learnt only once x varies."""
+    observation (x1, y1) where it was measured (pseudo-observations at x1 and x1 + 1, not at x = 0: a first
+    observation of a wide row, a prompt's prefill, must not set the cost of a row of 1): a slope is learnt only
+    once x varies."""
 
     def __init__(self) -> None:
-        self.count, self.prior = 0, 0.0
+        self.count, self.prior, self.x1 = 0, 0.0, 0.0
         self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
 
     def observe(self, x: float, y: float) -> None:
         if not self.count:
-            self.prior = y
+            self.prior, self.x1 = y, x
         elif self.count:
             c, s = self.fit()
             y = min(y, CLIP * (c + s * x))
@@ -55,9 +57,10 @@ class EWLine:
         return self.count > 0
 
     def fit(self) -> tuple[float, float]:
-        """(c, s): the weighted normal equations plus the prior line as pseudo-observations at x = 0 and 1."""
-        c0, a11, a12, a22 = self.prior, self.sw + 2, self.sx + 1, self.sxx + 1
-        b1, b2 = self.sy + 2 * c0, self.sxy + c0
+        """(c, s): the weighted normal equations plus the prior line as pseudo-observations at x1 and x1 + 1."""
+        c0, x0 = self.prior, self.x1
+        a11, a12, a22 = self.sw + 2, self.sx + 2 * x0 + 1, self.sxx + x0 * x0 + (x0 + 1) ** 2
+        b1, b2 = self.sy + 2 * c0, self.sxy + c0 * (2 * x0 + 1)
         det = a11 * a22 - a12 * a12
         return max(0.0, (b1 * a22 - a12 * b2) / det), max(0.0, (a11 * b2 - a12 * b1) / det)
 

@@ -4,6 +4,7 @@ cloud side's cores and the calling process (the in-process edge) on the edge sid
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -15,10 +16,39 @@ from .cloud_worker.config import WorkerConfig
 from .placement import CLOUD, EDGE, Placement
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A TCP port on 127.0.0.1 that nobody holds now, below the kernel's ephemeral range: the caller binds it a
+    little later, and a port from inside that range can meanwhile become the source port of any outgoing
+    connection (a worker dialing its broker, a health poll), which makes the later bind fail. Never the same port
+    twice in one process."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 16384), low)
+        if port not in _HANDED_OUT and _bindable(port):
+            _HANDED_OUT.add(port)
+            return port
+    with socket.socket() as s:  # a crowded range: whatever the kernel gives
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class LocalCluster:

@@ -90,3 +90,13 @@ def free_port() -> int:
     from specrelay.cluster import free_port as free
 
     return free()
+
+
+def test_free_ports_stay_out_of_the_range_outgoing_connections_take():
+    """A port handed out here is bound a few seconds later by a child; one from the kernel's ephemeral range can
+    meanwhile become the source port of a worker's connection to its broker (the edge then exits 2, "cannot
+    listen": a CI run lost a whole module to it). Never twice the same one."""
+    from specrelay.cluster import _ephemeral_low
+
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50 and all(1024 <= p < _ephemeral_low() for p in ports)

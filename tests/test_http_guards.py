@@ -63,7 +63,7 @@ def stack(tiny_pair, tmp_path_factory):
                                 stdout=edge_log, stderr=subprocess.STDOUT)
         try:
             base = f"http://127.0.0.1:{http_port}"
-            httpfuzz.wait_http(base + "/health", edge)
+            httpfuzz.wait_http(base + "/health", edge, log=log_path)
             yield {"base": base, "port": http_port, "edge": edge, "listen": listen, "log": log_path,
                    "health": {"broker": cluster.broker_health_port, "cloud worker": cluster.health_ports[0],
                               "edge": edge_health}}

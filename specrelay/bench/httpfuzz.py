@@ -27,12 +27,14 @@ KEY = "bench-key"
 MODEL = "specrelay"
 
 
-def wait_http(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
-    """Until `url` answers (any status); fails if `proc` exits first or `timeout` passes."""
+def wait_http(url: str, proc: subprocess.Popen, timeout: float = 120, log: Path | None = None) -> None:
+    """Until `url` answers (any status); fails if `proc` exits first (saying the last lines of its `log`, the file
+    its output goes to) or `timeout` passes."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
+            said = log.read_text(errors="replace").splitlines()[-5:] if log and log.exists() else []
+            raise RuntimeError(f"the server exited with {proc.returncode}" + "".join("\n  " + s for s in said))
         try:
             with urllib.request.urlopen(url, timeout=1):
                 return

@@ -1,0 +1,87 @@
+"""Structured outputs through the real edge session, drafter and cloud Verifier (in-process, no sockets):
+greedy output equals HF `generate` with the grammar as a logits processor; sampled output has the masked target's
+law (chi-square); the worker refuses a bad spec or a history the grammar refuses in one line naming the field.
+"""
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+pytest.importorskip("llguidance")
+
+from specrelay.cloud_worker.config import VerifierConfig  # noqa: E402
+from specrelay.cloud_worker.verifier import Verifier  # noqa: E402
+from specrelay.common import protocol as P  # noqa: E402
+from specrelay.common.constraint import ConstraintSpec, spec_from_request, tool_call_spec  # noqa: E402
+from specrelay.common.errors import InvalidRequest  # noqa: E402
+from specrelay.common.sampling import SamplingParams  # noqa: E402
+from specrelay.edge_worker.config import SessionConfig  # noqa: E402
+from specrelay.speculative import speculative_generate, speculative_generate_batch  # noqa: E402
+from stats import chi2_pvalue  # noqa: E402
+from test_constraint import LAW_CHOICES, SPECS, _exact_law, _hf, _vocab  # noqa: E402
+
+TOOL = tool_call_spec([("add", {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                                "required": ["a", "b"], "additionalProperties": False}),
+                       ("echo", None)])
+
+
+@pytest.fixture(scope="module")
+def verifier(tiny_runners):
+    return Verifier(tiny_runners[0], VerifierConfig(max_sessions=1024, client_kv_share=1.0))
+
+
+def test_greedy_through_session_and_verifier_equals_hf_generate(tiny_runners, verifier):
+    target, draft = tiny_runners
+    vocab, ids, n = _vocab(target), target.tokenizer("def add(a, b):\n").input_ids, 24
+    specs = {name: spec_from_request(body) for name, body in SPECS.items()} | {"tool": TOOL}
+    for name, spec in specs.items():
+        ref = _hf(target, vocab, spec, ids, n)
+        for d in (1, 4, None):  # None: the draft policy's own choice
+            out, stats = speculative_generate(draft, verifier, ids, max_new_tokens=n, draft_len=d, constraint=spec)
+            assert out == ref, (name, d, target.tokenizer.decode(out), target.tokenizer.decode(ref))
+            assert stats["draft_tokens"] > 0 or d is None
+        if name == "tool" and ref[-1] == target.tokenizer.eos_token_id:
+            call = json.loads(target.tokenizer.decode(ref[:-1]))
+            assert call["name"] in ("add", "echo") and isinstance(call["arguments"], dict)
+
+
+def test_sampled_through_session_and_verifier_is_exact_in_law(tiny_runners, verifier):
+    """600 sessions (seeds) of a choice list, batched as an edge and a worker batch them, against the target's
+    exact masked law (every token path enumerated); the draft's masked law differs from it."""
+    target, draft = tiny_runners
+    tok, vocab, params = target.tokenizer, _vocab(target), SamplingParams(temperature=1.0)
+    prompt = tok("def ").input_ids
+    law = _exact_law(target.model, tok, prompt, vocab, params)
+    q_law = _exact_law(draft.model, tok, prompt, vocab, params)
+    assert sum(abs(law[c] - q_law[c]) for c in LAW_CHOICES) > 0.2
+    spec = ConstraintSpec("choice", json.dumps(LAW_CHOICES))
+    draws: Counter = Counter()
+    for start in range(0, 600, 200):
+        configs = [SessionConfig(max_new_tokens=12, params=params, seed=seed, draft_len=3, constraint=spec)
+                   for seed in range(start, start + 200)]
+        for out, _ in speculative_generate_batch(draft, verifier, [prompt] * len(configs), configs):
+            assert out[-1] == tok.eos_token_id
+            draws[tok.decode(out[:-1])] += 1
+    assert set(draws) <= set(LAW_CHOICES)
+    assert chi2_pvalue([draws[c] for c in LAW_CHOICES], [law[c] for c in LAW_CHOICES]) > 0.001
+
+
+def test_the_worker_refuses_bad_specs_and_histories_by_field(tiny_runners, verifier):
+    tok = tiny_runners[0].tokenizer
+    ids = tok("def ").input_ids
+    bad = [(ConstraintSpec("regex", "(a"), 0, "regex"), (ConstraintSpec("xml", "<a/>"), 0, "constraint"),
+           (ConstraintSpec("choice", json.dumps(["yes"])), len(ids) - 1, "constraint_start")]
+    for spec, start, field in bad:  # the last: the prompt's final token is not a choice
+        with pytest.raises(InvalidRequest) as e:
+            verifier.open((b"bad", 1), P.Open(1, ids, constraint=spec, constraint_start=start))
+        assert e.value.field == field and "\n" not in str(e.value)
+    assert (b"bad", 1) not in verifier.sessions
+    # a VERIFY whose tail the grammar refuses: refused, and the session's grammar is unchanged
+    spec = ConstraintSpec("choice", json.dumps(["yes", "no"]))
+    verifier.open((b"bad", 2), P.Open(2, ids, constraint=spec, constraint_start=len(ids)))
+    [reply] = verifier.verify([((b"bad", 2), P.Verify(2, 1, len(ids) + 1, tail=tok("zz").input_ids[:1]))])
+    assert isinstance(reply, P.Error) and reply.code == P.ErrorCode.BAD_REQUEST and "tail" in reply.message
+    assert verifier.sessions[(b"bad", 2)].grammar.consumed == []
+    verifier.close((b"bad", 2))

@@ -76,14 +76,14 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
-class FunctionDef(msgspec.Struct, forbid_unknown_fields=True):
+class FunctionDef(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):  # the template sees what came
     name: Name
     description: PromptText | None = None
     parameters: dict | None = None  # a JSON schema: the call's arguments are generated under it
     strict: bool | None = None
 
 
-class Tool(msgspec.Struct, forbid_unknown_fields=True):
+class Tool(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     type: Short
     function: FunctionDef
 

@@ -85,3 +85,36 @@ def test_the_worker_refuses_bad_specs_and_histories_by_field(tiny_runners, verif
     assert isinstance(reply, P.Error) and reply.code == P.ErrorCode.BAD_REQUEST and "tail" in reply.message
     assert verifier.sessions[(b"bad", 2)].grammar.consumed == []
     verifier.close((b"bad", 2))
+
+
+def test_a_token_tree_is_verified_under_the_grammar(tiny_runners, verifier):
+    """A greedy tree VERIFY: its branch along the target's constrained greedy path is accepted, a branch the
+    grammar refuses never is (even where the unmasked target would pick it), and the grammar's state after the
+    tree is right for the next chain."""
+    target = tiny_runners[0]
+    tok, vocab = target.tokenizer, _vocab(target)
+    spec = spec_from_request(SPECS["choice"])
+    ids = tok("for i in").input_ids
+    ref = _hf(target, vocab, spec, ids, 16)
+    assert len(ref) >= 6
+    refused = int(target.model(torch.tensor([ids])).logits[0, -1].argmax())  # the unmasked pick: refused here
+    assert refused != ref[0]
+    key = (b"tree", 7)
+    verifier.open(key, P.Open(7, ids, constraint=spec, constraint_start=len(ids)))
+    tree = P.Verify(7, 1, len(ids), draft=[refused, ref[0], ref[1], refused], parents=[-1, -1, 1, 1])
+    [v] = verifier.verify([(key, tree)])
+    assert (v.n_accepted, v.next_token, v.node) == (2, ref[2], 2)
+    [v] = verifier.verify([(key, P.Verify(7, 2, len(ids) + 3, draft=ref[3:5]))])
+    assert (v.n_accepted, v.next_token) == (2, ref[5])
+    verifier.close(key)
+
+
+def test_a_worker_without_the_grammar_engine_refuses_in_one_line(tiny_runners, monkeypatch):
+    import sys
+
+    from specrelay.common.constraint import TokenVocab
+
+    monkeypatch.setitem(sys.modules, "llguidance.hf", None)  # what an install without the extra sees
+    with pytest.raises(InvalidRequest) as e:
+        TokenVocab(tiny_runners[0].tokenizer)
+    assert "pip install 'specrelay[structured]'" in str(e.value)

@@ -4,11 +4,13 @@ no ASGI (edge_worker/http.py serves it).
     POST /v1/completions       prompt (a string, one string in a list, or token ids)
     POST /v1/chat/completions  messages, through the target tokenizer's chat template
     fields: model, max_tokens (max_completion_tokens), temperature, top_p, seed, stop, n = 1, stream,
-            stream_options.include_usage, user; extensions: top_k, draft_len, mode, resample, objective
+            stream_options.include_usage, user, response_format; chat: tools, tool_choice, parallel_tool_calls;
+            extensions: top_k, draft_len, mode, resample, objective, guided_json / guided_regex / guided_choice /
+            guided_grammar, structured_outputs (docs/structured-outputs.md)
 Responses carry `usage` and a `speculative` object with the request's stats (draft, accepted, cloud calls,
-bytes). What cannot be served exactly (logprobs, penalties, logit_bias, n > 1, echo, suffix, tools,
-response_format, min_tokens, ignore_eos, stop_token_ids, ... : UNSERVED) is a 400 naming the field unless its
-value is the neutral one, and an unknown field is a 400 naming it (as OpenAI answers): nothing is silently ignored.
+bytes). What cannot be served exactly (logprobs, penalties, logit_bias, n > 1, echo, suffix, min_tokens,
+ignore_eos, stop_token_ids, ... : UNSERVED) is a 400 naming the field unless its value is the neutral one, and an
+unknown field is a 400 naming it (as OpenAI answers): nothing is silently ignored.
 
 Bounded before expensive: every size a client controls has a bound checked while the body is decoded (prompt and
 message characters, messages, stop strings, token ids), and a prompt is tokenised in growing prefixes that stop

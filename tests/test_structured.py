@@ -47,7 +47,8 @@ def test_greedy_through_session_and_verifier_equals_hf_generate(tiny_runners, ve
             assert call["name"] in ("add", "echo") and isinstance(call["arguments"], dict)
 
 
-def test_sampled_through_session_and_verifier_is_exact_in_law(tiny_runners, verifier):
+@pytest.mark.parametrize("mode", ["sample", "coupled"])
+def test_sampled_through_session_and_verifier_is_exact_in_law(tiny_runners, verifier, mode):
     """600 sessions (seeds) of a choice list, batched as an edge and a worker batch them, against the target's
     exact masked law (every token path enumerated); the draft's masked law differs from it."""
     target, draft = tiny_runners
@@ -59,7 +60,8 @@ def test_sampled_through_session_and_verifier_is_exact_in_law(tiny_runners, veri
     spec = ConstraintSpec("choice", json.dumps(LAW_CHOICES))
     draws: Counter = Counter()
     for start in range(0, 600, 200):
-        configs = [SessionConfig(max_new_tokens=12, params=params, seed=seed, draft_len=3, constraint=spec)
+        configs = [SessionConfig(max_new_tokens=12, params=params, mode=mode, seed=seed, draft_len=3,
+                                 constraint=spec)
                    for seed in range(start, start + 200)]
         for out, _ in speculative_generate_batch(draft, verifier, [prompt] * len(configs), configs):
             assert out[-1] == tok.eos_token_id
@@ -118,3 +120,22 @@ def test_a_worker_without_the_grammar_engine_refuses_in_one_line(tiny_runners, m
     with pytest.raises(InvalidRequest) as e:
         TokenVocab(tiny_runners[0].tokenizer)
     assert "pip install 'specrelay[structured]'" in str(e.value)
+
+
+def test_a_cross_vocabulary_edge_drafts_nothing_and_stays_exact(tiny_pair, tiny_runners, verifier, tmp_path):
+    """A draft with its own tokenizer: under a constraint the session runs at d = 0 (the worker's mask alone
+    constrains), and greedy output still equals HF generate under the grammar."""
+    from specrelay.edge_worker.loading import load_drafter
+    from tiny import make_model, make_tokenizer
+
+    target_dir, _ = tiny_pair
+    draft_dir = make_model(tmp_path / "xv", make_tokenizer(tmp_path / "xv-tok", vocab_size=200), seed=3)
+    drafter, _ = load_drafter(str(draft_dir), str(target_dir))
+    assert not drafter.masks_grammar
+    target = tiny_runners[0]
+    ids = target.tokenizer("def add(a, b):\n").input_ids
+    for name in ("json_schema", "choice"):
+        spec = spec_from_request(SPECS[name])
+        out, stats = speculative_generate(drafter, verifier, ids, max_new_tokens=16, constraint=spec)
+        assert out == _hf(target, _vocab(target), spec, ids, 16), name
+        assert stats["draft_tokens"] == 0 and stats["cloud_calls"] == len(out)

@@ -118,6 +118,20 @@ def test_chat_response_format_equals_hf_generate(stack, tiny_runners):
         assert streamed == expected
 
 
+def test_sampled_requests_stay_inside_the_grammar(stack):
+    """Sample mode over the wire (rejections finished on the edge, their tokens sent as the next VERIFY's tail):
+    every output is one of the choices; the law itself is tested in-process (tests/test_structured.py)."""
+    client, _ = stack
+    choices = ["add", "print", "self", "range"]
+    seen = set()
+    for seed in range(12):
+        out = client.completions.create(model=MODEL, prompt="def ", max_tokens=12, temperature=1.0, seed=seed,
+                                        extra_body={"guided_choice": choices, "draft_len": 3})
+        assert out.choices[0].text in choices and out.choices[0].finish_reason == "stop"
+        seen.add(out.choices[0].text)
+    assert len(seen) > 1
+
+
 def _chat_ids(tok, messages, tools):
     tools = {"tools": tools} if tools else {}
     return tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **tools),

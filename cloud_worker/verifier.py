@@ -19,11 +19,12 @@ everything the session commits. Every verified row's logits are masked before th
 temperature / top-k / top-p: an HF logits processor before its warpers), the mask at drafted position i being
 the grammar's state after the drafted tokens before it (`masks_along`; a tree: `masks_tree`); the grammar then
 rolls back to the accepted prefix and advances over the recovered or bonus token. The target's tokenizer as the
-grammar engine sees it (`TokenVocab`) is built once per worker, at the first constrained OPEN.
+grammar engine sees it (`TokenVocab`) is built once per worker (`grammar_vocab`).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -136,7 +137,8 @@ class Verifier:
                       "budget_refusals": 0}
         self.brokers = 1  # broker connections sharing this worker (the shell sets it): each gets 1 / brokers
         self.bitmaps = BitmapCache(runner.vocab_size, clock)  # shared-vocabulary masks by hash (bitmaps.py)
-        self._grammar_vocab: TokenVocab | None = None  # built at the first constrained OPEN (about 1 s per 100k)
+        self._grammar_vocab: TokenVocab | None = None  # `grammar_vocab`: about 1 s per 100k tokens, built once
+        self._grammar_lock = threading.Lock()
 
     # ------------------------------------------------------------------ session lifecycle
     def open(self, key: SessionKey, msg: P.Open) -> None:
@@ -171,14 +173,22 @@ class Verifier:
         constraint_start (a re-OPEN); a spec or history the grammar refuses is an InvalidRequest naming it."""
         if msg.constraint is None:
             return None
-        if self._grammar_vocab is None:
-            self._grammar_vocab = TokenVocab(self.runner.tokenizer, self.runner.vocab_size)
-        grammar = Constraint(self._grammar_vocab, msg.constraint)
+        if self._grammar_vocab is None and self._grammar_lock.locked():  # the shell is building it off the loop
+            raise Overloaded("the worker is still building its grammar vocabulary; retry in a moment")
+        grammar = Constraint(self.grammar_vocab(), msg.constraint)
         history = msg.tokens[msg.constraint_start:]
         if msg.constraint_start > len(msg.tokens) or grammar.advance(history) != len(history):
             raise InvalidRequest("the tokens after constraint_start are not allowed by the constraint",
                                  field="constraint_start")
         return grammar
+
+    def grammar_vocab(self) -> TokenVocab:
+        """The target tokenizer as the grammar engine sees it, built once (the shell builds it at start, in its
+        executor; in-process users at the first constrained OPEN). InvalidRequest without the engine."""
+        with self._grammar_lock:
+            if self._grammar_vocab is None:
+                self._grammar_vocab = TokenVocab(self.runner.tokenizer, self.runner.vocab_size)
+            return self._grammar_vocab
 
     def _budgets(self, key: SessionKey, need: int) -> None:
         """The budgets of `key`'s broker and client (module docstring); O(sessions) only when a share is contended."""

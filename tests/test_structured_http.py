@@ -48,7 +48,7 @@ REQUESTS = {  # name -> the request's fields (the openai client's completions ta
 
 @pytest.fixture(scope="module")
 def stack(tiny_pair, tmp_path_factory):
-    """(openai client, the target tokenizer with the tools template)."""
+    """(openai client, the target tokenizer with the tools template, the LocalCluster)."""
     from transformers import AutoTokenizer
 
     target, draft = tiny_pair
@@ -69,7 +69,7 @@ def stack(tiny_pair, tmp_path_factory):
             base = f"http://127.0.0.1:{http_port}"
             wait_http(base + "/health", edge)
             client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
-            yield client, AutoTokenizer.from_pretrained(tok_dir)
+            yield client, AutoTokenizer.from_pretrained(tok_dir), cluster
         finally:
             edge.terminate()
             assert edge.wait(timeout=30) == 0
@@ -86,12 +86,12 @@ def _reference(tiny_runners, body: dict, ids: list[int]) -> tuple[str, bool]:
 
 
 def test_completions_under_each_grammar_equal_hf_generate_streamed_and_not(stack, tiny_runners):
-    client, _ = stack
+    client, *_ = stack
     tok = tiny_runners[0].tokenizer
     prompt = "def add(a, b):\n"
     for name, body in REQUESTS.items():
         expected, eos = _reference(tiny_runners, body, tok(prompt).input_ids)
-        fields = {"extra_body": body}
+        fields = {"extra_body": body | {"draft_len": 3}}  # a fixed length: auto may pick d = 0 on a loaded box
         full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=N_NEW, temperature=0, **fields)
         assert full.choices[0].text == expected, name
         assert full.choices[0].finish_reason == ("stop" if eos else "length")
@@ -104,7 +104,7 @@ def test_completions_under_each_grammar_equal_hf_generate_streamed_and_not(stack
 
 
 def test_chat_response_format_equals_hf_generate(stack, tiny_runners):
-    client, tok = stack
+    client, tok, _ = stack
     messages = [{"role": "user", "content": "a point"}]
     ids = _chat_ids(tok, messages, None)
     for fmt in (JSON_SCHEMA, {"type": "json_object"}):
@@ -121,7 +121,7 @@ def test_chat_response_format_equals_hf_generate(stack, tiny_runners):
 def test_sampled_requests_stay_inside_the_grammar(stack):
     """Sample mode over the wire (rejections finished on the edge, their tokens sent as the next VERIFY's tail):
     every output is one of the choices; the law itself is tested in-process (tests/test_structured.py)."""
-    client, _ = stack
+    client, *_ = stack
     choices = ["add", "print", "self", "range"]
     seen = set()
     for seed in range(12):
@@ -141,7 +141,7 @@ def _chat_ids(tok, messages, tools):
 def test_a_forced_tool_call_comes_back_as_tool_calls(stack, tiny_runners):
     from specrelay.common.constraint import tool_call_spec
 
-    client, tok = stack
+    client, tok, _ = stack
     messages = [{"role": "user", "content": "add 2 and 3"}]
     ids = _chat_ids(tok, messages, [ADD, ECHO])
     target = tiny_runners[0]
@@ -168,7 +168,7 @@ def test_a_forced_tool_call_comes_back_as_tool_calls(stack, tiny_runners):
 
 
 def test_tool_choice_auto_is_plain_generation_with_the_tools_in_the_prompt(stack, tiny_runners):
-    client, tok = stack
+    client, tok, _ = stack
     messages = [{"role": "user", "content": "add 2 and 3"}]
     ids = _chat_ids(tok, messages, [ADD])
     target = tiny_runners[0]
@@ -192,7 +192,7 @@ def test_tool_choice_auto_is_plain_generation_with_the_tools_in_the_prompt(stack
     ({"extra_body": {"tools": [ADD]}}, "tools"),  # completions: chat only
 ])
 def test_bad_specs_are_one_line_400s_naming_the_field(stack, fields, param):
-    client, _ = stack
+    client, *_ = stack
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="def ", max_tokens=4, temperature=0, **fields)
     error = e.value.body
@@ -202,7 +202,7 @@ def test_bad_specs_are_one_line_400s_naming_the_field(stack, fields, param):
 
 
 def test_tool_choice_errors_name_the_field(stack):
-    client, _ = stack
+    client, *_ = stack
     messages = [{"role": "user", "content": "x"}]
     for fields, param in (({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [ADD]},
                            "tool_choice"),
@@ -212,3 +212,39 @@ def test_tool_choice_errors_name_the_field(stack):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, **fields)
         assert e.value.body["param"] == param, fields
+
+
+def test_the_worker_answers_a_bad_spec_on_the_wire_with_an_error_and_counts_it(stack, tiny_runners):
+    """An OPEN whose constraint the engine refuses, sent straight to the broker (no edge to check it first): the
+    worker answers one BAD_REQUEST naming the field, counts it, and goes on serving."""
+    import urllib.request
+
+    import zmq
+
+    from specrelay.common import protocol as P
+    from specrelay.common.constraint import ConstraintSpec
+
+    client, _, cluster = stack
+
+    def bad_requests() -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{cluster.health_ports[0]}/metrics", timeout=5).read()
+        return sum(float(line.split()[-1]) for line in text.decode().splitlines()
+                   if line.startswith("specrelay_cloud_bad_requests_total "))
+
+    before = bad_requests()
+    ids = tiny_runners[0].tokenizer("def ").input_ids
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 30_000)
+    try:
+        sock.connect(cluster.frontend)
+        for spec in (ConstraintSpec("regex", "(a"), ConstraintSpec("xml", "x" * 100)):
+            sock.send_multipart(P.encode(P.Open(11, ids, constraint=spec, constraint_start=len(ids))))
+            reply = P.decode(sock.recv_multipart())
+            assert isinstance(reply, P.Error) and reply.code == P.ErrorCode.BAD_REQUEST, reply
+            assert "\n" not in reply.message and ("regex" in reply.message or "constraint" in reply.message)
+    finally:
+        sock.close()
+    assert bad_requests() == before + 2
+    assert client.completions.create(model=MODEL, prompt="def ", max_tokens=2, temperature=0).choices[0].text \
+        is not None

@@ -8,7 +8,7 @@ WORKER_LOST or a timeout).
 
 The shape of each block comes from the draft policy (edge_worker/policy): fixed, or `auto` = the objective's
 pick on the model of the acceptance and the timings the shell reports (`record_timing`). While a VERIFY
-is in flight the shell may pre-draft the chain on (`predraft_job` / `take_predraft`, edge_worker/predraft.py);
+is in flight the shell may pre-draft the chain on (`predraft_job` / `take_predraft`, edge_worker/draft/predraft.py);
 the next `draft_job` then starts from the part of it that the verdict confirmed.
 """
 
@@ -23,11 +23,11 @@ from ..common.packing import f32
 from ..common.protocol import Mode
 from ..common.resample import Rejection
 from .config import SessionConfig
-from .drafter import DraftBlock, Drafter, DraftJob
+from .draft.drafter import DraftBlock, Drafter, DraftJob
 from .policy import DraftPolicy, EdgeEstimates
-from .predraft import DraftChain
-from .treedraft import TreeBlock
-from .treeround import TreeRounds, TreesRefused
+from .draft.predraft import DraftChain
+from .trees.drafter import TreeBlock
+from .trees.rounds import TreeRounds, TreesRefused
 
 
 def _refuses_trees(error: P.Error) -> bool:
@@ -113,7 +113,7 @@ class EdgeSession:
         self._rejection: Rejection | None = None
         self._resend_vocab = False                 # a worker lacked the bitmap the last OPEN named by hash
         self._pending: P.Resample | None = None
-        self.trees = TreeRounds(self, self.config.trees, self.config.tree_nodes)  # (edge_worker/treeround.py)
+        self.trees = TreeRounds(self, self.config.trees, self.config.tree_nodes)  # (edge_worker/trees/rounds.py)
 
     # ---------------------------------------------------------------------------- requests
     def open_message(self, resend_vocab: bool = False) -> P.Open:
@@ -157,7 +157,7 @@ class EdgeSession:
     def request_for(self, block: DraftBlock | TreeBlock) -> P.Verify:
         """The VERIFY for the freshly drafted `block` (after whatever the chain provided)."""
         if isinstance(block, TreeBlock):
-            self._catchup = False  # a tree round is timed as before (edge_worker/treeround.py)
+            self._catchup = False  # a tree round is timed as before (edge_worker/trees/rounds.py)
             return self.trees.request(block)
         self.trees.block, self.trees.last_steps = None, 0
         # a block drafted after the session's OPEN or after a round at d = 0 first feeds the draft model the whole

@@ -16,7 +16,7 @@ async def serve(args, http_limits=None) -> None:
     from .cloud_worker.server import CloudWorker, WorkerConfig
     from .common.runner import ModelRunner
     from .edge_worker.config import EdgeConfig
-    from .edge_worker.http import HttpFrontend, HttpStats
+    from .edge_worker.http.server import HttpFrontend, HttpStats
     from .edge_worker.server import EdgeHealth, load_edge
     from .runtime import serve_all
 

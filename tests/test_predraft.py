@@ -22,7 +22,7 @@ from specrelay.cloud_worker.server import CloudWorker
 from specrelay.cloud_worker.verifier import Verifier
 from specrelay.common.runner import ModelRunner
 from specrelay.common.sampling import SamplingParams
-from specrelay.edge_worker.drafter import Drafter
+from specrelay.edge_worker.draft.drafter import Drafter
 from specrelay.edge_worker.server import EdgeHealth
 from specrelay.edge_worker.server import EdgeConfig, EdgeWorker
 from specrelay.edge_worker.session import SessionConfig

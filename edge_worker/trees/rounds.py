@@ -11,17 +11,17 @@ before: its levels are drafted already, so the job only rebuilds the wire form.
 
 from __future__ import annotations
 
-from ..common import protocol as P
-from ..common.errors import InternalError, InvalidRequest
-from ..common.packing import f32
-from ..common.protocol import Mode
-from ..common.resample import Rejection
-from ..common.tree import Tree, encode_q_row
-from .drafter import DraftBlock, DraftJob
-from .drafttree import ROOT, TreeShape
-from .predraft import OutcomePlan, TreePreDraft
-from .policy import PREDRAFT_SHARE, EdgeEstimates
-from .treedraft import PREDRAFT_COLUMNS, PREDRAFT_WIDTH, TreeBlock, TreeJob
+from ...common import protocol as P
+from ...common.errors import InternalError, InvalidRequest
+from ...common.packing import f32
+from ...common.protocol import Mode
+from ...common.resample import Rejection
+from ...common.tree import Tree, encode_q_row
+from ..draft.drafter import DraftBlock, DraftJob
+from .tree import ROOT, TreeShape
+from ..draft.predraft import OutcomePlan, TreePreDraft
+from ..policy import PREDRAFT_SHARE, EdgeEstimates
+from .drafter import PREDRAFT_COLUMNS, PREDRAFT_WIDTH, TreeBlock, TreeJob
 
 MAX_FRAME_ROWS = 6 << 20  # bytes of q rows one VERIFY may carry (common/protocol.py MAX_FRAME is 8 MiB)
 

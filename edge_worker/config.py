@@ -23,6 +23,7 @@ from ..common.protocol import (DEFAULT_OBJECTIVE, DEFAULT_SAMPLED_MODE, DEFAULT_
 from ..common.sampling import SamplingParams
 
 SEED_LIMIT = 1 << 63
+SERVED_MODEL_NAME = "specrelay"  # the `model` the HTTP API answers to (specrelay/defaults.py shares it)
 TREES = ("off", "on", "auto")  # token trees (edge_worker/policy)  # seeds travel as unsigned 63-bit integers (protocol.U63)
 
 

@@ -37,7 +37,6 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from .. import defaults
 from ..common import health, transport
 from ..common import protocol as P
 from ..common.brokers import broker_list, per_broker
@@ -45,7 +44,7 @@ from ..common.errors import (AuthenticationFailed, FatalError, GenerationTimeout
                              Overloaded, RequestError, SpecRelayError)
 from . import telemetry
 from .draft.batcher import DraftBatcher
-from .config import EdgeConfig, SessionConfig
+from .config import SERVED_MODEL_NAME, EdgeConfig, SessionConfig
 from .draft.drafter import Drafter
 from .frontend import ClientFrontend
 from .routing.links import BrokerLink, BrokerLinks
@@ -334,11 +333,10 @@ async def load_edge(broker: str | Sequence[str], draft_model: str, target_tokeni
 async def serve(broker: str | Sequence[str], draft_model: str, listen: str | None,
                 target_tokenizer: str | None = None, *, device: str = "cpu", dtype: str = "float32",
                 config: EdgeConfig | None = None, http: tuple[str, int] | None = None, http_limits=None,
-                served_model_name: str = defaults.SERVED_MODEL_NAME,
+                served_model_name: str = SERVED_MODEL_NAME,
                 health_port: int | None = None, health_host: str = "127.0.0.1", **options) -> None:
     """`specrelay edge-worker`: load the draft model, connect to the brokers and serve clients on `listen`
     (ZeroMQ), on `http` (the OpenAI-compatible API) and health / metrics on `health_port`, until SIGTERM / SIGINT."""
-    from ..runtime import serve_all
     from .http.server import HttpFrontend, HttpStats
 
     sys.setswitchinterval(GIL_SWITCH_S)
@@ -352,7 +350,7 @@ async def serve(broker: str | Sequence[str], draft_model: str, listen: str | Non
     stats = HttpStats()
     services = [edge] + ([HttpFrontend(edge, *http, served_model_name, stats, http_limits)] if http else [])
     services += [EdgeHealth(edge, stats, health_host, health_port)] if health_port is not None else []
-    await serve_all(*services)
+    await transport.serve_all(*services)
 
 
 class EdgeHealth(transport.Service):

@@ -165,6 +165,22 @@ def test_the_graph_sees_subpackages():
     assert "specrelay.edge_worker.http.server" in graph["specrelay.onebox"]
 
 
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Imports from a process package (broker, cloud_worker, edge_worker) of specrelay's own top-level modules
+    (cli, defaults, runtime, ...): the layering is bench -> specrelay -> process packages -> common, one way."""
+    top = {name for name in graph if name.count(".") == 1 and not name.startswith(
+        ("specrelay.bench", "specrelay.common", "specrelay.broker", "specrelay.edge_worker", "specrelay.cloud_worker"))}
+    return sorted(f"{module} -> {target}" for module, targets in graph.items() if module.startswith(PROCESS_PACKAGES)
+                  for target in targets if target in top)
+
+
+def test_process_packages_never_import_specrelay_top_level_modules():
+    assert upward_imports({"specrelay.edge_worker.server": {"specrelay.runtime"}, "specrelay.runtime": set()}) == \
+        ["specrelay.edge_worker.server -> specrelay.runtime"]
+    wrong = upward_imports(_graph())
+    assert not wrong, f"a process package imports specrelay's top level (the arrow points up): {wrong}"
+
+
 def test_no_function_past_60_lines():
     too_long = []
     for module, path in _sources().items():

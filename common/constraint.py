@@ -280,6 +280,7 @@ def mask_logits(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     import torch
 
     out = logits.float().clone()
+    mask = mask.to(out.device)  # the grammar's masks are built on the CPU; a worker's logits may be on a GPU
     v = mask.shape[-1]
     out[..., :v] = out[..., :v].masked_fill(~mask, float("-inf"))
     out[..., v:] = float("-inf")

@@ -3,8 +3,7 @@ broker` + `specrelay cloud-worker` (tiny target) + `specrelay edge-worker --http
 
 Greedy output under a JSON schema, a regex and a choice list equals HF `generate` with the grammar as a logits
 processor, streamed and not; a forced tool call comes back as OpenAI's `tool_calls`; bad specs are one-line 400s
-naming their field. The sampled law is tested in-process through the same session and Verifier
-(tests/test_structured.py): a chi-square needs hundreds of generations.
+naming their field; 400 sampled generations of a choice list follow the target's masked law (chi-square).
 """
 
 from __future__ import annotations
@@ -118,18 +117,34 @@ def test_chat_response_format_equals_hf_generate(stack, tiny_runners):
         assert streamed == expected
 
 
-def test_sampled_requests_stay_inside_the_grammar(stack):
+def test_sampled_requests_follow_the_masked_target_law(stack, tiny_runners):
     """Sample mode over the wire (rejections finished on the edge, their tokens sent as the next VERIFY's tail):
-    every output is one of the choices; the law itself is tested in-process (tests/test_structured.py)."""
+    400 seeds of a choice list through the real processes against the target's exact masked law (chi-square)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specrelay.common.sampling import SamplingParams
+    from stats import chi2_pvalue
+    from test_constraint import LAW_CHOICES, _exact_law
+
     client, *_ = stack
-    choices = ["add", "print", "self", "range"]
-    seen = set()
-    for seed in range(12):
-        out = client.completions.create(model=MODEL, prompt="def ", max_tokens=12, temperature=1.0, seed=seed,
-                                        extra_body={"guided_choice": choices, "draft_len": 3})
-        assert out.choices[0].text in choices and out.choices[0].finish_reason == "stop"
-        seen.add(out.choices[0].text)
-    assert len(seen) > 1
+    target = tiny_runners[0]
+    prompt = "def "
+    law = _exact_law(target.model, target.tokenizer, target.tokenizer(prompt).input_ids, _vocab(target),
+                     SamplingParams(temperature=1.0))
+
+    def draw(seed: int):
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=1.0, seed=seed,
+                                        extra_body={"guided_choice": LAW_CHOICES, "draft_len": 3})
+        return out.choices[0].text, out.choices[0].finish_reason
+
+    with ThreadPoolExecutor(4) as pool:
+        draws = list(pool.map(draw, range(400)))
+    assert all(text in LAW_CHOICES and finish == "stop" for text, finish in draws)
+    counts = [sum(text == c for text, _ in draws) for c in LAW_CHOICES]
+    assert chi2_pvalue(counts, [law[c] for c in LAW_CHOICES]) > 0.001, (counts, law)
+    q_law = _exact_law(tiny_runners[1].model, target.tokenizer, target.tokenizer(prompt).input_ids, _vocab(target),
+                       SamplingParams(temperature=1.0))
+    assert chi2_pvalue(counts, [q_law[c] for c in LAW_CHOICES]) < 0.001  # the test tells the draft's law apart
 
 
 def _chat_ids(tok, messages, tools):

@@ -213,11 +213,12 @@ class Constraint:
     def sync(self, tokens: Sequence[int]) -> bool:
         """Make the consumed tokens equal `tokens`: roll back past their common prefix, advance over the rest.
         False when the grammar refuses one of them (the state then holds the allowed prefix)."""
-        same = 0
-        for a, b in zip(self.consumed, tokens):
-            if a != int(b):
-                break
-            same += 1
+        tokens = list(tokens)
+        lo, hi = 0, min(len(self.consumed), len(tokens))  # the common prefix's length, by bisection: list slices
+        while lo < hi:                                     # compare in C, so a long output costs O(n log n)
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.consumed[:mid] == tokens[:mid] else (lo, mid - 1)
+        same = lo
         self.rollback(len(self.consumed) - same)
         return self.advance(tokens[same:]) == len(tokens) - same
 

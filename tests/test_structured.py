@@ -139,3 +139,27 @@ def test_a_cross_vocabulary_edge_drafts_nothing_and_stays_exact(tiny_pair, tiny_
         out, stats = speculative_generate(drafter, verifier, ids, max_new_tokens=16, constraint=spec)
         assert out == _hf(target, _vocab(target), spec, ids, 16), name
         assert stats["draft_tokens"] == 0 and stats["cloud_calls"] == len(out)
+
+
+def test_sync_follows_a_random_walk_of_drafts_and_rejections(tiny_runners):
+    """Constraint.sync (the edge's drafts): after any sequence of extensions and cut-backs the state equals a
+    fresh constraint advanced over the same tokens."""
+    import random
+
+    from specrelay.common.constraint import Constraint
+
+    tok, vocab = tiny_runners[0].tokenizer, _vocab(tiny_runners[0])
+    spec = ConstraintSpec("regex", "[a-z ]{0,200}")
+    alphabet = set("abcdefghijklmnopqrstuvwxyz ")
+    letters = [t for t in range(len(tok)) if tok.decode([t]) and set(tok.decode([t])) <= alphabet]
+    cons, seq, rng = Constraint(vocab, spec), [], random.Random(0)
+    for _ in range(200):
+        cut = rng.randint(max(0, len(seq) - 2), len(seq))
+        new = seq[:cut] + [rng.choice(letters) for _ in range(rng.randint(0, 4))]
+        if len(tok.decode(new)) > 200:
+            continue
+        assert cons.sync(new) and cons.consumed == new
+        seq = new
+    fresh = Constraint(vocab, spec)
+    assert fresh.advance(seq) == len(seq) > 20 and torch.equal(fresh.allowed(), cons.allowed())
+    assert not cons.sync(seq + tok("A1", add_special_tokens=False).input_ids) and cons.consumed == seq

@@ -163,3 +163,18 @@ def test_sync_follows_a_random_walk_of_drafts_and_rejections(tiny_runners):
     fresh = Constraint(vocab, spec)
     assert fresh.advance(seq) == len(seq) > 20 and torch.equal(fresh.allowed(), cons.allowed())
     assert not cons.sync(seq + tok("A1", add_special_tokens=False).input_ids) and cons.consumed == seq
+
+
+def test_a_reopen_resumes_the_grammar_over_the_history(tiny_runners, verifier):
+    """A re-OPEN (a lost worker, UNKNOWN_SESSION) carries prompt + committed tokens and constraint_start: the
+    worker's grammar resumes after the history, so the next VERIFY is masked as if nothing had happened."""
+    target = tiny_runners[0]
+    tok, vocab = target.tokenizer, _vocab(target)
+    spec = spec_from_request(SPECS["json_schema"])
+    ids = tok("def add(a, b):\n").input_ids
+    ref = _hf(target, vocab, spec, ids, 12)
+    key = (b"reopen", 5)
+    verifier.open(key, P.Open(5, ids + ref[:4], constraint=spec, constraint_start=len(ids)))
+    [v] = verifier.verify([(key, P.Verify(5, 1, len(ids) + 4, draft=ref[4:6]))])
+    assert (v.n_accepted, v.next_token) == (2, ref[6])
+    verifier.close(key)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import importlib.util
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -119,6 +120,8 @@ class CloudWorker(transport.Service):
     async def _open(self) -> None:
         """Open the health port, connect to every broker and send each READY."""
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="specrelay-verify")
+        if importlib.util.find_spec("llguidance") is not None:  # structured outputs: seconds for a large vocabulary,
+            self._executor.submit(self.verifier.grammar_vocab)  # off the loop, before the first step
         self._last_tick = self._clock()
         if self.config.health_port is not None:
             endpoints = health.Endpoints(self._healthz, self._readyz,

@@ -13,10 +13,18 @@ that does not fit in the KV store, even after evicting sessions idle for `evict_
 Budgets at OPEN (`_budgets`): a broker (the key's first byte) holds at most 1/brokers of the sessions and KV
 slots, a client (the key's peer) client_kv_share of the KV; past one, its own sessions idle for evict_idle_s are
 evicted (only idle ones ever are), else UNAVAILABLE. A queued VERIFY keeps its session from idling (`touch`).
+
+Structured outputs (OPEN.constraint): a `Constraint` per session in the target's token space, advanced over
+everything the session commits. Every verified row's logits are masked before the acceptance rule (before
+temperature / top-k / top-p: an HF logits processor before its warpers), the mask at drafted position i being
+the grammar's state after the drafted tokens before it (`masks_along`; a tree: `masks_tree`); the grammar then
+rolls back to the accepted prefix and advances over the recovered or bonus token. The target's tokenizer as the
+grammar engine sees it (`TokenVocab`) is built once per worker (`grammar_vocab`).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -27,6 +35,7 @@ import torch
 
 from ..common import protocol as P
 from ..common import resample, verify
+from ..common.constraint import Constraint, TokenVocab, mask_logits
 from ..common.errors import ContextFull, FatalError, InvalidRequest, Overloaded, RequestError, UnknownSession
 from ..common.packing import from_f32
 from ..common.protocol import Mode, SessionKey, Strategy
@@ -66,6 +75,7 @@ class CloudSession:
     last_reply: P.Verdict | None = None
     pending: resample.Pending | None = None  # a sampled rejection awaiting RESAMPLE
     resamples: TokenBucket = field(default_factory=lambda: TokenBucket(RESAMPLE_RATE, RESAMPLE_BURST))
+    grammar: Constraint | None = None  # structured outputs: consumed every committed token after the prompt
 
     @property
     def sid(self) -> int:
@@ -127,6 +137,8 @@ class Verifier:
                       "budget_refusals": 0}
         self.brokers = 1  # broker connections sharing this worker (the shell sets it): each gets 1 / brokers
         self.bitmaps = BitmapCache(runner.vocab_size, clock)  # shared-vocabulary masks by hash (bitmaps.py)
+        self._grammar_vocab: TokenVocab | None = None  # `grammar_vocab`: about 1 s per 100k tokens, built once
+        self._grammar_lock = threading.Lock()
 
     # ------------------------------------------------------------------ session lifecycle
     def open(self, key: SessionKey, msg: P.Open) -> None:
@@ -148,12 +160,35 @@ class Verifier:
         if need > self.store.capacity:
             raise InvalidRequest(f"the context has {len(msg.tokens)} tokens; this worker's KV store holds "
                                  f"{self.store.capacity}", field="tokens")
+        grammar = self._grammar(msg)
         self._budgets(key, need)
         if not self._keep_prefix(key, msg.tokens, need):  # validated before the old state is replaced
             self._make_room(need)
             self.store.reserve(key, need)
         self.sessions[key] = CloudSession(key, list(msg.tokens), msg.mode, params, msg.seed, msg.resample,
-                                          shared, used=self.clock())
+                                          shared, used=self.clock(), grammar=grammar)
+
+    def _grammar(self, msg: P.Open) -> Constraint | None:
+        """OPEN.constraint compiled against the target's tokenizer, advanced over the history after
+        constraint_start (a re-OPEN); a spec or history the grammar refuses is an InvalidRequest naming it."""
+        if msg.constraint is None:
+            return None
+        if self._grammar_vocab is None and self._grammar_lock.locked():  # the shell is building it off the loop
+            raise Overloaded("the worker is still building its grammar vocabulary; retry in a moment")
+        grammar = Constraint(self.grammar_vocab(), msg.constraint)
+        history = msg.tokens[msg.constraint_start:]
+        if msg.constraint_start > len(msg.tokens) or grammar.advance(history) != len(history):
+            raise InvalidRequest("the tokens after constraint_start are not allowed by the constraint",
+                                 field="constraint_start")
+        return grammar
+
+    def grammar_vocab(self) -> TokenVocab:
+        """The target tokenizer as the grammar engine sees it, built once (the shell builds it at start, in its
+        executor; in-process users at the first constrained OPEN). InvalidRequest without the engine."""
+        with self._grammar_lock:
+            if self._grammar_vocab is None:
+                self._grammar_vocab = TokenVocab(self.runner.tokenizer, self.runner.vocab_size)
+            return self._grammar_vocab
 
     def _budgets(self, key: SessionKey, need: int) -> None:
         """The budgets of `key`'s broker and client (module docstring); O(sessions) only when a share is contended."""
@@ -326,6 +361,10 @@ class Verifier:
         if need > span.capacity:
             self._make_room(self.store.round_up(need) - span.capacity, busy=busy)
             self.store.ensure(key, need)
+        if session.grammar is not None and not session.grammar.is_terminated():
+            if (got := session.grammar.advance(req.tail)) != len(req.tail):
+                session.grammar.rollback(got)
+                raise InvalidRequest("the tail holds a token the session's constraint does not allow", field="tail")
         session.tokens.extend(req.tail)
         session.pending = None
         return _Work(slot, session, req, draft, q, tree)
@@ -334,9 +373,15 @@ class Verifier:
         """logits [d+1, V]: target logits at the d+1 positions after pos-1 (a tree: after the last committed
         token and each node). Commit; roll the rest back."""
         s, req = w.session, w.req
+        allowed = 0
+        if s.grammar is not None:
+            logits, allowed = self._masked(s.grammar, w, logits)
         outcome = self._outcome(s, req, w.draft, w.q, logits, w.tree)
         n = outcome.n_accepted
         path = range(n) if w.tree is None else w.tree.tree.path(outcome.node)  # accepted drafts
+        if s.grammar is not None:
+            self._advance_grammar(s.grammar, [w.draft[i] for i in path], allowed - n if w.tree is None else None,
+                                  outcome.token)
         self.store.keep(s.key, len(s.tokens), path)  # last committed token + the path stay cached; the rest goes
         s.tokens.extend(w.draft[i] for i in path)
         if outcome.token is None:  # sampled rejection: the edge, holding q', finishes the draw
@@ -348,6 +393,29 @@ class Verifier:
             verdict.node = w.tree.original(outcome.node)
         s.last_seq, s.last_draft, s.last_reply = req.seq, (tuple(req.draft), tuple(req.parents)), verdict
         return verdict
+
+    @staticmethod
+    def _masked(grammar: Constraint, w: _Work, logits: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """logits [d+1, V] -> float32 logits with what the grammar refuses at each row at -inf, and how many
+        drafted tokens (a chain's) the grammar allowed: it is left advanced over them (a tree's: at the root)."""
+        if w.tree is not None:
+            masks, _ = grammar.masks_tree(w.tree.tree.tokens, w.tree.tree.parents)  # [n+1, V]
+            return mask_logits(logits, masks), 0
+        masks, m = grammar.masks_along(w.draft)  # [m+1, V]; rows past m are never reached: x_m is refused
+        masks = torch.cat([masks, masks[-1:].expand(logits.shape[0] - masks.shape[0], -1)])
+        return mask_logits(logits, masks), m
+
+    @staticmethod
+    def _advance_grammar(grammar: Constraint, path: list[int], extra: int | None, token: int | None) -> None:
+        """After the verdict: the grammar holds the accepted drafts and the recovered or bonus token. extra: the
+        allowed drafts past the accepted ones a chain's masks consumed (None: a tree's masks left it at the root)."""
+        if extra is None:  # a refused node has p = 0 and is never accepted; past an accepted EOS nothing counts
+            if grammar.advance(path) != len(path) and not grammar.is_terminated():
+                raise RuntimeError("an accepted draft token is refused by the constraint")
+        else:  # extra < 0: drafts past an accepted EOS (only a hostile edge sends them), nothing to undo
+            grammar.rollback(max(0, extra))
+        if token is not None and not grammar.is_terminated() and grammar.advance([token]) != 1:
+            raise RuntimeError("the verified token is refused by the constraint")
 
     def _outcome(self, s: CloudSession, req: P.Verify, draft_ids: list[int], q: torch.Tensor | None,
                  logits: torch.Tensor, tree: TreeDraft | None = None) -> verify.Outcome | verify.TreeOutcome:

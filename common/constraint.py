@@ -10,6 +10,7 @@ that holds the target's tokenizer compiles it once per session into a `Constrain
     rollback(n)      un-consumes the last n tokens (a rejection at verification)
     masks_along(d)   the masks a verifier needs at each position of a drafted block, and how many were allowed
     is_terminated()  EOS was consumed: the generation is over
+    sync(tokens)     roll back to the common prefix with `tokens` and advance over the rest (the edge's drafts)
 
 The per-session state is the matcher and one preallocated bitmask of ceil(V / 32) int32 words. Masking is
 `logits.masked_fill(~mask, -inf)` before `sampling.probs_from_logits`, as a Hugging Face logits processor does
@@ -114,6 +115,15 @@ def spec_from_request(body: dict) -> ConstraintSpec | None:
     return found[0][1] if found else None
 
 
+def tool_call_spec(tools: Sequence[tuple[str, dict | None]]) -> ConstraintSpec:
+    """(name, parameters schema) of the tools a call may name -> the JSON schema of one call,
+    {"name": <one of the names>, "arguments": <that tool's parameters>} (an anyOf over several tools)."""
+    calls = [{"type": "object", "properties": {"name": {"const": name},
+                                               "arguments": parameters or {"type": "object"}},
+              "required": ["name", "arguments"], "additionalProperties": False} for name, parameters in tools]
+    return _spec("json_schema", calls[0] if len(calls) == 1 else {"anyOf": calls}, "tools")
+
+
 # ------------------------------------------------------------------------------------------ the engine side
 
 class TokenVocab:
@@ -130,6 +140,10 @@ class TokenVocab:
         self.vocab_size = vocab_size or len(tokenizer)
         self.eos = tokenizer.eos_token_id
         self.info = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())[:200]
 
 
 def _grammar(spec: ConstraintSpec) -> str:
@@ -150,17 +164,21 @@ class Constraint:
         import llguidance
         import llguidance.torch as lt
 
+        if spec.kind not in KINDS or len(spec.text) > MAX_SPEC_BYTES:  # a peer's spec is checked like a request's
+            raise InvalidRequest(f"constraint kind {spec.kind[:32]!r} with {len(spec.text)} characters is not one of "
+                                 f"{', '.join(KINDS)} within {MAX_SPEC_BYTES} bytes", field="constraint")
         try:
             grammar = _grammar(spec)
         except ValueError as e:
-            raise InvalidRequest(f"{spec.kind}: {e}", field=spec.kind) from None
+            raise InvalidRequest(f"{spec.kind}: {_one_line(str(e))}", field=spec.kind) from None
         self._m = llguidance.LLMatcher(vocab.info, grammar, log_level=0)
         if self._m.is_error():
-            raise InvalidRequest(f"{spec.kind}: {self._m.get_error()[:200]}", field=spec.kind)
+            raise InvalidRequest(f"{spec.kind}: {_one_line(self._m.get_error())}", field=spec.kind)
         self.vocab_size, self.eos = vocab.vocab_size, vocab.eos
         self._bits = lt.allocate_token_bitmask(1, vocab.vocab_size)
         self._lt = lt
         self._ended = False
+        self.consumed: list[int] = []  # every token consumed, in order (EOS last once ended)
 
     def allowed(self) -> torch.Tensor:
         """bool [V]: the tokens allowed at the current state."""
@@ -181,13 +199,28 @@ class Constraint:
         if n == cut < len(tokens) and self._m.is_accepting():
             self._ended = True
             n += 1
+        self.consumed += tokens[:n]
         return n
 
     def rollback(self, n: int) -> None:
+        if n:
+            del self.consumed[-n:]
         if n and self._ended:
             self._ended, n = False, n - 1
         if n and not self._m.rollback(n):
             raise RuntimeError(f"grammar rollback of {n} failed: {self._m.get_error()[:200]}")
+
+    def sync(self, tokens: Sequence[int]) -> bool:
+        """Make the consumed tokens equal `tokens`: roll back past their common prefix, advance over the rest.
+        False when the grammar refuses one of them (the state then holds the allowed prefix)."""
+        tokens = list(tokens)
+        lo, hi = 0, min(len(self.consumed), len(tokens))  # the common prefix's length, by bisection: list slices
+        while lo < hi:                                     # compare in C, so a long output costs O(n log n)
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.consumed[:mid] == tokens[:mid] else (lo, mid - 1)
+        same = lo
+        self.rollback(len(self.consumed) - same)
+        return self.advance(tokens[same:]) == len(tokens) - same
 
     def is_terminated(self) -> bool:
         """EOS was consumed (the generation is over); `is_stopped` says the grammar allows EOS only."""
@@ -248,6 +281,7 @@ def mask_logits(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     import torch
 
     out = logits.float().clone()
+    mask = mask.to(out.device)  # the grammar's masks are built on the CPU; a worker's logits may be on a GPU
     v = mask.shape[-1]
     out[..., :v] = out[..., :v].masked_fill(~mask, float("-inf"))
     out[..., v:] = float("-inf")

@@ -20,6 +20,7 @@ from typing import Annotated
 
 import msgspec
 
+from .constraint import ConstraintSpec
 from .errors import ErrorCode, InvalidRequest  # noqa: F401  (ErrorCode is part of the wire)
 from .packing import array_length, field_defaults, field_name, prefix_decoder
 
@@ -113,7 +114,9 @@ class Open(Base):
     whole target-vocab context (prompt, plus the committed history when re-sending after UNKNOWN_SESSION).
     temperature/top_k/top_p: the shared transform. seed: the counter-based RNG seed. shared_vocab: V_c, bits over the
     target ids (common/bitmap.py); shared_vocab_hash: its content hash, alone it names a bitmap the worker cached;
-    neither = same vocabulary. vocab_size: the target vocabulary size the edge assumes; a mismatch is refused."""
+    neither = same vocabulary. vocab_size: the target vocabulary size the edge assumes; a mismatch is refused.
+    constraint: the session's grammar (structured outputs, common/constraint.py), None = none; constraint_start:
+    where in `tokens` the constrained output begins (the prompt's length: a re-OPEN's history is consumed)."""
 
     session: U63
     tokens: Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_CONTEXT)]
@@ -126,6 +129,8 @@ class Open(Base):
     shared_vocab: bytes = b""
     vocab_size: Annotated[int, msgspec.Meta(ge=0)] = 0
     shared_vocab_hash: Annotated[bytes, msgspec.Meta(max_length=32)] = b""
+    constraint: ConstraintSpec | None = None
+    constraint_start: Annotated[int, msgspec.Meta(ge=0, le=MAX_CONTEXT)] = 0
 
 
 class QRow(Base):

@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass
 
 from ..common import protocol as P
+from ..common.constraint import ConstraintSpec
 from ..common.errors import InvalidRequest
 from ..common.packing import enum_value
 from ..common.protocol import (DEFAULT_OBJECTIVE, DEFAULT_SAMPLED_MODE, DEFAULT_STRATEGY, HEARTBEAT_INTERVAL, Mode,
@@ -41,6 +42,7 @@ class SessionConfig:
     objective: Objective = DEFAULT_OBJECTIVE  # what `auto` optimises (edge_worker/policy)
     trees: str = "off"             # token trees: off (chains), on (trees), auto (the shape policy may choose chains)
     tree_nodes: int | None = None  # a tree's node budget; None = chosen (edge_worker/policy)
+    constraint: ConstraintSpec | None = None  # structured outputs (common/constraint.py); None = unconstrained
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "resample", enum_value(Strategy, self.resample, "resample"))
@@ -113,7 +115,7 @@ def session_config(edge: EdgeConfig, *, max_new_tokens: int = SessionConfig.max_
                    top_p: float = SamplingParams.top_p, seed: int | None = SessionConfig.seed,
                    draft_len: int | str | None = None, mode: Mode | str | None = None,
                    resample: Strategy | str | None = None, objective: Objective | str | None = None,
-                   trees: str | None = None) -> SessionConfig:
+                   trees: str | None = None, constraint: ConstraintSpec | None = None) -> SessionConfig:
     """A request's fields -> its SessionConfig, for every front end. None takes the default: auto for the draft
     length ("auto" names it too), the protocol's resampling strategy, the edge's objective and trees, and the mode
     (greedy at temperature 0, DEFAULT_SAMPLED_MODE above it). seed None draws a random seed (OpenAI's rule). A
@@ -123,7 +125,7 @@ def session_config(edge: EdgeConfig, *, max_new_tokens: int = SessionConfig.max_
                          draft_len=None if draft_len == "auto" else draft_len,
                          resample=DEFAULT_STRATEGY if resample is None else resample,
                          objective=edge.default_objective if objective is None else objective,
-                         trees=edge.default_trees if trees is None else trees)
+                         trees=edge.default_trees if trees is None else trees, constraint=constraint)
 
 
 @dataclass

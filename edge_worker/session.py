@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from ..common import protocol as P
+from ..common.constraint import Constraint
 from ..common.errors import ErrorCode, InternalError, InvalidRequest, from_wire
 from ..common.packing import f32
 from ..common.protocol import Mode
@@ -115,7 +116,17 @@ class EdgeSession:
         self._rejection: Rejection | None = None
         self._resend_vocab = False                 # a worker lacked the bitmap the last OPEN named by hash
         self._pending: P.Resample | None = None
-        self.trees = TreeRounds(self, self.config.trees, self.config.tree_nodes)  # (edge_worker/trees/rounds.py)
+        # structured outputs: the drafter's own copy of the constraint, or None (a cross-vocabulary drafter
+        # drafts nothing for a constrained session); a constrained session drafts chains
+        self.grammar = self._grammar()
+        trees = "off" if self.config.constraint is not None else self.config.trees
+        self.trees = TreeRounds(self, trees, self.config.tree_nodes)  # (edge_worker/trees/rounds.py)
+
+    def _grammar(self) -> Constraint | None:
+        spec = self.config.constraint
+        if spec is None or not getattr(self.drafter, "masks_grammar", False):
+            return None
+        return Constraint(self.drafter.grammar_vocab(), spec)  # a spec the engine refuses: InvalidRequest
 
     # ---------------------------------------------------------------------------- requests
     def open_message(self, resend_vocab: bool = False) -> P.Open:
@@ -127,7 +138,8 @@ class EdgeSession:
         vocab, vocab_hash = self.drafter.open_vocab(resend_vocab or self._resend_vocab)
         self._resend_vocab = False
         return P.Open(self.sid, list(self.tokens), self.mode, c.params.temperature, c.params.top_k,
-                      c.params.top_p, c.seed, c.resample, vocab, self.drafter.target_vocab_size, vocab_hash)
+                      c.params.top_p, c.seed, c.resample, vocab, self.drafter.target_vocab_size, vocab_hash,
+                      constraint=c.constraint, constraint_start=len(self.prompt_ids) if c.constraint else 0)
 
     def next_request(self) -> P.Verify | P.Resample:
         """The next message to send: a pending RESAMPLE, or a VERIFY for a freshly drafted block."""
@@ -143,6 +155,8 @@ class EdgeSession:
             return job
         d = self.policy.choose(self.config.max_new_tokens - len(self.generated))
         c = self.config
+        if c.constraint is not None and self.grammar is None:
+            d = 0  # a drafter that cannot apply the grammar drafts nothing
         context = list(self.drafter.draft_context(self.state, self.tokens))
         chain, self._chain, last = self._chain, None, self._job  # `last` drafted the chain's block
         after = partial(self.drafter.extend_context, last)
@@ -150,7 +164,8 @@ class EdgeSession:
         n = len(self._reused.ids)
         if n and self._reused.ids[-1] in self.drafter.eos_ids:
             d = n  # the chain ended the generation: draft nothing past it
-        self._job = DraftJob(self.state, context, len(self.tokens), d, self.mode, c.params, c.seed)
+        grammar = None if self.grammar is None else (self.grammar, tuple(self.generated))
+        self._job = DraftJob(self.state, context, len(self.tokens), d, self.mode, c.params, c.seed, grammar=grammar)
         rest = self.drafter.continue_job(self._job, self._reused.ids, d - n) if n else None
         if rest is None:  # nothing reused, or the draft cannot continue after the chain's tokens
             self._reused = DraftBlock()
@@ -190,7 +205,8 @@ class EdgeSession:
 
     def _chain_predraft(self) -> DraftJob | None:
         chain, job = self._chain, self._job
-        if chain is None or job is None or self._pending is not None or self.done:
+        if chain is None or job is None or self._pending is not None or self.done or \
+                (self.config.constraint is not None and self.grammar is None):
             return None
         if chain.block.ids and chain.block.ids[-1] in self.drafter.eos_ids:
             return None

@@ -263,6 +263,10 @@ def test_specrelay_serve_one_box(tiny_pair, reference, tiny_runners):
         prompt = "def add(a, b):\n"
         out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=N_NEW, temperature=0)
         assert out.choices[0].text == reference(tiny_runners[0].tokenizer(prompt).input_ids)
+        choices = ["return a + b", "print(i)"]  # structured outputs through the one box too
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=N_NEW, temperature=0,
+                                        extra_body={"guided_choice": choices})
+        assert out.choices[0].text in choices and out.choices[0].finish_reason == "stop"
         with pytest.raises(openai.AuthenticationError):  # the same guards as the edge worker's HTTP API
             client.with_options(api_key="wrong").completions.create(model=MODEL, prompt=prompt, max_tokens=2)
         with pytest.raises(openai.BadRequestError, match="512"):  # its own model's context: refused before work

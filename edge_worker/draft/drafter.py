@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...common.constraint import Constraint, TokenVocab, mask_logits
 from ...common.protocol import Mode
 from ...common.rng import Purpose, gumbel, sample_index, uniform
 from ...common.runner import ModelRunner, common_prefix
@@ -65,6 +66,7 @@ class DraftJob:
     params: SamplingParams
     seed: int
     unverified: tuple[int, ...] = ()  # target ids `context` holds past the committed tokens (a pre-draft's chain)
+    grammar: tuple[Constraint, tuple[int, ...]] | None = None  # the session's constraint, its generated tokens
 
 
 @dataclass
@@ -87,6 +89,7 @@ class Drafter:
     """Holds the draft model (same vocabulary as the target); proposes blocks for many sessions at once."""
 
     trees = True  # drafts token trees of target ids (edge_worker/trees/drafter.py)
+    masks_grammar = True  # drafts only what a session's constraint allows (its target ids are the draft's)
 
     def __init__(self, runner: ModelRunner, target_vocab_size: int | None = None) -> None:
         self.runner = runner
@@ -94,6 +97,13 @@ class Drafter:
         self.eos_ids = runner.eos_ids  # target ids that end a generation (same tokenizer)
         self.shared_mask = None        # [V_target] bool of V_c; None = everything
         self._workspaces = threading.local()  # lockstep K/V buffers, reused batch after batch, one per thread
+        self._grammar_vocab: TokenVocab | None = None
+
+    def grammar_vocab(self) -> TokenVocab:
+        """The target tokenizer as the grammar engine sees it: built at the first constrained session."""
+        if self._grammar_vocab is None:
+            self._grammar_vocab = TokenVocab(self.runner.tokenizer, self.target_vocab_size)
+        return self._grammar_vocab
 
     # ------------------------------------------------------------------ per-vocabulary hooks
     def new_state(self, prompt_ids: list[int]) -> DraftState:
@@ -114,7 +124,7 @@ class Drafter:
         if context is None:
             return None
         return DraftJob(job.state, context, job.position + len(ids), d, job.mode, job.params, job.seed,
-                        job.unverified + tuple(ids))
+                        job.unverified + tuple(ids), job.grammar)
 
     def open_vocab(self, resend: bool = False) -> tuple[bytes, bytes]:
         """(shared_vocab, shared_vocab_hash) for an OPEN: one vocabulary, so neither."""
@@ -136,6 +146,8 @@ class Drafter:
     # ------------------------------------------------------------------ drafting
     def choose(self, logits: torch.Tensor, job: DraftJob, pos: int, block: DraftBlock) -> int:
         """Pick the next draft token (a target id) from draft logits [V_draft] at absolute position pos."""
+        if job.grammar is not None:
+            logits = self._constrained(logits, job, block)
         if job.mode == Mode.GREEDY:
             return int(self.to_target(torch.softmax(logits.float(), -1)).argmax())
         q = self.to_target(probs_from_logits(logits, job.params))  # [V_target] q'
@@ -145,6 +157,17 @@ class Drafter:
         block.q_tok.append(float(q[x]))
         block.q_rows.append(q)
         return x
+
+    @staticmethod
+    def _constrained(logits: torch.Tensor, job: DraftJob, block: DraftBlock) -> torch.Tensor:
+        """logits [V_draft] with what the session's grammar refuses after the job's tokens so far at -inf: q is
+        the masked, renormalised draft distribution. A grammar the tokens broke (never, as every draft is masked)
+        masks nothing: the cloud's mask alone keeps the output exact."""
+        grammar, generated = job.grammar
+        if not grammar.sync(generated + job.unverified + tuple(block.ids)) or grammar.is_terminated():
+            return logits
+        mask = grammar.allowed()[: logits.shape[-1]]  # target ids past the draft's logits are never drafted
+        return mask_logits(logits, mask) if bool(mask.any()) else logits
 
     def workspace(self) -> Workspace:
         workspace = getattr(self._workspaces, "buffer", None)

@@ -4,11 +4,13 @@ no ASGI (edge_worker/http/server.py serves it).
     POST /v1/completions       prompt (a string, one string in a list, or token ids)
     POST /v1/chat/completions  messages, through the target tokenizer's chat template
     fields: model, max_tokens (max_completion_tokens), temperature, top_p, seed, stop, n = 1, stream,
-            stream_options.include_usage, user; extensions: top_k, draft_len, mode, resample, objective
+            stream_options.include_usage, user, response_format; chat: tools, tool_choice, parallel_tool_calls;
+            extensions: top_k, draft_len, mode, resample, objective, guided_json / guided_regex / guided_choice /
+            guided_grammar, structured_outputs (docs/structured-outputs.md)
 Responses carry `usage` and a `speculative` object with the request's stats (draft, accepted, cloud calls,
-bytes). What cannot be served exactly (logprobs, penalties, logit_bias, n > 1, echo, suffix, tools,
-response_format, min_tokens, ignore_eos, stop_token_ids, ... : UNSERVED) is a 400 naming the field unless its
-value is the neutral one, and an unknown field is a 400 naming it (as OpenAI answers): nothing is silently ignored.
+bytes). What cannot be served exactly (logprobs, penalties, logit_bias, n > 1, echo, suffix, min_tokens,
+ignore_eos, stop_token_ids, ... : UNSERVED) is a 400 naming the field unless its value is the neutral one, and an
+unknown field is a 400 naming it (as OpenAI answers): nothing is silently ignored.
 
 Bounded before expensive: every size a client controls has a bound checked while the body is decoded (prompt and
 message characters, messages, stop strings, token ids), and a prompt is tokenised in growing prefixes that stop
@@ -17,11 +19,13 @@ once past the room in the context (`bounded_encode`), so the work is proportiona
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any
 
 import msgspec
 
+from ...common.constraint import Constraint, ConstraintSpec, spec_from_request, tool_call_spec
 from ...common.errors import InvalidRequest
 from ...common.protocol import MAX_CONTEXT, MAX_PROMPT_CHARS
 from .. import config
@@ -35,16 +39,16 @@ MAX_STOPS = 4
 MAX_STOP_CHARS = 256          # a stop string: each committed piece is searched for it, so it is short (vLLM: none)
 MAX_MESSAGES = 2048           # chat messages in one request (their characters together: MAX_PROMPT_CHARS)
 MAX_NAME_CHARS = 64           # a message's name / tool_call_id (OpenAI's name: 64 characters)
+MAX_TOOLS = 128               # tools in one request (OpenAI's limit)
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names
 ROLES = ("system", "user", "assistant", "tool", "developer")  # OpenAI's chat roles: the template sees nothing else
 FIRST_PREFIX_CHARS_PER_TOKEN = 16  # bounded_encode's first prefix: room x 16 characters (most tokens are shorter)
 PREFIX_SLACK = 64             # tokens a prefix's cut may add (a word split in two): refused only past room + this
 # known fields this server cannot honour -> their neutral values (sent with one of these, the field is harmless)
-UNSERVED = {"response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",),
-            "parallel_tool_calls": (), "functions": ([],), "function_call": ("none",),
+UNSERVED = {"functions": ([],), "function_call": ("none",),
             "repetition_penalty": (1, 1.0), "min_tokens": (0,), "ignore_eos": (False,), "stop_token_ids": ([],),
             "min_p": (0, 0.0), "include_stop_str_in_output": (False,), "top_logprobs": (0,),
-            "prompt_logprobs": (0,), "guided_json": (), "guided_regex": (), "guided_choice": (),
-            "guided_grammar": (), "prediction": (), "modalities": (["text"],), "audio": (),
+            "prompt_logprobs": (0,), "prediction": (), "modalities": (["text"],), "audio": (),
             "reasoning_effort": (), "length_penalty": (1, 1.0), "use_beam_search": (False,)}
 FIELD_NAMES = {"max_new_tokens": "max_tokens"}  # SessionConfig field -> the API's name
 
@@ -74,6 +78,38 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
+class FunctionDef(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):  # the template sees what came
+    name: Name
+    description: PromptText | None = None
+    parameters: dict | None = None  # a JSON schema: the call's arguments are generated under it
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    type: Short
+    function: FunctionDef
+
+
+class FunctionName(msgspec.Struct, forbid_unknown_fields=True):
+    name: Name
+
+
+class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
+    type: Short
+    function: FunctionName
+
+
+class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
+    name: Name
+    arguments: PromptText
+
+
+class ToolCall(msgspec.Struct, forbid_unknown_fields=True):
+    function: FunctionCall
+    id: Name | None = None
+    type: Short = "function"
+
+
 class _Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: Short
     max_tokens: int | None = None
@@ -97,6 +133,16 @@ class _Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         locals()[_name] = msgspec.field(default=None)
         __annotations__[_name] = Any
     del _name
+    # structured outputs: checked by common/constraint.py spec_from_request; tools: chat only (`check_tools`)
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    tools: Annotated[list[Tool], msgspec.Meta(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Short | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Request, kw_only=True):
@@ -117,6 +163,7 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     content: PromptText | Annotated[list[ContentPart], msgspec.Meta(max_length=MAX_MESSAGES)] | None = None
     name: Name | None = None
     tool_call_id: Name | None = None
+    tool_calls: Annotated[list[ToolCall], msgspec.Meta(max_length=MAX_TOOLS)] | None = None
 
 
 class ChatRequest(_Request, kw_only=True):
@@ -167,6 +214,7 @@ def check(req: _Request, served_model: str) -> None:
                            "model's, with the sampling fields it lists)", param=param, code="unsupported_field")
     if isinstance(req, ChatRequest):
         check_messages(req.messages)
+    check_tools(req)
     refused = {
         "n": req.n not in (None, 1), "presence_penalty": bool(req.presence_penalty),
         "frequency_penalty": bool(req.frequency_penalty), "logit_bias": bool(req.logit_bias),
@@ -199,6 +247,7 @@ def check_messages(messages: list[ChatMessage]) -> None:
                 raise APIError(400, f"messages[{i}]: a name must be printable, without control characters",
                                param="messages")
         total += len(m.content) if isinstance(m.content, str) else sum(len(p.text or "") for p in m.content or [])
+        total += sum(len(call.function.arguments) for call in m.tool_calls or [])
     if total > MAX_PROMPT_CHARS:
         raise APIError(400, f"the messages hold {total} characters, more than {MAX_PROMPT_CHARS}", param="messages")
 
@@ -216,7 +265,7 @@ def session_config(req: _Request, max_tokens: int, edge: EdgeConfig) -> SessionC
                                      temperature=OPENAI_TEMPERATURE if req.temperature is None else req.temperature,
                                      top_k=req.top_k or 0, top_p=1.0 if req.top_p is None else req.top_p,
                                      seed=req.seed, draft_len=req.draft_len, mode=req.mode, resample=req.resample,
-                                     objective=req.objective)
+                                     objective=req.objective, constraint=request_constraint(req))
     except InvalidRequest as exc:
         raise as_api_error(exc) from None
 
@@ -238,6 +287,69 @@ def chat_max_tokens(req: ChatRequest, room: int) -> int:
     """max_completion_tokens (or max_tokens), else up to the context (at most CHAT_MAX_TOKENS)."""
     value = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     return min(CHAT_MAX_TOKENS, max(1, room)) if value is None else value
+
+
+# ------------------------------------------------------------------------------------------ structured outputs, tools
+
+STRUCTURED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+              "structured_outputs")
+
+
+def check_tools(req: _Request) -> None:
+    """tools on chat only, each a function with OpenAI's name rule, names unique; tool_choice none, auto,
+    required or a named function of `tools`."""
+    if req.tools and not isinstance(req, ChatRequest):
+        raise APIError(400, "tools are served on /v1/chat/completions only", param="tools")
+    names = [t.function.name for t in req.tools or []]
+    for t in req.tools or []:
+        if t.type != "function" or not TOOL_NAME.fullmatch(t.function.name):
+            raise APIError(400, "a tool is {\"type\": \"function\", \"function\": {\"name\": ...}} with a name of "
+                           "letters, digits, _ and -", param="tools")
+    if len(set(names)) < len(names):
+        raise APIError(400, "tool names must be unique", param="tools")
+    choice = req.tool_choice
+    if choice is None or choice == "none":
+        return
+    if not names:
+        raise APIError(400, "tool_choice needs tools", param="tool_choice")
+    if isinstance(choice, NamedToolChoice):
+        if choice.type != "function" or choice.function.name not in names:
+            raise APIError(400, "tool_choice names no function of tools", param="tool_choice")
+    elif choice not in ("auto", "required"):
+        raise APIError(400, "tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": "
+                       "{\"name\": ...}}", param="tool_choice")
+
+
+def forced_tool(req: _Request) -> bool:
+    """tool_choice required or a named function: the output is a tool call, generated under its schema."""
+    return bool(req.tools) and (req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice))
+
+
+def request_constraint(req: _Request) -> ConstraintSpec | None:
+    """The request's structured-output fields, or a forced tool call's schema -> its constraint (None: none).
+    A refusal is an InvalidRequest naming the field."""
+    spec = spec_from_request({name: getattr(req, name) for name in STRUCTURED})
+    if not forced_tool(req):
+        return spec
+    if spec is not None:
+        raise InvalidRequest("tool_choice required or a named function cannot be combined with another "
+                             "structured-output field", field="tool_choice")
+    chosen = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
+    return tool_call_spec([(t.function.name, t.function.parameters) for t in req.tools
+                           if chosen in (None, t.function.name)])
+
+
+def check_constraint(drafter, req: _Request, config: SessionConfig) -> None:
+    """Compile the request's constraint once at the door (against the target tokenizer, as the drafter sees it)
+    so that a grammar the engine refuses is a 400 naming the request's field. Builds the drafter's grammar
+    vocabulary at the first constrained request: call it off the event loop."""
+    if config.constraint is None or not getattr(drafter, "masks_grammar", False):
+        return  # a cross-vocabulary edge drafts nothing under a constraint: the worker's compile refuses it
+    try:
+        Constraint(drafter.grammar_vocab(), config.constraint)
+    except InvalidRequest as exc:
+        field = next((f for f in (*STRUCTURED, "tool_choice") if getattr(req, f, None) is not None), exc.field)
+        raise APIError(400, str(exc), param=field) from None
 
 
 # ------------------------------------------------------------------------------------------ prompts
@@ -292,9 +404,16 @@ def chat_prompt_ids(tokenizer, req: ChatRequest, room: int | None = None) -> lis
                        param="messages")
     if not req.messages:
         raise APIError(400, "messages is empty", param="messages")
-    messages = [{"role": m.role, "content": _text(m.content)} for m in req.messages]
+    messages = [_message(m) for m in req.messages]
+    tools = {"tools": [msgspec.to_builtins(t) for t in req.tools]} if req.tools else {}
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **tools)
+        if tools and text == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False):
+            raise APIError(400, "the target's chat template does not show tools to the model (it has no tools "
+                           "section): describe them in a message, or use a model whose template renders tools",
+                           param="tools")
+    except APIError:
+        raise
     except Exception as exc:  # the template's own checks (roles must alternate, ...) raise jinja errors: their text
         raise TemplateRefused(exc) from None  # is logged (with the request id), never shown to the client
     # the template wrote the special tokens
@@ -308,6 +427,27 @@ class TemplateRefused(APIError):
         super().__init__(400, "the chat template refused the messages (check the roles and their order)",
                          param="messages")
         self.cause = cause
+
+
+def _message(m: ChatMessage) -> dict:
+    """A message as chat templates read it (Hugging Face's convention: a tool call's arguments as an object)."""
+    out = {"role": m.role, "content": _text(m.content)}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                             for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        out["name"] = m.name
+    return out
+
+
+def _arguments(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def _text(content: str | list[ContentPart] | None) -> str:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ class Shape:
     model: str
     id: str = ""
     created: int = 0
+    tool_call: bool = False  # tool_choice required or named: the text is a call {"name": ..., "arguments": ...}
 
     def __post_init__(self) -> None:
         self.id = self.id or ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
@@ -36,8 +38,11 @@ class Shape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
     def full(self, out: Outcome) -> dict:
-        choice = {"index": 0, "logprobs": None, "finish_reason": out.finish_reason}
-        choice |= {"message": {"role": "assistant", "content": out.text}} if self.chat else {"text": out.text}
+        calls = self.tool_calls(out)
+        choice = {"index": 0, "logprobs": None, "finish_reason": "tool_calls" if calls else out.finish_reason}
+        message = {"role": "assistant", "content": None, "tool_calls": calls} if calls else \
+            {"role": "assistant", "content": out.text}
+        choice |= {"message": message} if self.chat else {"text": out.text}
         body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
         return body | {"usage": usage(out), "speculative": speculative(out.stats)}
 
@@ -52,6 +57,30 @@ class Shape:
 
     def last(self, out: Outcome) -> dict:
         return self.chunk(finish_reason=out.finish_reason) | {"speculative": speculative(out.stats)}
+
+    def tool_calls(self, out: Outcome) -> list[dict] | None:
+        """A forced tool call's text -> OpenAI's `tool_calls` (arguments as a JSON string); None when this is
+        not a tool call or the text is not a whole call (cut by max_tokens or a stop string: sent as content)."""
+        if not (self.tool_call and self.chat and out.finish_reason == "stop"):
+            return None
+        try:
+            call = json.loads(out.text)
+            name, arguments = call["name"], call["arguments"]
+        except (ValueError, KeyError, TypeError):
+            return None
+        return [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                 "function": {"name": name, "arguments": json.dumps(arguments)}}]
+
+    def ending(self, out: Outcome, held: str) -> list[dict]:
+        """A stream's last chunks: a tool call as one delta (its text was held back), or the held text; then
+        the chunk with finish_reason and the speculative stats."""
+        calls = self.tool_calls(out)
+        if calls:
+            delta = {"index": 0, "delta": {"tool_calls": [{"index": 0} | c for c in calls]}, "logprobs": None,
+                     "finish_reason": None}
+            done = self.chunk(finish_reason="tool_calls") | {"speculative": speculative(out.stats)}
+            return [self._envelope("chat.completion.chunk", [delta]), done]
+        return ([self.chunk(held)] if held else []) + [self.last(out)]
 
     def usage_chunk(self, out: Outcome) -> dict:
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", []) | {"usage": usage(out)}

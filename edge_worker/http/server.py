@@ -171,10 +171,12 @@ class OpenAIApp:
             room = self.edge.context_limit - len(ids)  # the chat default is "up to the context"
             config = api.session_config(req, max_tokens(req, room), self.edge.config)
             self.edge.check_fits(len(ids), config.max_new_tokens)
+            if config.constraint is not None:
+                await asyncio.to_thread(api.check_constraint, self.edge.drafter, req, config)
         except Exception as exc:
             ticket.release()
             return self._error(api_error(exc, request_id), request_id)
-        shape = api.Shape(chat=kind is api.ChatRequest, model=self.served_model)
+        shape = api.Shape(chat=kind is api.ChatRequest, model=self.served_model, tool_call=api.forced_tool(req))
         stream_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
             events = self._events(shape, ids, config, api.stops(req), stream_usage, ticket, request_id)
@@ -226,14 +228,19 @@ class OpenAIApp:
         try:
             if shape.chat:
                 yield _sse(shape.chunk(role=True))
+            held = []  # a tool call's text is held back: it goes out as one tool_calls delta
             while (piece := await pieces.get()) is not None:
-                yield _sse(shape.chunk(piece))
+                if shape.tool_call:
+                    held.append(piece)
+                else:
+                    yield _sse(shape.chunk(piece))
             if work.exception() is not None:
                 error = api_error(work.exception(), request_id)
                 self.stats.count(error.status)
                 yield _sse(error.body())
             else:
-                yield _sse(shape.last(work.result()))
+                for obj in shape.ending(work.result(), "".join(held)):
+                    yield _sse(obj)
                 if include_usage:
                     yield _sse(shape.usage_chunk(work.result()))
             yield b"data: [DONE]\n\n"

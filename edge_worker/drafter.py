@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..common.penalties import Penalties, apply
 from ..common.protocol import Mode
 from ..common.rng import Purpose, gumbel, sample_index, uniform
 from ..common.runner import ModelRunner, common_prefix
@@ -65,6 +66,8 @@ class DraftJob:
     params: SamplingParams
     seed: int
     unverified: tuple[int, ...] = ()  # target ids `context` holds past the committed tokens (a pre-draft's chain)
+    penalties: Penalties | None = None  # applied to the draft's logits, as the cloud applies them to the target's
+    prompt_len: int = 0                 # where the generated tokens start in `context` (the penalties' counts)
 
 
 @dataclass
@@ -87,6 +90,7 @@ class Drafter:
     """Holds the draft model (same vocabulary as the target); proposes blocks for many sessions at once."""
 
     trees = True  # drafts token trees of target ids (edge_worker/treedraft.py)
+    penalises = True  # its logits are over target ids: a session's penalties apply to them
 
     def __init__(self, runner: ModelRunner, target_vocab_size: int | None = None) -> None:
         self.runner = runner
@@ -114,7 +118,7 @@ class Drafter:
         if context is None:
             return None
         return DraftJob(job.state, context, job.position + len(ids), d, job.mode, job.params, job.seed,
-                        job.unverified + tuple(ids))
+                        job.unverified + tuple(ids), job.penalties, job.prompt_len)
 
     def open_vocab(self, resend: bool = False) -> tuple[bytes, bytes]:
         """(shared_vocab, shared_vocab_hash) for an OPEN: one vocabulary, so neither."""
@@ -136,6 +140,9 @@ class Drafter:
     # ------------------------------------------------------------------ drafting
     def choose(self, logits: torch.Tensor, job: DraftJob, pos: int, block: DraftBlock) -> int:
         """Pick the next draft token (a target id) from draft logits [V_draft] at absolute position pos."""
+        if job.penalties is not None and logits.shape[-1] >= self.target_vocab_size:  # the counts of exactly the tokens before pos (common/penalties.py)
+            history = job.context + block.ids
+            logits = apply(logits, job.penalties, history[:job.prompt_len], history[job.prompt_len:])
         if job.mode == Mode.GREEDY:
             return int(self.to_target(torch.softmax(logits.float(), -1)).argmax())
         q = self.to_target(probs_from_logits(logits, job.params))  # [V_target] q'

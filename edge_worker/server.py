@@ -206,6 +206,8 @@ class EdgeWorker(transport.Service):
             self._send(route, session.close_message())  # also on cancellation: free the cloud's KV
             self.metrics.on_generation(asdict(session.stats), error)
         stats = asdict(session.stats) | {"retries": retries.count, "wall_s": time.perf_counter() - t0}
+        if config.scored:  # logprobs (common/logprobs.py Rows): not numbers, so no counter or stats line shows them
+            stats["scores"] = session.scores()
         slog.debug("generation done", **stats)
         return list(session.generated), stats
 

@@ -17,9 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import partial
 
+from ..common import logprobs as L
 from ..common import protocol as P
 from ..common.errors import ErrorCode, InternalError, InvalidRequest, from_wire
 from ..common.packing import f32
+from ..common.penalties import to_wire
 from ..common.protocol import Mode
 from ..common.resample import Rejection
 from .config import SessionConfig
@@ -114,6 +116,9 @@ class EdgeSession:
         self._resend_vocab = False                 # a worker lacked the bitmap the last OPEN named by hash
         self._pending: P.Resample | None = None
         self.trees = TreeRounds(self, self.config.trees, self.config.tree_nodes)  # (edge_worker/treeround.py)
+        self.token_rows: list[L.Rows] = []       # logprobs of the generated tokens, in order (config.logprobs)
+        self.prompt_rows: L.Rows | None = None   # the prompt's (config.prompt_logprobs), once the cloud sent them
+        self.ends = set(() if self.config.ignore_eos else self.drafter.eos_ids) | set(self.config.stop_token_ids)
 
     # ---------------------------------------------------------------------------- requests
     def open_message(self, resend_vocab: bool = False) -> P.Open:
@@ -124,8 +129,13 @@ class EdgeSession:
         self._rejection = self._pending = None
         vocab, vocab_hash = self.drafter.open_vocab(resend_vocab or self._resend_vocab)
         self._resend_vocab = False
-        return P.Open(self.sid, list(self.tokens), self.mode, c.params.temperature, c.params.top_k,
-                      c.params.top_p, c.seed, c.resample, vocab, self.drafter.target_vocab_size, vocab_hash)
+        msg = P.Open(self.sid, list(self.tokens), self.mode, c.params.temperature, c.params.top_k,
+                     c.params.top_p, c.seed, c.resample, vocab, self.drafter.target_vocab_size, vocab_hash)
+        if c.scored:  # trailing fields: a plain session's OPEN is unchanged
+            msg.logprobs, msg.prompt_logprobs = c.logprobs, c.prompt_logprobs and self.prompt_rows is None
+            msg.penalties = to_wire(c.penalties) if c.penalties is not None else None
+            msg.generated = len(self.generated)
+        return msg
 
     def next_request(self) -> P.Verify | P.Resample:
         """The next message to send: a pending RESAMPLE, or a VERIFY for a freshly drafted block."""
@@ -148,7 +158,9 @@ class EdgeSession:
         n = len(self._reused.ids)
         if n and self._reused.ids[-1] in self.drafter.eos_ids:
             d = n  # the chain ended the generation: draft nothing past it
-        self._job = DraftJob(self.state, context, len(self.tokens), d, self.mode, c.params, c.seed)
+        pen = c.penalties if self.drafter.penalises else None
+        self._job = DraftJob(self.state, context, len(self.tokens), d, self.mode, c.params, c.seed, (), pen,
+                             len(self.prompt_ids))
         rest = self.drafter.continue_job(self._job, self._reused.ids, d - n) if n else None
         if rest is None:  # nothing reused, or the draft cannot continue after the chain's tokens
             self._reused = DraftBlock()
@@ -253,12 +265,38 @@ class EdgeSession:
         if v.next_token >= 0:
             self._commit([v.next_token])
             self.cloud_len = len(self.tokens) if not self.done else self.cloud_len
+        if self.config.scored:
+            self._take_rows(v, n + (v.next_token >= 0), len(self.generated) - start)
         elif not self.done:  # sample-mode rejection: the edge, holding q', finishes the draw
             self.cloud_len = len(self.tokens)
             self._rejection = Rejection(block.q_rows[n], self.drafter.shared_mask, self.config.seed,
                                         len(self.tokens), v.seq, self.sid, self.config.resample)
             self._resolve(self._rejection.step(v))
         return self.generated[start:]
+
+    def _take_rows(self, v: P.Verdict, sent: int, kept: int) -> None:
+        """The VERDICT's logprobs of its `sent` committed tokens (the first `kept` of them stay: the generation may
+        end inside the block) and, on the first, the prompt's; missing or malformed ones are a worker's fault."""
+        c = self.config
+        try:
+            if c.prompt_logprobs and self.prompt_rows is None:
+                if v.prompt_logprobs is None:
+                    raise InvalidRequest("no prompt_logprobs on the first VERDICT", field="prompt_logprobs")
+                rows = L.unpack(v.prompt_logprobs, len(self.prompt_ids) - 1)
+                if len(rows.chosen) != len(self.prompt_ids) - 1 or rows.top_ids.shape[1] != c.logprobs:
+                    raise InvalidRequest("prompt_logprobs do not cover the prompt", field="prompt_logprobs")
+                self.prompt_rows = L.concat([L.no_row(c.logprobs), rows])  # the first token has none
+            if c.logprobs is not None:
+                rows = L.unpack(v.logprobs or L.LogprobsWire(c.logprobs, b"", b"", b""), sent)
+                if len(rows.chosen) != sent or rows.top_ids.shape[1] != c.logprobs:
+                    raise InvalidRequest(f"{len(rows.chosen)} logprobs rows for {sent} tokens", field="logprobs")
+                self.token_rows.append(L.Rows(*(x[:kept] for x in rows)))
+            for rows in [self.prompt_rows] * (self.prompt_rows is not None) + self.token_rows[-1:]:
+                ids = rows.top_ids[rows.top_ids >= 0]
+                if ids.numel() and int(ids.max()) >= self.drafter.target_vocab_size:
+                    raise InvalidRequest("a logprobs token id outside the target vocabulary", field="logprobs")
+        except InvalidRequest as exc:
+            raise WorkerMisbehaved(f"session {self.sid}: {exc}") from None
 
     def _bonus_match(self, n: int, token: int) -> bool | None:
         """After a fully accepted block: did the chain's guess for the bonus token match? (None: no guess, or
@@ -297,8 +335,16 @@ class EdgeSession:
             self.tokens.append(t)
             self.generated.append(t)
             self.stats.generated_tokens += 1
-            if t in self.drafter.eos_ids or len(self.generated) >= self.config.max_new_tokens:
+            if t in self.ends or len(self.generated) >= self.config.max_new_tokens:
                 self.done = True
+
+    def scores(self) -> dict:
+        """What a scored session returns beside its tokens: `logprobs` (Rows of the generated tokens, None when not
+        asked) and `prompt_logprobs` (Rows of the prompt, the first token's NaN; None when not asked)."""
+        rows = L.concat(self.token_rows) if self.token_rows else None
+        if rows is None and self.config.logprobs is not None:
+            rows = L.Rows(*(x[:0] for x in L.no_row(self.config.logprobs)))
+        return {"logprobs": rows, "prompt_logprobs": self.prompt_rows}
 
     def close_message(self) -> P.Close:
         return P.Close(self.sid)

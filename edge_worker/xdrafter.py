@@ -40,6 +40,7 @@ class CrossVocabDrafter(Drafter):
     False drafts greedy blocks on V_c like the sampled modes (TLI). Chains only (README "Token trees")."""
 
     trees = False
+    penalises = False  # its logits are over its own ids: the cloud's penalties alone make the output exact
 
     def __init__(self, runner: ModelRunner, target_tokenizer, target_vocab_size: int | None = None,
                  retokenize: bool = True) -> None:

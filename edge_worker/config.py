@@ -145,7 +145,7 @@ def session_config(edge: EdgeConfig, *, max_new_tokens: int = SessionConfig.max_
     refusal is an InvalidRequest naming the field; each front end says it in its own words. `scoring`: logprobs,
     prompt_logprobs, penalties, ignore_eos, stop_token_ids (SessionConfig's); with logprobs or penalties, trees
     default to off."""
-    scored = scoring.get("logprobs") is not None or scoring.get("penalties") is not None
+    scored = scoring.get("logprobs") is not None or getattr(scoring.get("penalties"), "active", False)
     trees = trees if trees is not None else "off" if scored else edge.default_trees
     return SessionConfig(max_new_tokens=max_new_tokens, params=SamplingParams(float(temperature), top_k, top_p),
                          mode=mode, seed=int.from_bytes(os.urandom(7), "little") if seed is None else seed,

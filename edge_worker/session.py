@@ -265,13 +265,13 @@ class EdgeSession:
         if v.next_token >= 0:
             self._commit([v.next_token])
             self.cloud_len = len(self.tokens) if not self.done else self.cloud_len
-        if self.config.scored:
-            self._take_rows(v, n + (v.next_token >= 0), len(self.generated) - start)
         elif not self.done:  # sample-mode rejection: the edge, holding q', finishes the draw
             self.cloud_len = len(self.tokens)
             self._rejection = Rejection(block.q_rows[n], self.drafter.shared_mask, self.config.seed,
                                         len(self.tokens), v.seq, self.sid, self.config.resample)
             self._resolve(self._rejection.step(v))
+        if self.config.scored:
+            self._take_rows(v, n + (v.next_token >= 0), len(self.generated) - start)
         return self.generated[start:]
 
     def _take_rows(self, v: P.Verdict, sent: int, kept: int) -> None:

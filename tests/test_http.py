@@ -149,9 +149,13 @@ def test_seeded_sampling_is_reproducible(stack):
 
 @pytest.mark.parametrize("kwargs, status, param", [
     ({"model": "gpt-4"}, 404, "model"),
-    ({"n": 2}, 400, "n"),
-    ({"logprobs": 2}, 400, "logprobs"),
-    ({"presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"n": 17}, 400, "n"),
+    ({"logprobs": 21}, 400, "logprobs"),
+    ({"presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"logit_bias": {"99999": 1}}, 400, "logit_bias"),
+    ({"extra_body": {"stop_token_ids": [-1]}}, 400, "stop_token_ids"),
+    ({"echo": True, "max_tokens": 0}, 400, "max_tokens"),
+    ({"extra_body": {"mode": "sample"}, "temperature": 0.5, "logprobs": 1}, 400, "mode"),
     ({"top_p": 0.0}, 400, "top_p"),
     ({"temperature": -1.0}, 400, "temperature"),
     ({"max_tokens": 0}, 400, "max_tokens"),
@@ -271,3 +275,112 @@ def test_specrelay_serve_one_box(tiny_pair, reference, tiny_runners):
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) == 0, proc.stderr.read()[-2000:]
+
+
+# ------------------------------------------------------------------ logprobs, prompt scoring, penalties, n
+
+def target_logp(tiny_runners, ids: list[int]):
+    """The target's own forward over ids: log_softmax of its logits [len(ids), V]."""
+    import torch
+
+    with torch.no_grad():
+        return tiny_runners[0].model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+
+def test_logprobs_equal_the_targets_own_forward(stack, tiny_runners):
+    """Completions (streamed and not) and chat: every output token's logprob and its top k are the target's
+    log-softmax at that position, within 1e-4."""
+    import torch
+
+    client, *_ = stack
+    tok = tiny_runners[0].tokenizer
+    prompt = "def add(a, b):\n"
+    ids = tok(prompt).input_ids
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=N_NEW, temperature=0, logprobs=5)
+    gen = full.model_extra["speculative"]["generated_tokens"]
+    lp = full.choices[0].logprobs
+    assert len(lp.token_logprobs) == gen and all(len(t) <= 5 for t in lp.top_logprobs)
+    out_ids = tiny_runners[0].model.generate(torch.tensor([ids]), max_new_tokens=gen, do_sample=False,
+                                             pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()  # greedy: these
+    ref = target_logp(tiny_runners, ids + out_ids)
+    rows = ref[len(ids) - 1:len(ids) - 1 + gen]
+    chosen = rows[range(gen), out_ids]
+    assert max(abs(a - float(b)) for a, b in zip(lp.token_logprobs, chosen)) < 1e-4
+    top = rows.topk(5, -1).values
+    for i, alternatives in enumerate(lp.top_logprobs):  # strings that coincide share an entry: compare the best
+        assert abs(max(alternatives.values()) - float(top[i, 0])) < 1e-4
+        assert all(min(abs(v - float(t)) for t in top[i]) < 1e-4 for v in alternatives.values())
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=N_NEW, temperature=0, logprobs=5, stream=True)
+        if c.choices and c.choices[0].logprobs is not None]
+    flat = [v for s in streamed for v in s.token_logprobs]  # the same tokens; rows of other shapes: fast numerics
+    assert len(flat) == gen and max(abs(a - b) for a, b in zip(flat, lp.token_logprobs)) < 1e-4
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                          max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert content and all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob == c.logprob for c in content)
+    assert all(bytes(c.bytes).decode("utf-8", "replace") == c.token for c in content)
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_echo_scores_the_prompt_as_the_targets_forward(stack, tiny_runners, max_tokens):
+    """echo + logprobs (what lm-eval's loglikelihood sends): the prompt's logprobs, first token null, equal to
+    the target's forward over the prompt; max_tokens 0 returns the prompt alone."""
+    client, *_ = stack
+    ids = tiny_runners[0].tokenizer("for i in range(10):\n    print(i, add(i, i))\n").input_ids
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=max_tokens, temperature=0, logprobs=1,
+                                    echo=True)
+    lp = out.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(ids) + max_tokens and lp.token_logprobs[0] is None
+    ref = target_logp(tiny_runners, ids)
+    want = ref[range(len(ids) - 1), ids[1:]]
+    assert max(abs(a - float(b)) for a, b in zip(lp.token_logprobs[1:len(ids)], want)) < 1e-4
+    if max_tokens == 0:
+        assert out.choices[0].text == tiny_runners[0].tokenizer.decode(ids) and out.usage.completion_tokens == 0
+    else:
+        assert abs(lp.token_logprobs[-1] - float(ref[-1].max())) < 1e-4
+
+
+def test_penalties_greedy_equal_hf_generate(stack, tiny_runners):
+    """presence / frequency / repetition penalties and logit_bias: greedy output equals HF generate with the same
+    processors (RepetitionPenaltyLogitsProcessor, sequence_bias, OpenAI's formula as a processor)."""
+    import torch
+    from test_penalties import OpenAIPenalty
+
+    client, *_ = stack
+    target = tiny_runners[0]
+    tok = target.tokenizer
+    ids, n, bias = tok("def add(a, b):\n").input_ids, 24, tok("self").input_ids[0]
+    ref = target.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, repetition_penalty=1.3,
+                                sequence_bias={(bias,): 1.5}, logits_processor=[OpenAIPenalty(len(ids), 0.6, 0.4)],
+                                pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+    plain = target.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                                  pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+    assert ref != plain  # the penalties change the output, so equality below says they were applied
+    text = tok.decode([t for t in ref if t not in target.eos_ids])
+    for stream in (False, True):
+        args = dict(model=MODEL, prompt=ids, max_tokens=n, temperature=0, presence_penalty=0.6,
+                    frequency_penalty=0.4, logit_bias={str(bias): 1.5},
+                    extra_body={"repetition_penalty": 1.3, "ignore_eos": True})
+        if stream:
+            got = "".join(c.choices[0].text for c in client.completions.create(**args, stream=True) if c.choices)
+        else:
+            got = client.completions.create(**args).choices[0].text
+        assert got == text
+
+
+def test_n_choices_are_seeds_seed_plus_one(stack):
+    """n = 3 sampled: choice j is the single request with seed + j; usage sums the completions, prompt once."""
+    client, *_ = stack
+    args = dict(model=MODEL, prompt="def add(a, b):\n", max_tokens=N_NEW, temperature=0.9)
+    many = client.completions.create(**args, n=3, seed=11)
+    singles = [client.completions.create(**args, seed=11 + j).choices[0] for j in range(3)]
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert [c.text for c in many.choices] == [c.text for c in singles]
+    assert len({c.text for c in many.choices}) > 1  # distinct seeds, distinct samples
+    assert many.usage.prompt_tokens == client.completions.create(**args, seed=11).usage.prompt_tokens
+    streamed = {}
+    for chunk in client.completions.create(**args, n=2, seed=11, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {0: singles[0].text, 1: singles[1].text}

@@ -266,7 +266,13 @@ def test_specrelay_serve_one_box(tiny_pair, reference, tiny_runners):
                                timeout=60)
         prompt = "def add(a, b):\n"
         out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=N_NEW, temperature=0)
-        assert out.choices[0].text == reference(tiny_runners[0].tokenizer(prompt).input_ids)
+        ids = tiny_runners[0].tokenizer(prompt).input_ids
+        assert out.choices[0].text == reference(ids)
+        scored = client.completions.create(model=MODEL, prompt=[ids], max_tokens=1, temperature=0, logprobs=1,
+                                           echo=True)  # what lm-eval's local-completions sends for loglikelihood
+        want = target_logp(tiny_runners, ids)[range(len(ids) - 1), ids[1:]]
+        got = scored.choices[0].logprobs.token_logprobs
+        assert got[0] is None and max(abs(a - float(b)) for a, b in zip(got[1:len(ids)], want)) < 1e-4
         with pytest.raises(openai.AuthenticationError):  # the same guards as the edge worker's HTTP API
             client.with_options(api_key="wrong").completions.create(model=MODEL, prompt=prompt, max_tokens=2)
         with pytest.raises(openai.BadRequestError, match="512"):  # its own model's context: refused before work
@@ -384,3 +390,27 @@ def test_n_choices_are_seeds_seed_plus_one(stack):
         for c in chunk.choices:
             streamed[c.index] = streamed.get(c.index, "") + c.text
     assert streamed == {0: singles[0].text, 1: singles[1].text}
+
+
+def test_min_tokens_ignore_eos_and_stop_token_ids(stack, tiny_runners):
+    """EOS pushed up by logit_bias ends at once; min_tokens holds it back exactly that many tokens; ignore_eos
+    runs to max_tokens; a stop token id ends the generation where the target first draws it."""
+    import torch
+
+    client, *_ = stack
+    tok = tiny_runners[0].tokenizer
+    eos = str(tok.eos_token_id)
+    args = dict(model=MODEL, prompt="def add(a, b):\n", max_tokens=12, temperature=0, logit_bias={eos: 100})
+    first = client.completions.create(**args, logprobs=0)
+    assert first.usage.completion_tokens == 1 and first.choices[0].finish_reason == "stop"
+    assert first.choices[0].text == "" and len(first.choices[0].logprobs.token_logprobs) == 1  # EOS has its row
+    held = client.completions.create(**args, extra_body={"min_tokens": 5})
+    assert held.usage.completion_tokens == 6 and held.choices[0].finish_reason == "stop"
+    assert client.completions.create(**args, extra_body={"ignore_eos": True}).usage.completion_tokens == 12
+    ids = tok("def add(a, b):\n").input_ids
+    greedy = tiny_runners[0].model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                                            pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+    stop = greedy[2]  # the target's third greedy token: the generation ends where it first appears
+    cut = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0,
+                                    extra_body={"stop_token_ids": [stop]})
+    assert cut.usage.completion_tokens == greedy.index(stop) + 1 and cut.choices[0].finish_reason == "stop"

@@ -254,7 +254,7 @@ def scoring_fields(req: _Request, vocab_size: int | None, eos_ids: Collection[in
         pen = dataclasses.replace(pen, stop_ids=tuple(sorted(set(pen.stop_ids) | set(eos_ids))))
     out = {"logprobs": k, "prompt_logprobs": scores_prompt(req), "penalties": pen if pen.active else None,
            "ignore_eos": bool(req.ignore_eos), "stop_token_ids": tuple(req.stop_token_ids or ())}
-    return {name: value for name, value in out.items() if value not in (None, False, ())}
+    return {name: value for name, value in out.items() if value is not None and value is not False and value != ()}
 
 
 def as_api_error(exc: InvalidRequest) -> APIError:

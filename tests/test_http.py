@@ -326,6 +326,12 @@ def test_logprobs_equal_the_targets_own_forward(stack, tiny_runners):
     content = chat.choices[0].logprobs.content
     assert content and all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob == c.logprob for c in content)
     assert all(bytes(c.bytes).decode("utf-8", "replace") == c.token for c in content)
+    streamed = [c for chunk in client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=8, temperature=0, logprobs=True,
+        top_logprobs=3, stream=True) if chunk.choices and chunk.choices[0].logprobs
+        for c in chunk.choices[0].logprobs.content]
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(streamed, content)) < 1e-4
 
 
 @pytest.mark.parametrize("max_tokens", [0, 1])

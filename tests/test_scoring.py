@@ -128,3 +128,20 @@ def test_coupled_sampling_logprobs_are_the_raw_targets(tiny_runners):
         max_new_tokens=12, params=SamplingParams(0.7), draft_len=2, seed=3, logprobs=0))
     ref = forward_logp(target, ids + gen)
     assert (stats["scores"]["logprobs"].chosen - ref[range(len(ids) - 1, len(ids) - 1 + len(gen)), gen]).abs().max() < 1e-4
+
+
+def test_deterministic_logprobs_are_bit_identical_whatever_the_draft(tiny_runners):
+    """With deterministic numerics the logprobs (and the prompt's) do not depend on the rows a forward ran: draft
+    lengths 0 and 4 give the same bits (fast numerics agree within float32 rounding only)."""
+    target, draft = tiny_runners
+    ids = target.tokenizer("def add(a, b):\n    return a + b\n").input_ids
+    runs = []
+    for d in (0, 4):
+        verifier = Verifier(target, VerifierConfig(client_kv_share=1.0, deterministic=True))
+        runs.append(speculative_generate(draft, verifier, ids, SessionConfig(
+            max_new_tokens=20, draft_len=d, logprobs=3, prompt_logprobs=True)))
+    (gen0, s0), (gen4, s4) = runs
+    assert gen0 == gen4 and s4["draft_tokens"] > 0 == s0["draft_tokens"]  # rows of 5 positions against rows of 1
+    for name in ("logprobs", "prompt_logprobs"):
+        a, b = s0["scores"][name], s4["scores"][name]
+        assert all(torch.equal(x.nan_to_num(), y.nan_to_num()) for x, y in zip(a, b))

@@ -38,7 +38,7 @@ from ...common import transport
 from ...common.errors import FatalError, InvalidRequest, RequestError
 from . import api, guards
 from .. import config as config_mod
-from ..config import HttpLimits
+from ..config import HttpLimits, SessionConfig
 from .textstream import TextStream
 
 log = structlog.get_logger("specrelay.http")
@@ -81,7 +81,7 @@ class Choice:
 
     index: int
     prompt_ids: list[int]
-    config: object
+    config: SessionConfig
     stops: list[str]
     echo: bool = False
     zero: bool = False

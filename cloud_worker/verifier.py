@@ -50,6 +50,7 @@ from .bitmaps import BitmapCache
 from .config import VerifierConfig
 from .kvcache import KVFull, KVStore
 from .owncache import OwnCacheStore, announce_fallback, forward_own_cache
+from .scoring import Scoring
 
 log = structlog.get_logger("specrelay.cloud")
 
@@ -76,6 +77,7 @@ class CloudSession:
     pending: resample.Pending | None = None  # a sampled rejection awaiting RESAMPLE
     resamples: TokenBucket = field(default_factory=lambda: TokenBucket(RESAMPLE_RATE, RESAMPLE_BURST))
     grammar: Constraint | None = None  # structured outputs: consumed every committed token after the prompt
+    scoring: Scoring | None = None  # logprobs / penalties (cloud_worker/scoring.py); None: neither
 
     @property
     def sid(self) -> int:
@@ -156,30 +158,31 @@ class Verifier:
                                  f"takes at most {self.max_context} (max_position_embeddings)", field="tokens")
         self._check_ids(msg.tokens, "tokens")
         shared = self.bitmaps.mask(msg.shared_vocab, msg.shared_vocab_hash)
+        scoring = Scoring.of(msg, self.runner.vocab_size)
         need = self.store.round_up(len(msg.tokens) + OPEN_HEADROOM)
         if need > self.store.capacity:
             raise InvalidRequest(f"the context has {len(msg.tokens)} tokens; this worker's KV store holds "
                                  f"{self.store.capacity}", field="tokens")
         grammar = self._grammar(msg)
         self._budgets(key, need)
-        if not self._keep_prefix(key, msg.tokens, need):  # validated before the old state is replaced
+        scored = scoring is not None and scoring.prompt_rows is not None  # echo: every prompt row is computed
+        if scored or not self._keep_prefix(key, msg.tokens, need):  # validated before the old state is replaced
             self._make_room(need)
             self.store.reserve(key, need)
         self.sessions[key] = CloudSession(key, list(msg.tokens), msg.mode, params, msg.seed, msg.resample,
-                                          shared, used=self.clock(), grammar=grammar)
+                                          shared, used=self.clock(), grammar=grammar, scoring=scoring)
 
     def _grammar(self, msg: P.Open) -> Constraint | None:
-        """OPEN.constraint compiled against the target's tokenizer, advanced over the history after
-        constraint_start (a re-OPEN); a spec or history the grammar refuses is an InvalidRequest naming it."""
+        """OPEN.constraint compiled against the target's tokenizer, advanced over the generated history (a
+        re-OPEN's last `generated` tokens); a spec or history the grammar refuses is an InvalidRequest naming it."""
         if msg.constraint is None:
             return None
         if self._grammar_vocab is None and self._grammar_lock.locked():  # the shell is building it off the loop
             raise Overloaded("the worker is still building its grammar vocabulary; retry in a moment")
         grammar = Constraint(self.grammar_vocab(), msg.constraint)
-        history = msg.tokens[msg.constraint_start:]
-        if msg.constraint_start > len(msg.tokens) or grammar.advance(history) != len(history):
-            raise InvalidRequest("the tokens after constraint_start are not allowed by the constraint",
-                                 field="constraint_start")
+        history = msg.tokens[len(msg.tokens) - msg.generated:] if msg.generated else []
+        if grammar.advance(history) != len(history):
+            raise InvalidRequest("the generated tokens are not allowed by the constraint", field="generated")
         return grammar
 
     def grammar_vocab(self) -> TokenVocab:
@@ -310,12 +313,21 @@ class Verifier:
                 work.append(item)
         self.stats["prefill_tokens"] += sum(len(row.ids) for row in prefill)
         if work or prefill:
-            self._run(work, list(prefill), replies)
+            self._run(work, [self._scored(row) for row in prefill], replies)
         return replies
 
+    def _scored(self, row: Row) -> Row:
+        """A prefill chunk of a session scoring its prompt keeps every position's logits."""
+        scoring = self.sessions[row.key].scoring if row.key in self.sessions else None
+        if scoring is None:
+            return row
+        return Row(row.key, row.ids, scoring.keep(self.cached(row.key), len(row.ids), row.keep), row.parents)
+
     def _run(self, work: list[_Work], prefill: list[Row], replies: list) -> None:
-        rows = [Row(w.session.key, w.session.tokens[self.cached(w.session.key):] + w.draft, keep=len(w.draft) + 1,
-                    parents=w.tree.tree.parents if w.tree else ()) for w in work]
+        rows = [self._scored(Row(w.session.key, w.session.tokens[self.cached(w.session.key):] + w.draft,
+                                 keep=len(w.draft) + 1, parents=w.tree.tree.parents if w.tree else ()))
+                for w in work]
+        starts = [self.cached(row.key) for row in rows + prefill]  # before the forward appends
         try:
             outputs = self._forward(self.runner.model, self.store, rows + prefill,
                                     deterministic=self.config.deterministic, **self._path)
@@ -325,8 +337,11 @@ class Verifier:
             raise
         self.stats["forward_passes"] += 1
         self.stats["forward_tokens"] += sum(len(row.ids) for row in rows + prefill)
+        for row, start, logits in zip(rows + prefill, starts, outputs):
+            if (scoring := self.sessions[row.key].scoring) is not None:
+                scoring.take_prompt(self.sessions[row.key].tokens, start, logits)
         for w, logits in zip(work, outputs):
-            replies[w.slot] = self._decide(w, logits)
+            replies[w.slot] = self._decide(w, logits[-(len(w.draft) + 1):])
 
     def _admit(self, slot: int, key: SessionKey, req: P.Verify, busy: frozenset) -> _Work | None:
         """Check a VERIFY against its session before anything changes; None for a replay of the last one."""
@@ -353,6 +368,9 @@ class Verifier:
             raise ContextFull(f"session {req.session} has {req.pos} tokens, past the target model's context "
                               f"of {self.max_context} (max_position_embeddings)", field="pos")
         tree = treeverify.admit(req, session.mode, self.runner.vocab_size, room, self._forward is forward_packed)
+        if tree is not None and session.scoring is not None:
+            raise InvalidRequest("token trees are not verified for a session with logprobs or penalties: send "
+                                 "parents = []", field="parents")
         draft = list(req.draft[:room]) if tree is None else list(tree.tree.tokens)
         if q is not None:
             q = q[:len(draft)] if tree is None else q[tree.kept]
@@ -373,10 +391,11 @@ class Verifier:
         """logits [d+1, V]: target logits at the d+1 positions after pos-1 (a tree: after the last committed
         token and each node). Commit; roll the rest back."""
         s, req = w.session, w.req
+        rows = s.scoring.penalise(logits, s.tokens, w.draft) if s.scoring is not None else logits
         allowed = 0
-        if s.grammar is not None:
-            logits, allowed = self._masked(s.grammar, w, logits)
-        outcome = self._outcome(s, req, w.draft, w.q, logits, w.tree)
+        if s.grammar is not None:  # after the penalties (vLLM's order); logprobs stay the raw logits'
+            rows, allowed = self._masked(s.grammar, w, rows)
+        outcome = self._outcome(s, req, w.draft, w.q, rows, w.tree)
         n = outcome.n_accepted
         path = range(n) if w.tree is None else w.tree.tree.path(outcome.node)  # accepted drafts
         if s.grammar is not None:
@@ -391,6 +410,8 @@ class Verifier:
             verdict = P.Verdict(req.session, req.seq, n, outcome.token)
         if w.tree is not None:
             verdict.node = w.tree.original(outcome.node)
+        if s.scoring is not None:
+            s.scoring.fill(verdict, logits, [w.draft[i] for i in path] + [outcome.token] * (outcome.token is not None))
         s.last_seq, s.last_draft, s.last_reply = req.seq, (tuple(req.draft), tuple(req.parents)), verdict
         return verdict
 

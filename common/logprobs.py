@@ -55,10 +55,15 @@ def prompt_logprobs(prefill_logits: torch.Tensor, prompt: Sequence[int], k: int)
     """
     import torch
 
-    rows = token_logprobs(prefill_logits[:-1], list(prompt)[1:], k)
-    nan = torch.full((1,), float("nan"))
-    return Rows(torch.cat([nan, rows.chosen]), torch.cat([rows.top_ids.new_full((1, k), -1), rows.top_ids]),
-                torch.cat([torch.full((1, k), float("nan")), rows.top_logprobs]))
+    return concat([no_row(k), token_logprobs(prefill_logits[:-1], list(prompt)[1:], k)])
+
+
+def no_row(k: int) -> Rows:
+    """The row of a position without a logprob (a prompt's first token): NaN, no alternatives (ids -1)."""
+    import torch
+
+    return Rows(torch.full((1,), float("nan")), torch.full((1, k), -1, dtype=torch.long),
+                torch.full((1, k), float("nan")))
 
 
 def concat(parts: Sequence[Rows]) -> Rows:

@@ -22,6 +22,8 @@ import msgspec
 
 from .constraint import ConstraintSpec
 from .errors import ErrorCode, InvalidRequest  # noqa: F401  (ErrorCode is part of the wire)
+from .logprobs import MAX_TOP, LogprobsWire
+from .penalties import PenaltiesWire
 from .packing import array_length, field_defaults, field_name, prefix_decoder
 
 PROTOCOL_VERSION = 2        # 2: enums on the wire (mode, resample, kind, code)
@@ -115,8 +117,11 @@ class Open(Base):
     temperature/top_k/top_p: the shared transform. seed: the counter-based RNG seed. shared_vocab: V_c, bits over the
     target ids (common/bitmap.py); shared_vocab_hash: its content hash, alone it names a bitmap the worker cached;
     neither = same vocabulary. vocab_size: the target vocabulary size the edge assumes; a mismatch is refused.
-    constraint: the session's grammar (structured outputs, common/constraint.py), None = none; constraint_start:
-    where in `tokens` the constrained output begins (the prompt's length: a re-OPEN's history is consumed)."""
+    constraint: the session's grammar (structured outputs, common/constraint.py), None = none; it applies from the
+    first generated token on. logprobs: the top k the VERDICTs carry (common/logprobs.py; None: none);
+    prompt_logprobs: the first VERDICT also scores the prompt (echo); penalties: common/penalties.py's transform of
+    the target's logits; generated: how many trailing `tokens` are generated (a re-OPEN's history), which
+    penalties count apart from the prompt and the constraint must allow."""
 
     session: U63
     tokens: Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_CONTEXT)]
@@ -129,8 +134,11 @@ class Open(Base):
     shared_vocab: bytes = b""
     vocab_size: Annotated[int, msgspec.Meta(ge=0)] = 0
     shared_vocab_hash: Annotated[bytes, msgspec.Meta(max_length=32)] = b""
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP)] | None = None
+    prompt_logprobs: bool = False
+    penalties: PenaltiesWire | None = None
+    generated: Count = 0
     constraint: ConstraintSpec | None = None
-    constraint_start: Annotated[int, msgspec.Meta(ge=0, le=MAX_CONTEXT)] = 0
 
 
 class QRow(Base):
@@ -182,7 +190,8 @@ class Verdict(Base):
     draw order (repeats kept); cand_p: float32 p(z) once per distinct candidate, in order of first appearance.
     p: float32 target probabilities at the rejected position over the shared vocabulary (resample full | hr);
     theta_o: mass of p outside the shared vocabulary (hr). load: the worker's LoadHint (every HINT_EVERY-th
-    verdict). node: a tree's deepest accepted node (-1: none; None for a chain). Fields are ordered so each verdict
+    verdict). node: a tree's deepest accepted node (-1: none; None for a chain). logprobs: the target's for the
+    committed tokens, accepted then next (sessions that asked); prompt_logprobs: the prompt's, on the first. Fields are ordered so each verdict
     kind leaves the others' defaults off the end (a greedy verdict is 4 numbers, an SR-DV one carries no empty
     p / theta_o, a verdict without a hint is unchanged)."""
 
@@ -196,6 +205,8 @@ class Verdict(Base):
     theta_o: float = 0.0
     load: LoadHint | None = None
     node: NodeRef | None = None
+    logprobs: LogprobsWire | None = None
+    prompt_logprobs: LogprobsWire | None = None
 
 
 class Resample(Base):

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from ..common import protocol as P
 from ..common.constraint import ConstraintSpec
 from ..common.errors import InvalidRequest
+from ..common.logprobs import MAX_TOP
 from ..common.packing import enum_value
+from ..common.penalties import Penalties
 from ..common.protocol import (DEFAULT_OBJECTIVE, DEFAULT_SAMPLED_MODE, DEFAULT_STRATEGY, HEARTBEAT_INTERVAL, Mode,
                                Objective, Strategy)
 from ..common.sampling import SamplingParams
@@ -43,6 +45,11 @@ class SessionConfig:
     trees: str = "off"             # token trees: off (chains), on (trees), auto (the shape policy may choose chains)
     tree_nodes: int | None = None  # a tree's node budget; None = chosen (edge_worker/policy)
     constraint: ConstraintSpec | None = None  # structured outputs (common/constraint.py); None = unconstrained
+    logprobs: int | None = None    # the target's logprobs with the top k per output token; None: none
+    prompt_logprobs: bool = False  # the prompt's logprobs too (echo: prompt scoring)
+    penalties: Penalties | None = None  # presence / frequency / repetition, logit_bias, min_tokens (both sides)
+    ignore_eos: bool = False       # EOS does not end the generation
+    stop_token_ids: tuple[int, ...] = ()  # more ids that end it (after being generated), as EOS does
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "resample", enum_value(Strategy, self.resample, "resample"))
@@ -62,6 +69,25 @@ class SessionConfig:
             raise InvalidRequest(f"max_new_tokens must be in [1, {P.MAX_CONTEXT}]", field="max_new_tokens")
         if not 0 <= self.seed < SEED_LIMIT:
             raise InvalidRequest("seed must be in [0, 2^63)", field="seed")
+        self._check_scoring()
+
+    @property
+    def scored(self) -> bool:
+        """Logprobs or penalties: what the cloud computes per row for this session (cloud_worker/scoring.py)."""
+        return self.logprobs is not None or self.prompt_logprobs or self.penalties is not None
+
+    def _check_scoring(self) -> None:
+        if self.penalties is not None and not self.penalties.active:
+            object.__setattr__(self, "penalties", None)
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP:
+            raise InvalidRequest(f"logprobs must be in [0, {MAX_TOP}]", field="logprobs")
+        if self.prompt_logprobs and self.logprobs is None:
+            raise InvalidRequest("echo scores the prompt with logprobs: name logprobs too", field="logprobs")
+        if self.logprobs is not None and self.mode == Mode.SAMPLE:
+            raise InvalidRequest("logprobs are served in modes greedy and coupled (the default at temperature > 0), "
+                                 "not sample", field="mode")
+        if self.scored and self.trees != "off":
+            raise InvalidRequest("token trees are not drafted with logprobs or penalties: trees off", field="trees")
 
 
 def _resolve_mode(params: SamplingParams, mode: Mode | None) -> Mode:
@@ -115,17 +141,21 @@ def session_config(edge: EdgeConfig, *, max_new_tokens: int = SessionConfig.max_
                    top_p: float = SamplingParams.top_p, seed: int | None = SessionConfig.seed,
                    draft_len: int | str | None = None, mode: Mode | str | None = None,
                    resample: Strategy | str | None = None, objective: Objective | str | None = None,
-                   trees: str | None = None, constraint: ConstraintSpec | None = None) -> SessionConfig:
+                   trees: str | None = None, **features) -> SessionConfig:
     """A request's fields -> its SessionConfig, for every front end. None takes the default: auto for the draft
     length ("auto" names it too), the protocol's resampling strategy, the edge's objective and trees, and the mode
     (greedy at temperature 0, DEFAULT_SAMPLED_MODE above it). seed None draws a random seed (OpenAI's rule). A
-    refusal is an InvalidRequest naming the field; each front end says it in its own words."""
+    refusal is an InvalidRequest naming the field; each front end says it in its own words. `features`: constraint,
+    logprobs, prompt_logprobs, penalties, ignore_eos, stop_token_ids (SessionConfig's); with logprobs or penalties,
+    trees default to off."""
+    scored = features.get("logprobs") is not None or getattr(features.get("penalties"), "active", False)
+    trees = trees if trees is not None else "off" if scored else edge.default_trees
     return SessionConfig(max_new_tokens=max_new_tokens, params=SamplingParams(float(temperature), top_k, top_p),
                          mode=mode, seed=int.from_bytes(os.urandom(7), "little") if seed is None else seed,
                          draft_len=None if draft_len == "auto" else draft_len,
                          resample=DEFAULT_STRATEGY if resample is None else resample,
                          objective=edge.default_objective if objective is None else objective,
-                         trees=edge.default_trees if trees is None else trees, constraint=constraint)
+                         trees=trees, **features)
 
 
 @dataclass

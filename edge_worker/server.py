@@ -162,11 +162,12 @@ class EdgeWorker(transport.Service):
                                  f"together past the target's context of {self.context_limit} tokens",
                                  field="max_new_tokens")
 
-    async def generate(self, prompt_ids: Sequence[int], config: SessionConfig,
-                       on_tokens: OnTokens | None = None) -> tuple[list[int], dict[str, float]]:
+    async def generate(self, prompt_ids: Sequence[int], config: SessionConfig, on_tokens: OnTokens | None = None,
+                       on_session: Callable[[EdgeSession], None] | None = None) -> tuple[list[int], dict[str, float]]:
         """Generate with the cloud's verification; returns (generated target ids, stats).
         `on_tokens(new_ids)` (sync or async) sees every committed chunk, in order, exactly once; returning False
-        ends the generation after that chunk (the session is CLOSEd as usual)."""
+        ends the generation after that chunk (the session is CLOSEd as usual). `on_session` sees the session once,
+        before it starts (the HTTP API reads its logprobs rows: `token_rows`, `scores()`)."""
         if not self.links.opened:
             raise FatalError("the edge worker is not started")
         if self.auth_error is not None:
@@ -174,6 +175,8 @@ class EdgeWorker(transport.Service):
         self.check_fits(len(prompt_ids), config.max_new_tokens)
         session = EdgeSession(list(prompt_ids), config, self.drafter, sid=self._new_sid(), estimates=self.estimates)
         route = self._routes[session.sid] = Route(session, self.links.choose(session.sid))
+        if on_session is not None:
+            on_session(session)
         slog = self._log.bind(session=session.sid)
         t0, retries, error = time.perf_counter(), Retries(self.config), None
         try:

@@ -17,10 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import partial
 
+from ..common import logprobs as L
 from ..common import protocol as P
 from ..common.constraint import Constraint
 from ..common.errors import ErrorCode, InternalError, InvalidRequest, from_wire
 from ..common.packing import f32
+from ..common.penalties import to_wire
 from ..common.protocol import Mode
 from ..common.resample import Rejection
 from .config import SessionConfig
@@ -121,6 +123,9 @@ class EdgeSession:
         self.grammar = self._grammar()
         trees = "off" if self.config.constraint is not None else self.config.trees
         self.trees = TreeRounds(self, trees, self.config.tree_nodes)  # (edge_worker/trees/rounds.py)
+        self.token_rows: list[L.Rows] = []       # logprobs of the generated tokens, in order (config.logprobs)
+        self.prompt_rows: L.Rows | None = None   # the prompt's (config.prompt_logprobs), once the cloud sent them
+        self.ends = set(() if self.config.ignore_eos else self.drafter.eos_ids) | set(self.config.stop_token_ids)
 
     def _grammar(self) -> Constraint | None:
         spec = self.config.constraint
@@ -137,9 +142,15 @@ class EdgeSession:
         self._rejection = self._pending = None
         vocab, vocab_hash = self.drafter.open_vocab(resend_vocab or self._resend_vocab)
         self._resend_vocab = False
-        return P.Open(self.sid, list(self.tokens), self.mode, c.params.temperature, c.params.top_k,
-                      c.params.top_p, c.seed, c.resample, vocab, self.drafter.target_vocab_size, vocab_hash,
-                      constraint=c.constraint, constraint_start=len(self.prompt_ids) if c.constraint else 0)
+        msg = P.Open(self.sid, list(self.tokens), self.mode, c.params.temperature, c.params.top_k,
+                     c.params.top_p, c.seed, c.resample, vocab, self.drafter.target_vocab_size, vocab_hash)
+        if c.scored:  # trailing fields: a plain session's OPEN is unchanged
+            msg.logprobs, msg.prompt_logprobs = c.logprobs, c.prompt_logprobs and self.prompt_rows is None
+            msg.penalties = to_wire(c.penalties) if c.penalties is not None else None
+        if c.scored or c.constraint is not None:
+            msg.generated = len(self.generated)  # a re-OPEN's history: counted apart from the prompt
+        msg.constraint = c.constraint
+        return msg
 
     def next_request(self) -> P.Verify | P.Resample:
         """The next message to send: a pending RESAMPLE, or a VERIFY for a freshly drafted block."""
@@ -165,7 +176,9 @@ class EdgeSession:
         if n and self._reused.ids[-1] in self.drafter.eos_ids:
             d = n  # the chain ended the generation: draft nothing past it
         grammar = None if self.grammar is None else (self.grammar, tuple(self.generated))
-        self._job = DraftJob(self.state, context, len(self.tokens), d, self.mode, c.params, c.seed, grammar=grammar)
+        pen = c.penalties if self.drafter.penalises else None
+        self._job = DraftJob(self.state, context, len(self.tokens), d, self.mode, c.params, c.seed, grammar=grammar,
+                             penalties=pen, prompt_len=len(self.prompt_ids))
         rest = self.drafter.continue_job(self._job, self._reused.ids, d - n) if n else None
         if rest is None:  # nothing reused, or the draft cannot continue after the chain's tokens
             self._reused = DraftBlock()
@@ -290,7 +303,33 @@ class EdgeSession:
             self._rejection = Rejection(block.q_rows[n], self.drafter.shared_mask, self.config.seed,
                                         len(self.tokens), v.seq, self.sid, self.config.resample)
             self._resolve(self._rejection.step(v))
+        if self.config.scored:
+            self._take_rows(v, n + (v.next_token >= 0), len(self.generated) - start)
         return self.generated[start:]
+
+    def _take_rows(self, v: P.Verdict, sent: int, kept: int) -> None:
+        """The VERDICT's logprobs of its `sent` committed tokens (the first `kept` of them stay: the generation may
+        end inside the block) and, on the first, the prompt's; missing or malformed ones are a worker's fault."""
+        c = self.config
+        try:
+            if c.prompt_logprobs and self.prompt_rows is None:
+                if v.prompt_logprobs is None:
+                    raise InvalidRequest("no prompt_logprobs on the first VERDICT", field="prompt_logprobs")
+                rows = L.unpack(v.prompt_logprobs, len(self.prompt_ids) - 1)
+                if len(rows.chosen) != len(self.prompt_ids) - 1 or rows.top_ids.shape[1] != c.logprobs:
+                    raise InvalidRequest("prompt_logprobs do not cover the prompt", field="prompt_logprobs")
+                self.prompt_rows = L.concat([L.no_row(c.logprobs), rows])  # the first token has none
+            if c.logprobs is not None:
+                rows = L.unpack(v.logprobs or L.LogprobsWire(c.logprobs, b"", b"", b""), sent)
+                if len(rows.chosen) != sent or rows.top_ids.shape[1] != c.logprobs:
+                    raise InvalidRequest(f"{len(rows.chosen)} logprobs rows for {sent} tokens", field="logprobs")
+                self.token_rows.append(L.Rows(*(x[:kept] for x in rows)))
+            for rows in [self.prompt_rows] * (self.prompt_rows is not None) + self.token_rows[-1:]:
+                ids = rows.top_ids[rows.top_ids >= 0]
+                if ids.numel() and int(ids.max()) >= self.drafter.target_vocab_size:
+                    raise InvalidRequest("a logprobs token id outside the target vocabulary", field="logprobs")
+        except InvalidRequest as exc:
+            raise WorkerMisbehaved(f"session {self.sid}: {exc}") from None
 
     def _bonus_match(self, n: int, token: int) -> bool | None:
         """After a fully accepted block: did the chain's guess for the bonus token match? (None: no guess, or
@@ -329,8 +368,16 @@ class EdgeSession:
             self.tokens.append(t)
             self.generated.append(t)
             self.stats.generated_tokens += 1
-            if t in self.drafter.eos_ids or len(self.generated) >= self.config.max_new_tokens:
+            if t in self.ends or len(self.generated) >= self.config.max_new_tokens:
                 self.done = True
+
+    def scores(self) -> dict:
+        """What a scored session returns beside its tokens: `logprobs` (Rows of the generated tokens, None when not
+        asked) and `prompt_logprobs` (Rows of the prompt, the first token's NaN; None when not asked)."""
+        rows = L.concat(self.token_rows) if self.token_rows else None
+        if rows is None and self.config.logprobs is not None:
+            rows = L.Rows(*(x[:0] for x in L.no_row(self.config.logprobs)))
+        return {"logprobs": rows, "prompt_logprobs": self.prompt_rows}
 
     def close_message(self) -> P.Close:
         return P.Close(self.sid)

@@ -78,7 +78,8 @@ def speculative_generate_batch(draft: ModelRunner | Drafter, target: ModelRunner
     wall = time.perf_counter() - t0
     for s in sessions:
         verifier.close((b"", s.sid))
-    return [(s.generated, asdict(s.stats) | {"wall_s": wall}) for s in sessions]
+    return [(s.generated, asdict(s.stats) | {"wall_s": wall} | ({"scores": s.scores()} if s.config.scored else {}))
+            for s in sessions]
 
 
 @torch.no_grad()

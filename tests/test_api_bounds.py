@@ -65,8 +65,7 @@ def test_unknown_fields_are_a_400_naming_them_all():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("repetition_penalty", 1.2), ("min_tokens", 4), ("ignore_eos", True), ("stop_token_ids", [2]),
-    ("min_p", 0.1), ("functions", [{"name": "f"}]),
+    ("min_p", 0.1), ("functions", [{"name": "f"}]), ("prompt_logprobs", 1),
 ])
 def test_known_but_unserved_fields_are_refused_by_name(field, value):
     for kind, body in ((api.CompletionRequest, {"prompt": "x"}),
@@ -75,9 +74,10 @@ def test_known_but_unserved_fields_are_refused_by_name(field, value):
         assert error.param == field and str(error).startswith(f"{field} is not supported")
 
 
-@pytest.mark.parametrize("field, value", [("tools", []), ("ignore_eos", False), ("repetition_penalty", 1.0),
-                                          ("min_tokens", 0), ("response_format", {"type": "text"}),
-                                          ("stop_token_ids", []), ("user", "someone")])
+@pytest.mark.parametrize("field, value", [("tools", []), ("ignore_eos", True), ("repetition_penalty", 1.2),
+                                          ("min_tokens", 4), ("response_format", {"type": "text"}),
+                                          ("stop_token_ids", [2]), ("user", "someone"), ("n", 3), ("echo", True),
+                                          ("logprobs", 5), ("presence_penalty", 0.5), ("logit_bias", {"5": 2})])
 def test_neutral_values_of_unserved_fields_are_served(field, value):
     assert accepted({"prompt": "x", field: value}).prompt == "x"
 

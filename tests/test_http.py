@@ -149,9 +149,13 @@ def test_seeded_sampling_is_reproducible(stack):
 
 @pytest.mark.parametrize("kwargs, status, param", [
     ({"model": "gpt-4"}, 404, "model"),
-    ({"n": 2}, 400, "n"),
-    ({"logprobs": 2}, 400, "logprobs"),
-    ({"presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"n": 17}, 400, "n"),
+    ({"logprobs": 21}, 400, "logprobs"),
+    ({"presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"logit_bias": {"99999": 1}}, 400, "logit_bias"),
+    ({"extra_body": {"stop_token_ids": [-1]}}, 400, "stop_token_ids"),
+    ({"echo": True, "max_tokens": 0}, 400, "max_tokens"),
+    ({"extra_body": {"mode": "sample"}, "temperature": 0.5, "logprobs": 1}, 400, "mode"),
     ({"top_p": 0.0}, 400, "top_p"),
     ({"temperature": -1.0}, 400, "temperature"),
     ({"max_tokens": 0}, 400, "max_tokens"),
@@ -262,11 +266,17 @@ def test_specrelay_serve_one_box(tiny_pair, reference, tiny_runners):
                                timeout=60)
         prompt = "def add(a, b):\n"
         out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=N_NEW, temperature=0)
-        assert out.choices[0].text == reference(tiny_runners[0].tokenizer(prompt).input_ids)
+        ids = tiny_runners[0].tokenizer(prompt).input_ids
+        assert out.choices[0].text == reference(ids)
         choices = ["return a + b", "print(i)"]  # structured outputs through the one box too
         out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=N_NEW, temperature=0,
                                         extra_body={"guided_choice": choices})
         assert out.choices[0].text in choices and out.choices[0].finish_reason == "stop"
+        scored = client.completions.create(model=MODEL, prompt=[ids], max_tokens=1, temperature=0, logprobs=1,
+                                           echo=True)  # what lm-eval's local-completions sends for loglikelihood
+        want = target_logp(tiny_runners, ids)[range(len(ids) - 1), ids[1:]]
+        got = scored.choices[0].logprobs.token_logprobs
+        assert got[0] is None and max(abs(a - float(b)) for a, b in zip(got[1:len(ids)], want)) < 1e-4
         with pytest.raises(openai.AuthenticationError):  # the same guards as the edge worker's HTTP API
             client.with_options(api_key="wrong").completions.create(model=MODEL, prompt=prompt, max_tokens=2)
         with pytest.raises(openai.BadRequestError, match="512"):  # its own model's context: refused before work
@@ -275,3 +285,142 @@ def test_specrelay_serve_one_box(tiny_pair, reference, tiny_runners):
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) == 0, proc.stderr.read()[-2000:]
+
+
+# ------------------------------------------------------------------ logprobs, prompt scoring, penalties, n
+
+def target_logp(tiny_runners, ids: list[int]):
+    """The target's own forward over ids: log_softmax of its logits [len(ids), V]."""
+    import torch
+
+    with torch.no_grad():
+        return tiny_runners[0].model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+
+def test_logprobs_equal_the_targets_own_forward(stack, tiny_runners):
+    """Completions (streamed and not) and chat: every output token's logprob and its top k are the target's
+    log-softmax at that position, within 1e-4."""
+    import torch
+
+    client, *_ = stack
+    tok = tiny_runners[0].tokenizer
+    prompt = "def add(a, b):\n"
+    ids = tok(prompt).input_ids
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=N_NEW, temperature=0, logprobs=5)
+    gen = full.model_extra["speculative"]["generated_tokens"]
+    lp = full.choices[0].logprobs
+    assert len(lp.token_logprobs) == gen and all(len(t) <= 5 for t in lp.top_logprobs)
+    out_ids = tiny_runners[0].model.generate(torch.tensor([ids]), max_new_tokens=gen, do_sample=False,
+                                             pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()  # greedy: these
+    ref = target_logp(tiny_runners, ids + out_ids)
+    rows = ref[len(ids) - 1:len(ids) - 1 + gen]
+    chosen = rows[range(gen), out_ids]
+    assert max(abs(a - float(b)) for a, b in zip(lp.token_logprobs, chosen)) < 1e-4
+    top = rows.topk(5, -1).values
+    for i, alternatives in enumerate(lp.top_logprobs):  # strings that coincide share an entry: compare the best
+        assert abs(max(alternatives.values()) - float(top[i, 0])) < 1e-4
+        assert all(min(abs(v - float(t)) for t in top[i]) < 1e-4 for v in alternatives.values())
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=N_NEW, temperature=0, logprobs=5, stream=True)
+        if c.choices and c.choices[0].logprobs is not None]
+    flat = [v for s in streamed for v in s.token_logprobs]  # the same tokens; rows of other shapes: fast numerics
+    assert len(flat) == gen and max(abs(a - b) for a, b in zip(flat, lp.token_logprobs)) < 1e-4
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                          max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert content and all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob == c.logprob for c in content)
+    assert all(bytes(c.bytes).decode("utf-8", "replace") == c.token for c in content)
+    streamed = [c for chunk in client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=8, temperature=0, logprobs=True,
+        top_logprobs=3, stream=True) if chunk.choices and chunk.choices[0].logprobs
+        for c in chunk.choices[0].logprobs.content]
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(streamed, content)) < 1e-4
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_echo_scores_the_prompt_as_the_targets_forward(stack, tiny_runners, max_tokens):
+    """echo + logprobs (what lm-eval's loglikelihood sends): the prompt's logprobs, first token null, equal to
+    the target's forward over the prompt; max_tokens 0 returns the prompt alone."""
+    client, *_ = stack
+    ids = tiny_runners[0].tokenizer("for i in range(10):\n    print(i, add(i, i))\n").input_ids
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=max_tokens, temperature=0, logprobs=1,
+                                    echo=True)
+    lp = out.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(ids) + max_tokens and lp.token_logprobs[0] is None
+    ref = target_logp(tiny_runners, ids)
+    want = ref[range(len(ids) - 1), ids[1:]]
+    assert max(abs(a - float(b)) for a, b in zip(lp.token_logprobs[1:len(ids)], want)) < 1e-4
+    if max_tokens == 0:
+        assert out.choices[0].text == tiny_runners[0].tokenizer.decode(ids) and out.usage.completion_tokens == 0
+    else:
+        assert abs(lp.token_logprobs[-1] - float(ref[-1].max())) < 1e-4
+
+
+def test_penalties_greedy_equal_hf_generate(stack, tiny_runners):
+    """presence / frequency / repetition penalties and logit_bias: greedy output equals HF generate with the same
+    processors (RepetitionPenaltyLogitsProcessor, sequence_bias, OpenAI's formula as a processor)."""
+    import torch
+    from test_penalties import OpenAIPenalty
+
+    client, *_ = stack
+    target = tiny_runners[0]
+    tok = target.tokenizer
+    ids, n, bias = tok("def add(a, b):\n").input_ids, 24, tok("self").input_ids[0]
+    ref = target.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, repetition_penalty=1.3,
+                                sequence_bias={(bias,): 1.5}, logits_processor=[OpenAIPenalty(len(ids), 0.6, 0.4)],
+                                pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+    plain = target.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                                  pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+    assert ref != plain  # the penalties change the output, so equality below says they were applied
+    text = tok.decode([t for t in ref if t not in target.eos_ids])
+    for stream in (False, True):
+        args = dict(model=MODEL, prompt=ids, max_tokens=n, temperature=0, presence_penalty=0.6,
+                    frequency_penalty=0.4, logit_bias={str(bias): 1.5},
+                    extra_body={"repetition_penalty": 1.3, "ignore_eos": True})
+        if stream:
+            got = "".join(c.choices[0].text for c in client.completions.create(**args, stream=True) if c.choices)
+        else:
+            got = client.completions.create(**args).choices[0].text
+        assert got == text
+
+
+def test_n_choices_are_seeds_seed_plus_one(stack):
+    """n = 3 sampled: choice j is the single request with seed + j; usage sums the completions, prompt once."""
+    client, *_ = stack
+    args = dict(model=MODEL, prompt="def add(a, b):\n", max_tokens=N_NEW, temperature=0.9)
+    many = client.completions.create(**args, n=3, seed=11)
+    singles = [client.completions.create(**args, seed=11 + j).choices[0] for j in range(3)]
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert [c.text for c in many.choices] == [c.text for c in singles]
+    assert len({c.text for c in many.choices}) > 1  # distinct seeds, distinct samples
+    assert many.usage.prompt_tokens == client.completions.create(**args, seed=11).usage.prompt_tokens
+    streamed = {}
+    for chunk in client.completions.create(**args, n=2, seed=11, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {0: singles[0].text, 1: singles[1].text}
+
+
+def test_min_tokens_ignore_eos_and_stop_token_ids(stack, tiny_runners):
+    """EOS pushed up by logit_bias ends at once; min_tokens holds it back exactly that many tokens; ignore_eos
+    runs to max_tokens; a stop token id ends the generation where the target first draws it."""
+    import torch
+
+    client, *_ = stack
+    tok = tiny_runners[0].tokenizer
+    eos = str(tok.eos_token_id)
+    args = dict(model=MODEL, prompt="def add(a, b):\n", max_tokens=12, temperature=0, logit_bias={eos: 100})
+    first = client.completions.create(**args, logprobs=0)
+    assert first.usage.completion_tokens == 1 and first.choices[0].finish_reason == "stop"
+    assert first.choices[0].text == "" and len(first.choices[0].logprobs.token_logprobs) == 1  # EOS has its row
+    held = client.completions.create(**args, extra_body={"min_tokens": 5})
+    assert held.usage.completion_tokens == 6 and held.choices[0].finish_reason == "stop"
+    assert client.completions.create(**args, extra_body={"ignore_eos": True}).usage.completion_tokens == 12
+    ids = tok("def add(a, b):\n").input_ids
+    greedy = tiny_runners[0].model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                                            pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+    stop = greedy[2]  # the target's third greedy token: the generation ends where it first appears
+    cut = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0,
+                                    extra_body={"stop_token_ids": [stop]})
+    assert cut.usage.completion_tokens == greedy.index(stop) + 1 and cut.choices[0].finish_reason == "stop"

@@ -74,15 +74,15 @@ def test_the_worker_refuses_bad_specs_and_histories_by_field(tiny_runners, verif
     tok = tiny_runners[0].tokenizer
     ids = tok("def ").input_ids
     bad = [(ConstraintSpec("regex", "(a"), 0, "regex"), (ConstraintSpec("xml", "<a/>"), 0, "constraint"),
-           (ConstraintSpec("choice", json.dumps(["yes"])), len(ids) - 1, "constraint_start")]
-    for spec, start, field in bad:  # the last: the prompt's final token is not a choice
+           (ConstraintSpec("choice", json.dumps(["yes"])), 1, "generated")]
+    for spec, generated, field in bad:  # the last: the prompt's final token, as generated, is not a choice
         with pytest.raises(InvalidRequest) as e:
-            verifier.open((b"bad", 1), P.Open(1, ids, constraint=spec, constraint_start=start))
+            verifier.open((b"bad", 1), P.Open(1, ids, constraint=spec, generated=generated))
         assert e.value.field == field and "\n" not in str(e.value)
     assert (b"bad", 1) not in verifier.sessions
     # a VERIFY whose tail the grammar refuses: refused, and the session's grammar is unchanged
     spec = ConstraintSpec("choice", json.dumps(["yes", "no"]))
-    verifier.open((b"bad", 2), P.Open(2, ids, constraint=spec, constraint_start=len(ids)))
+    verifier.open((b"bad", 2), P.Open(2, ids, constraint=spec))
     [reply] = verifier.verify([((b"bad", 2), P.Verify(2, 1, len(ids) + 1, tail=tok("zz").input_ids[:1]))])
     assert isinstance(reply, P.Error) and reply.code == P.ErrorCode.BAD_REQUEST and "tail" in reply.message
     assert verifier.sessions[(b"bad", 2)].grammar.consumed == []
@@ -102,7 +102,7 @@ def test_a_token_tree_is_verified_under_the_grammar(tiny_runners, verifier):
     refused = int(target.model(torch.tensor([ids])).logits[0, -1].argmax())  # the unmasked pick: refused here
     assert refused != ref[0]
     key = (b"tree", 7)
-    verifier.open(key, P.Open(7, ids, constraint=spec, constraint_start=len(ids)))
+    verifier.open(key, P.Open(7, ids, constraint=spec))
     tree = P.Verify(7, 1, len(ids), draft=[refused, ref[0], ref[1], refused], parents=[-1, -1, 1, 1])
     [v] = verifier.verify([(key, tree)])
     assert (v.n_accepted, v.next_token, v.node) == (2, ref[2], 2)
@@ -166,7 +166,7 @@ def test_sync_follows_a_random_walk_of_drafts_and_rejections(tiny_runners):
 
 
 def test_a_reopen_resumes_the_grammar_over_the_history(tiny_runners, verifier):
-    """A re-OPEN (a lost worker, UNKNOWN_SESSION) carries prompt + committed tokens and constraint_start: the
+    """A re-OPEN (a lost worker, UNKNOWN_SESSION) carries prompt + committed tokens and how many are generated: the
     worker's grammar resumes after the history, so the next VERIFY is masked as if nothing had happened."""
     target = tiny_runners[0]
     tok, vocab = target.tokenizer, _vocab(target)
@@ -174,7 +174,7 @@ def test_a_reopen_resumes_the_grammar_over_the_history(tiny_runners, verifier):
     ids = tok("def add(a, b):\n").input_ids
     ref = _hf(target, vocab, spec, ids, 12)
     key = (b"reopen", 5)
-    verifier.open(key, P.Open(5, ids + ref[:4], constraint=spec, constraint_start=len(ids)))
+    verifier.open(key, P.Open(5, ids + ref[:4], constraint=spec, generated=4))
     [v] = verifier.verify([(key, P.Verify(5, 1, len(ids) + 4, draft=ref[4:6]))])
     assert (v.n_accepted, v.next_token) == (2, ref[6])
     verifier.close(key)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...common.constraint import Constraint, TokenVocab, mask_logits
+from ...common.penalties import Penalties, apply
 from ...common.protocol import Mode
 from ...common.rng import Purpose, gumbel, sample_index, uniform
 from ...common.runner import ModelRunner, common_prefix
@@ -67,6 +68,8 @@ class DraftJob:
     seed: int
     unverified: tuple[int, ...] = ()  # target ids `context` holds past the committed tokens (a pre-draft's chain)
     grammar: tuple[Constraint, tuple[int, ...]] | None = None  # the session's constraint, its generated tokens
+    penalties: Penalties | None = None  # applied to the draft's logits, as the cloud applies them to the target's
+    prompt_len: int = 0                 # where the generated tokens start in `context` (the penalties' counts)
 
 
 @dataclass
@@ -90,6 +93,7 @@ class Drafter:
 
     trees = True  # drafts token trees of target ids (edge_worker/trees/drafter.py)
     masks_grammar = True  # drafts only what a session's constraint allows (its target ids are the draft's)
+    penalises = True  # its logits are over target ids: a session's penalties apply to them
 
     def __init__(self, runner: ModelRunner, target_vocab_size: int | None = None) -> None:
         self.runner = runner
@@ -124,7 +128,7 @@ class Drafter:
         if context is None:
             return None
         return DraftJob(job.state, context, job.position + len(ids), d, job.mode, job.params, job.seed,
-                        job.unverified + tuple(ids), job.grammar)
+                        job.unverified + tuple(ids), job.grammar, job.penalties, job.prompt_len)
 
     def open_vocab(self, resend: bool = False) -> tuple[bytes, bytes]:
         """(shared_vocab, shared_vocab_hash) for an OPEN: one vocabulary, so neither."""
@@ -146,7 +150,10 @@ class Drafter:
     # ------------------------------------------------------------------ drafting
     def choose(self, logits: torch.Tensor, job: DraftJob, pos: int, block: DraftBlock) -> int:
         """Pick the next draft token (a target id) from draft logits [V_draft] at absolute position pos."""
-        if job.grammar is not None:
+        if job.penalties is not None and logits.shape[-1] >= self.target_vocab_size:  # the counts of exactly the tokens before pos (common/penalties.py)
+            history = job.context + block.ids
+            logits = apply(logits, job.penalties, history[:job.prompt_len], history[job.prompt_len:])
+        if job.grammar is not None:  # after the penalties, as the cloud masks its penalised rows
             logits = self._constrained(logits, job, block)
         if job.mode == Mode.GREEDY:
             return int(self.to_target(torch.softmax(logits.float(), -1)).argmax())

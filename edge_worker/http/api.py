@@ -1,16 +1,18 @@
 """The OpenAI-compatible API's pure core: request bodies in, SessionConfigs and response objects out. No sockets,
 no ASGI (edge_worker/http/server.py serves it).
 
-    POST /v1/completions       prompt (a string, one string in a list, or token ids)
+    POST /v1/completions       prompt (a string or token ids, or a list of them: one choice set per prompt)
     POST /v1/chat/completions  messages, through the target tokenizer's chat template
-    fields: model, max_tokens (max_completion_tokens), temperature, top_p, seed, stop, n = 1, stream,
-            stream_options.include_usage, user, response_format; chat: tools, tool_choice, parallel_tool_calls;
-            extensions: top_k, draft_len, mode, resample, objective, guided_json / guided_regex / guided_choice /
-            guided_grammar, structured_outputs (docs/structured-outputs.md)
+    fields: model, max_tokens (max_completion_tokens), temperature, top_p, seed, stop, n, stream,
+            stream_options.include_usage, user, logprobs (+ top_logprobs in chat), echo (completions),
+            presence_penalty, frequency_penalty, logit_bias, response_format; chat: tools, tool_choice,
+            parallel_tool_calls; extensions: top_k, draft_len, mode, resample, objective, repetition_penalty,
+            min_tokens, ignore_eos, stop_token_ids, guided_json / guided_regex / guided_choice / guided_grammar,
+            structured_outputs (docs/structured-outputs.md)
 Responses carry `usage` and a `speculative` object with the request's stats (draft, accepted, cloud calls,
-bytes). What cannot be served exactly (logprobs, penalties, logit_bias, n > 1, echo, suffix, min_tokens,
-ignore_eos, stop_token_ids, ... : UNSERVED) is a 400 naming the field unless its value is the neutral one, and an
-unknown field is a 400 naming it (as OpenAI answers): nothing is silently ignored.
+bytes). What cannot be served exactly (suffix, functions, min_p, ... : UNSERVED) is a 400 naming the field unless
+its value is the neutral one, and an unknown field is a 400 naming it (as OpenAI answers): nothing is silently
+ignored.
 
 Bounded before expensive: every size a client controls has a bound checked while the body is decoded (prompt and
 message characters, messages, stop strings, token ids), and a prompt is tokenised in growing prefixes that stop
@@ -19,14 +21,18 @@ once past the room in the context (`bounded_encode`), so the work is proportiona
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+from collections.abc import Collection
 from typing import Annotated, Any
 
 import msgspec
 
 from ...common.constraint import Constraint, ConstraintSpec, spec_from_request, tool_call_spec
 from ...common.errors import InvalidRequest
+from ...common.logprobs import requested_k
+from ...common.penalties import Penalties
 from ...common.protocol import MAX_CONTEXT, MAX_PROMPT_CHARS
 from .. import config
 from .responses import Outcome, Shape, speculative, usage  # noqa: F401 (the API's response objects)
@@ -36,6 +42,8 @@ COMPLETION_MAX_TOKENS = 16    # OpenAI's default for /v1/completions
 OPENAI_TEMPERATURE = 1.0      # OpenAI's default temperature (the CLI's is 0: greedy)
 CHAT_MAX_TOKENS = 1024        # the chat default: up to the target's context (OpenAI's), at most this
 MAX_STOPS = 4
+MAX_CHOICES = 16              # choices in one response (prompts x n): each is a whole generation, one after another
+MAX_STOP_IDS = 64             # stop_token_ids: each committed token is looked up in them
 MAX_STOP_CHARS = 256          # a stop string: each committed piece is searched for it, so it is short (vLLM: none)
 MAX_MESSAGES = 2048           # chat messages in one request (their characters together: MAX_PROMPT_CHARS)
 MAX_NAME_CHARS = 64           # a message's name / tool_call_id (OpenAI's name: 64 characters)
@@ -46,11 +54,11 @@ FIRST_PREFIX_CHARS_PER_TOKEN = 16  # bounded_encode's first prefix: room x 16 ch
 PREFIX_SLACK = 64             # tokens a prefix's cut may add (a word split in two): refused only past room + this
 # known fields this server cannot honour -> their neutral values (sent with one of these, the field is harmless)
 UNSERVED = {"functions": ([],), "function_call": ("none",),
-            "repetition_penalty": (1, 1.0), "min_tokens": (0,), "ignore_eos": (False,), "stop_token_ids": ([],),
-            "min_p": (0, 0.0), "include_stop_str_in_output": (False,), "top_logprobs": (0,),
+            "min_p": (0, 0.0), "include_stop_str_in_output": (False,),
             "prompt_logprobs": (0,), "prediction": (), "modalities": (["text"],), "audio": (),
             "reasoning_effort": (), "length_penalty": (1, 1.0), "use_beam_search": (False,)}
 FIELD_NAMES = {"max_new_tokens": "max_tokens"}  # SessionConfig field -> the API's name
+MAX_TOKEN_ID = 1 << 31        # token ids' bound when the target's vocabulary is not known (protocol.TokenId)
 
 
 class APIError(Exception):
@@ -143,10 +151,15 @@ class _Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tools: Annotated[list[Tool], msgspec.Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: Short | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    repetition_penalty: float | None = None  # extensions (vLLM's): common/penalties.py
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_STOP_IDS)] | None = None
 
 
 class CompletionRequest(_Request, kw_only=True):
-    prompt: PromptText | Annotated[list[PromptText | int], msgspec.Meta(max_length=MAX_CONTEXT)]
+    prompt: PromptText | Annotated[list[PromptText | int | Annotated[list[int], msgspec.Meta(max_length=MAX_CONTEXT)]],
+                                   msgspec.Meta(max_length=MAX_CONTEXT)]
     logprobs: int | None = None
     echo: bool | None = False
     suffix: str | None = None
@@ -215,24 +228,28 @@ def check(req: _Request, served_model: str) -> None:
     if isinstance(req, ChatRequest):
         check_messages(req.messages)
     check_tools(req)
-    refused = {
-        "n": req.n not in (None, 1), "presence_penalty": bool(req.presence_penalty),
-        "frequency_penalty": bool(req.frequency_penalty), "logit_bias": bool(req.logit_bias),
-        "logprobs": bool(getattr(req, "logprobs", None)), "echo": bool(getattr(req, "echo", False)),
-        "suffix": getattr(req, "suffix", None) is not None, "best_of": getattr(req, "best_of", None) not in (None, 1),
-    }
+    refused = {"suffix": getattr(req, "suffix", None) is not None,
+               "best_of": getattr(req, "best_of", None) not in (None, 1, req.n)}
     for param, bad in refused.items():
         if bad:
-            raise APIError(400, f"{param} is not supported: the output is exactly the target model's, one choice "
-                           "per request", param=param)
+            raise APIError(400, f"{param} is not supported: the output is exactly the target model's, with the "
+                           "sampling fields it lists", param=param)
+    if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
+        raise APIError(400, f"n must be in [1, {MAX_CHOICES}]", param="n")
     if isinstance(req.stop, list) and len(req.stop) > MAX_STOPS:
         raise APIError(400, f"at most {MAX_STOPS} stop strings", param="stop")
     if req.temperature is not None and not 0 <= req.temperature <= 2:  # OpenAI's range
         raise APIError(400, f"temperature must be between 0 and 2, got {req.temperature}", param="temperature")
     for param in ("max_tokens", "max_completion_tokens"):
         value = getattr(req, param, None)
-        if value is not None and value < 1:
-            raise APIError(400, f"{param} must be at least 1, got {value}", param=param)
+        if value is not None and value < (0 if scores_prompt(req) else 1):
+            raise APIError(400, f"{param} must be at least 1 (0 only with echo and logprobs), got {value}",
+                           param=param)
+
+
+def scores_prompt(req: _Request) -> bool:
+    """echo with logprobs: the prompt's logprobs (prompt scoring, what evaluation harnesses send)."""
+    return bool(getattr(req, "echo", False)) and getattr(req, "logprobs", None) is not None
 
 
 def check_messages(messages: list[ChatMessage]) -> None:
@@ -256,18 +273,37 @@ def stops(req: _Request) -> list[str]:
     return [s for s in ([req.stop] if isinstance(req.stop, str) else req.stop or []) if s]
 
 
-def session_config(req: _Request, max_tokens: int, edge: EdgeConfig) -> SessionConfig:
+def session_config(req: _Request, max_tokens: int, edge: EdgeConfig, vocab_size: int | None = None,
+                   eos_ids: Collection[int] = ()) -> SessionConfig:
     """The request's sampling settings -> its SessionConfig (config.session_config: the edge's defaults, the mode
     rule), OpenAI's defaults where it names nothing (temperature 1, top_p 1, no seed = a random one); a refusal is
-    a 400 in the API's own names."""
+    a 400 in the API's own names. vocab_size / eos_ids: the target's (logit_bias and stop_token_ids are checked
+    against it; min_tokens holds back every EOS id). max_tokens 0 (prompt scoring): one token at draft length 0,
+    which the response leaves out."""
     try:
-        return config.session_config(edge, max_new_tokens=max_tokens,
+        return config.session_config(edge, max_new_tokens=max(1, max_tokens),
                                      temperature=OPENAI_TEMPERATURE if req.temperature is None else req.temperature,
                                      top_k=req.top_k or 0, top_p=1.0 if req.top_p is None else req.top_p,
-                                     seed=req.seed, draft_len=req.draft_len, mode=req.mode, resample=req.resample,
-                                     objective=req.objective, constraint=request_constraint(req))
+                                     seed=req.seed, draft_len=0 if max_tokens == 0 else req.draft_len, mode=req.mode,
+                                     resample=req.resample, objective=req.objective, constraint=request_constraint(req),
+                                     **scoring_fields(req, vocab_size, eos_ids))
     except InvalidRequest as exc:
         raise as_api_error(exc) from None
+
+
+def scoring_fields(req: _Request, vocab_size: int | None, eos_ids: Collection[int]) -> dict:
+    """logprobs, prompt scoring, penalties and the stop / EOS extensions -> SessionConfig's fields (only those
+    the request names, so a plain request's SessionConfig is the one it always was)."""
+    chat = isinstance(req, ChatRequest)
+    k = requested_k({"logprobs": req.logprobs, "top_logprobs": getattr(req, "top_logprobs", None)}, chat)
+    body = {name: getattr(req, name) for name in ("presence_penalty", "frequency_penalty", "logit_bias",
+                                                  "repetition_penalty", "min_tokens", "stop_token_ids")}
+    pen = Penalties.from_request(body, vocab_size or MAX_TOKEN_ID)
+    if pen.min_tokens:  # every EOS id is held back, not only the one from_request knows
+        pen = dataclasses.replace(pen, stop_ids=tuple(sorted(set(pen.stop_ids) | set(eos_ids))))
+    out = {"logprobs": k, "prompt_logprobs": scores_prompt(req), "penalties": pen if pen.active else None,
+           "ignore_eos": bool(req.ignore_eos), "stop_token_ids": tuple(req.stop_token_ids or ())}
+    return {name: value for name, value in out.items() if value is not None and value is not False and value != ()}
 
 
 def as_api_error(exc: InvalidRequest) -> APIError:
@@ -380,18 +416,27 @@ def bounded_encode(encode, text: str, room: int | None) -> list[int]:
         size *= 4
 
 
-def completion_prompt_ids(tokenizer, req: CompletionRequest, room: int | None = None) -> list[int]:
-    """A string (tokenized as `specrelay generate` does), one string in a list, or a list of token ids. `room`:
-    the most prompt tokens that can be served (bounded_encode); None = tokenise it all."""
+def completion_prompts(tokenizer, req: CompletionRequest, room: int | None = None) -> list[list[int]]:
+    """The prompts: a string (tokenized as `specrelay generate` does) or a list of token ids, or a list of
+    strings or of token-id lists (OpenAI's batch: a choice set per prompt). `room`: the most prompt tokens that
+    can be served (bounded_encode); None = tokenise it all."""
     prompt = req.prompt
-    if isinstance(prompt, list) and all(isinstance(p, int) for p in prompt) and prompt:
-        if not all(0 <= p < len(tokenizer) for p in prompt):
-            raise APIError(400, f"token ids must be in [0, {len(tokenizer)})", param="prompt")
-        return list(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+        prompt = [prompt]
+    prompts = prompt if isinstance(prompt, list) else [prompt]
+    if not prompts or any(isinstance(p, int) for p in prompts):
+        raise APIError(400, "prompt: a string, a list of token ids, or a list of strings or of token-id lists",
+                       param="prompt")
+    if len(prompts) * (req.n or 1) > MAX_CHOICES:
+        raise APIError(400, f"prompts x n is past {MAX_CHOICES} choices", param="prompt")
+    return [_prompt_ids(tokenizer, p, room) for p in prompts]
+
+
+def _prompt_ids(tokenizer, prompt: str | list[int], room: int | None) -> list[int]:
     if isinstance(prompt, list):
-        if len(prompt) != 1 or not isinstance(prompt[0], str):
-            raise APIError(400, "one prompt per request: a string, [string] or a list of token ids", param="prompt")
-        prompt = prompt[0]
+        if not prompt or not all(0 <= p < len(tokenizer) for p in prompt):
+            raise APIError(400, f"token ids must be in [0, {len(tokenizer)}), at least one", param="prompt")
+        return list(prompt)
     if not prompt:
         raise APIError(400, "the prompt is empty", param="prompt")
     return bounded_encode(lambda text: tokenizer(text).input_ids, prompt, room)

@@ -15,9 +15,11 @@ request id (the `x-request-id` header) and answered with a generic message namin
 from __future__ import annotations
 
 import asyncio
-import time
+import dataclasses
+import functools
 import json
 import socket
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, nullcontext
@@ -31,10 +33,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from ...common import logprobs as L
 from ...common import transport
 from ...common.errors import FatalError, InvalidRequest, RequestError
 from . import api, guards
-from ..config import HttpLimits
+from .. import config as config_mod
+from ..config import HttpLimits, SessionConfig
 from .textstream import TextStream
 
 log = structlog.get_logger("specrelay.http")
@@ -70,28 +74,80 @@ class HttpStats:
 
 # ------------------------------------------------------------------------------------------ one generation
 
-async def run_generation(edge, prompt_ids: list[int], config, stops: list[str],
-                         on_text: Callable[[str], Awaitable[None]] | None = None) -> api.Outcome:
-    """Generate; `on_text` gets each piece of committed text that is safe to show (stop strings held back). The
-    EOS token ends the generation and is not part of the text; a stop string ends it after the chunk holding it."""
-    text, cut, eos = TextStream(edge.tokenizer), api.StopStrings(stops), edge.drafter.eos_ids
-    saw_eos = False
+@dataclass
+class Choice:
+    """One generation of a response: its prompt, settings and place (`index`). echo: the prompt's text (and, with
+    logprobs, its logprobs) come first; zero: max_tokens 0, the one generated token is left out (prompt scoring)."""
+
+    index: int
+    prompt_ids: list[int]
+    config: SessionConfig
+    stops: list[str]
+    echo: bool = False
+    zero: bool = False
+    chat: bool = False
+
+
+async def run_generation(edge, choice: Choice, on_text: Callable[..., Awaitable[None]] | None = None,
+                         table: list[bytes] | None = None) -> api.Outcome:
+    """Generate; `on_text(piece, logprobs)` gets each piece of committed text that is safe to show (stop strings
+    held back) with the logprobs of the tokens committed with it (None unless asked; then a piece may be empty).
+    EOS ends the generation and is not part of the text (nor is anything with ignore_eos); a stop string ends it
+    after the chunk holding it; a stop token id ends it and stays in the text. `table`: the target's token bytes."""
+    config = choice.config
+    text, cut, eos = TextStream(edge.tokenizer), api.StopStrings(choice.stops), edge.drafter.eos_ids
+    ends = set(() if config.ignore_eos else eos) | set(config.stop_token_ids)
+    saw_end, sessions, offset, saw_any = False, [], [0], []
 
     async def on_tokens(new: list[int]) -> bool:
-        nonlocal saw_eos
+        nonlocal saw_end
+        if on_text is not None and choice.echo and not saw_any:  # a stream starts with the echoed prompt
+            saw_any.append(True)
+            await on_text(edge.tokenizer.decode(choice.prompt_ids), _echoed(choice, sessions[0], table, offset))
         ids = [t for t in new if t not in eos]
-        saw_eos |= len(ids) < len(new)
+        saw_end |= any(t in ends for t in new)
         piece = cut.push(text.push(ids))
-        if piece and on_text is not None:
-            await on_text(piece)
+        rows = sessions[0].token_rows[-1] if config.logprobs is not None and sessions else None
+        if on_text is not None and not choice.zero and (piece or rows is not None):
+            await on_text(piece, None if rows is None else _shaped(choice, rows, new, table, offset))
         return not cut.hit  # False: stop generating
 
-    generated, stats = await edge.generate(prompt_ids, config, on_tokens)
-    tail = "" if cut.hit else cut.push(text.flush()) + cut.flush()
+    generated, stats = await edge.generate(choice.prompt_ids, config, on_tokens, on_session=sessions.append)
+    tail = "" if cut.hit or choice.zero else cut.push(text.flush()) + cut.flush()
     if tail and on_text is not None:
-        await on_text(tail)
-    return api.Outcome(cut.text, len(prompt_ids), len(generated), "stop" if cut.hit or saw_eos else "length",
-                       stats)
+        await on_text(tail, None)
+    out = api.Outcome("" if choice.zero else cut.text, len(choice.prompt_ids), 0 if choice.zero else len(generated),
+                      "length" if choice.zero else "stop" if cut.hit or saw_end else "length", stats, generated)
+    if config.logprobs is not None:
+        out.logprobs = _full_logprobs(choice, sessions[0].scores(), generated, table)
+    if choice.echo:
+        out.text = edge.tokenizer.decode(choice.prompt_ids) + out.text
+    return out
+
+
+def _shaped(choice: Choice, rows, ids: list[int], table, offset: list[int]) -> dict:
+    """OpenAI's logprobs object of `ids` (Rows `rows`); offset: the completions' text_offset so far (advanced)."""
+    if choice.chat:
+        return L.chat_logprobs(rows, ids, table)
+    shaped = L.completion_logprobs(rows, ids, table, offset[0])
+    offset[0] += sum(len(t) for t in shaped["tokens"])
+    return shaped
+
+
+def _echoed(choice: Choice, session, table, offset: list[int]) -> dict | None:
+    """The logprobs of the echoed prompt (None without logprobs)."""
+    if choice.config.logprobs is None or session.prompt_rows is None:
+        return None
+    return _shaped(choice, session.prompt_rows, list(choice.prompt_ids), table, offset)
+
+
+def _full_logprobs(choice: Choice, scores: dict, generated: list[int], table) -> dict:
+    rows, ids = scores["logprobs"], list(generated)
+    if choice.zero:  # the token drawn to end the round is not part of the answer
+        rows, ids = L.Rows(*(x[:0] for x in rows)), []
+    if choice.echo and scores["prompt_logprobs"] is not None:
+        rows, ids = L.concat([scores["prompt_logprobs"], rows]), list(choice.prompt_ids) + ids
+    return _shaped(choice, rows, ids, table, [0])
 
 
 def api_error(exc: BaseException, request_id: str = "") -> api.APIError:
@@ -128,6 +184,7 @@ class OpenAIApp:
         self.share = guards.FairShare(self.limits)
         self.bodies = guards.BodyBudget(self.limits.max_body_bytes_in_flight)
         self.tokenising = asyncio.Semaphore(TOKENISE_AT_ONCE)
+        self._table: list[bytes] | None = None  # the target's token bytes (logprobs), made on first use
 
     def asgi(self) -> Starlette:
         routes = [Route("/v1/models", self.models), Route("/health", self.health),
@@ -147,12 +204,12 @@ class OpenAIApp:
         return JSONResponse({"status": "ok", "sessions_open": self.edge.sessions_open})
 
     async def completions(self, request: Request):
-        return await self._serve(request, api.CompletionRequest, api.completion_prompt_ids, api.completion_max_tokens)
+        return await self._serve(request, api.CompletionRequest, api.completion_prompts, api.completion_max_tokens)
 
     async def chat(self, request: Request):
-        return await self._serve(request, api.ChatRequest, api.chat_prompt_ids, api.chat_max_tokens)
+        return await self._serve(request, api.ChatRequest, lambda *a: [api.chat_prompt_ids(*a)], api.chat_max_tokens)
 
-    async def _serve(self, request: Request, kind, prompt_ids, max_tokens):
+    async def _serve(self, request: Request, kind, prompts, max_tokens):
         """Key, body, request, prompt, context, admission: each refused before any generation starts."""
         self.stats.http_requests += 1
         request_id = "req-" + uuid.uuid4().hex[:16]
@@ -165,27 +222,41 @@ class OpenAIApp:
             return self._error(api_error(exc, request_id), request_id)
         try:
             async with self.tokenising:  # bounded work (api.bounded_encode) on a bounded number of threads
-                ids = await asyncio.to_thread(prompt_ids, self.edge.tokenizer, req,
-                                              self.edge.context_limit - max_tokens(req, 1))
-            ticket.add(len(ids))  # the key's share of prompt tokens in flight
-            room = self.edge.context_limit - len(ids)  # the chat default is "up to the context"
-            config = api.session_config(req, max_tokens(req, room), self.edge.config)
-            self.edge.check_fits(len(ids), config.max_new_tokens)
-            if config.constraint is not None:
-                await asyncio.to_thread(api.check_constraint, self.edge.drafter, req, config)
+                all_ids = await asyncio.to_thread(prompts, self.edge.tokenizer, req,
+                                                  self.edge.context_limit - max(1, max_tokens(req, 1)))
+            ticket.add(sum(map(len, all_ids)))  # the key's share of prompt tokens in flight
+            choices = await self._choices(req, all_ids, max_tokens, kind is api.ChatRequest)
         except Exception as exc:
             ticket.release()
             return self._error(api_error(exc, request_id), request_id)
         shape = api.Shape(chat=kind is api.ChatRequest, model=self.served_model, tool_call=api.forced_tool(req))
         stream_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
-            events = self._events(shape, ids, config, api.stops(req), stream_usage, ticket, request_id)
+            events = self._events(shape, choices, stream_usage, ticket, request_id)
             return EventStream(events, self, ticket, request_id)
-        return await self._complete(request, shape, ids, config, api.stops(req), ticket, request_id)
+        return await self._complete(request, shape, choices, ticket, request_id)
 
-    async def _complete(self, request: Request, shape: api.Shape, ids, config, stops, ticket, request_id):
+    async def _choices(self, req, all_ids: list[list[int]], max_tokens, chat: bool) -> list[Choice]:
+        """Every prompt's n choices (seeds seed, seed + 1, ...), each checked against the context."""
+        choices, drafter = [], self.edge.drafter
+        for ids in all_ids:
+            room = self.edge.context_limit - len(ids)  # the chat default is "up to the context"
+            wanted = max_tokens(req, room)
+            config = api.session_config(req, wanted, self.edge.config, drafter.target_vocab_size, drafter.eos_ids)
+            self.edge.check_fits(len(ids), config.max_new_tokens)
+            if config.constraint is not None and not choices:  # compiled once at the door: a bad spec is a 400
+                await asyncio.to_thread(api.check_constraint, drafter, req, config)
+            for j in range(req.n or 1):
+                seeded = dataclasses.replace(config, seed=(config.seed + j) % config_mod.SEED_LIMIT)
+                choices.append(Choice(len(choices), ids, seeded, api.stops(req), bool(getattr(req, "echo", False)),
+                                      wanted == 0, chat))
+        if any(c.config.logprobs is not None for c in choices) and self._table is None:
+            self._table = await asyncio.to_thread(L.token_byte_table, self.edge.tokenizer, drafter.target_vocab_size)
+        return choices
+
+    async def _complete(self, request: Request, shape: api.Shape, choices: list[Choice], ticket, request_id):
         """A plain request; a watcher cancels the generation if the client disconnects first."""
-        work = asyncio.create_task(self._generate(ids, config, stops, ticket, request_id=request_id))
+        work = asyncio.create_task(self._generate(choices, ticket, request_id=request_id))
         work.add_done_callback(lambda _: ticket.release())  # also when cancelled before it ever ran
         gone = asyncio.create_task(_disconnected(request.receive))
         try:
@@ -202,47 +273,66 @@ class OpenAIApp:
             return self._error(api_error(work.exception(), request_id), request_id)
         return JSONResponse(shape.full(work.result()), headers={"x-request-id": request_id})
 
-    async def _generate(self, ids, config, stops, ticket: guards.Ticket, on_text=None, *,
-                        request_id: str = "") -> api.Outcome:
+    async def _generate(self, choices: list[Choice], ticket: guards.Ticket, on_text=None, *,
+                        request_id: str = "") -> list[api.Outcome]:
+        """The choices one after another (a choice after the first of its prompt counts no prompt tokens)."""
         self.stats.http_in_flight += 1
         t0 = time.perf_counter()
+        outs: list[api.Outcome] = []
         try:
-            out = await run_generation(self.edge, ids, config, stops, on_text)
+            for choice in choices:
+                emit = None if on_text is None else functools.partial(on_text, choice)
+                out = await run_generation(self.edge, choice, emit, self._table)
+                if outs and choice.prompt_ids is choices[choice.index - 1].prompt_ids:
+                    out.prompt_tokens = 0  # n > 1: the prompt is counted once, as OpenAI counts it
+                outs.append(out)
+                if on_text is not None:
+                    await on_text(choice, None, None, out)
         finally:
             self.stats.http_in_flight -= 1
             ticket.release()
-        self.stats.prompt_tokens += out.prompt_tokens
-        self.stats.completion_tokens += out.completion_tokens
-        log.info("request", request_id=request_id, stream=on_text is not None, prompt_tokens=out.prompt_tokens,
-                 completion_tokens=out.completion_tokens, finish_reason=out.finish_reason,
-                 cloud_calls=out.stats.get("cloud_calls"), wall_s=round(time.perf_counter() - t0, 3))
-        return out
+        self.stats.prompt_tokens += sum(o.prompt_tokens for o in outs)
+        self.stats.completion_tokens += sum(o.completion_tokens for o in outs)
+        log.info("request", request_id=request_id, stream=on_text is not None, choices=len(outs),
+                 prompt_tokens=sum(o.prompt_tokens for o in outs),
+                 completion_tokens=sum(o.completion_tokens for o in outs), finish_reason=outs[-1].finish_reason,
+                 cloud_calls=sum(o.stats.get("cloud_calls", 0) for o in outs), wall_s=round(time.perf_counter() - t0, 3))
+        return outs
 
-    async def _events(self, shape: api.Shape, ids, config, stops, include_usage: bool, ticket: guards.Ticket,
+    async def _events(self, shape: api.Shape, choices: list[Choice], include_usage: bool, ticket: guards.Ticket,
                       request_id: str) -> AsyncIterator[bytes]:
-        """Server-sent events: a chunk per committed piece of text, the last chunk (finish_reason, speculative
-        stats), the usage chunk if asked, [DONE]. Leaving early cancels the generation (its finally CLOSEs)."""
-        pieces: asyncio.Queue = asyncio.Queue()
-        work = asyncio.create_task(self._generate(ids, config, stops, ticket, pieces.put, request_id=request_id))
-        work.add_done_callback(lambda _: pieces.put_nowait(None))
+        """Server-sent events: per choice (one after another, each with its index) the echoed prompt if asked, a
+        chunk per committed piece of text (with its tokens' logprobs if asked), its last chunk (finish_reason,
+        speculative stats); then the usage chunk if asked, [DONE]. Leaving early cancels the generation (its
+        finally CLOSEs)."""
+        events: asyncio.Queue = asyncio.Queue()
+
+        async def on_text(choice: Choice, piece, logprobs, out: api.Outcome | None = None) -> None:
+            await events.put((choice, piece, logprobs, out))
+
+        work = asyncio.create_task(self._generate(choices, ticket, on_text, request_id=request_id))
+        work.add_done_callback(lambda _: events.put_nowait(None))
+        started: set[int] = set()
         try:
-            if shape.chat:
-                yield _sse(shape.chunk(role=True))
-            held = []  # a tool call's text is held back: it goes out as one tool_calls delta
-            while (piece := await pieces.get()) is not None:
-                if shape.tool_call:
-                    held.append(piece)
+            held: dict[int, list[str]] = {}  # a tool call's text is held back: it goes out as one tool_calls delta
+            while (event := await events.get()) is not None:
+                choice, piece, logprobs, out = event
+                if shape.chat and choice.index not in started:
+                    started.add(choice.index)
+                    yield _sse(shape.chunk(role=True, index=choice.index))
+                if out is not None:
+                    for obj in shape.ending(out, "".join(held.pop(choice.index, [])), choice.index):
+                        yield _sse(obj)
+                elif shape.tool_call:
+                    held.setdefault(choice.index, []).append(piece)
                 else:
-                    yield _sse(shape.chunk(piece))
+                    yield _sse(shape.chunk(piece, index=choice.index, logprobs=logprobs))
             if work.exception() is not None:
                 error = api_error(work.exception(), request_id)
                 self.stats.count(error.status)
                 yield _sse(error.body())
-            else:
-                for obj in shape.ending(work.result(), "".join(held)):
-                    yield _sse(obj)
-                if include_usage:
-                    yield _sse(shape.usage_chunk(work.result()))
+            elif include_usage:
+                yield _sse(shape.usage_chunk(work.result()))
             yield b"data: [DONE]\n\n"
         finally:
             if not work.done():

@@ -41,6 +41,7 @@ class CrossVocabDrafter(Drafter):
 
     trees = False
     masks_grammar = False  # a constrained session drafts nothing (d = 0): the cloud's mask keeps it exact
+    penalises = False  # its logits are over its own ids: the cloud's penalties alone make the output exact
 
     def __init__(self, runner: ModelRunner, target_tokenizer, target_vocab_size: int | None = None,
                  retokenize: bool = True) -> None:

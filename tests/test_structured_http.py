@@ -263,3 +263,35 @@ def test_the_worker_answers_a_bad_spec_on_the_wire_with_an_error_and_counts_it(s
     assert bad_requests() == before + 2
     assert client.completions.create(model=MODEL, prompt="def ", max_tokens=2, temperature=0).choices[0].text \
         is not None
+
+
+def test_a_grammar_with_penalties_logprobs_and_n_together(stack, tiny_runners):
+    """The features compose as the target alone would: the cloud penalises each verified row, then masks it
+    (the drafter the same), and reports logprobs of the raw logits; n choices each follow their own seed. Greedy
+    output equals HF generate with the repetition penalty before the grammar; every reported logprob is the
+    target's own log-softmax at that position."""
+    import torch
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from specrelay.common.constraint import Constraint, spec_from_request
+    from test_constraint import ConstraintLogitsProcessor
+
+    client, *_ = stack
+    target = tiny_runners[0]
+    tok = target.tokenizer
+    prompt, body = "def add(a, b):\n", REQUESTS["json_schema"]
+    ids = tok(prompt).input_ids
+    cons = Constraint(_vocab(target), spec_from_request(body))
+    ref = target.model.generate(torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False,
+                                pad_token_id=tok.eos_token_id, logits_processor=[RepetitionPenaltyLogitsProcessor(1.3),
+                                                  ConstraintLogitsProcessor(cons, len(ids))])[0, len(ids):].tolist()
+    eos = bool(ref) and ref[-1] == tok.eos_token_id
+    expected = tok.decode(ref[:-1] if eos else ref)
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=N_NEW, temperature=0, n=2, logprobs=2,
+                                    extra_body=body | {"repetition_penalty": 1.3, "draft_len": 3})
+    assert [c.text for c in out.choices] == [expected, expected]  # greedy: n equal choices
+    with torch.no_grad():
+        raw = target.model(torch.tensor([ids + ref])).logits[0].float().log_softmax(-1)
+    got = out.choices[0].logprobs.token_logprobs
+    want = [float(raw[len(ids) - 1 + i, t]) for i, t in enumerate(ref)]
+    assert len(got) >= len(ref[:-1]) and max(abs(a - b) for a, b in zip(got, want)) < 1e-4

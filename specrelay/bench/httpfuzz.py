@@ -123,11 +123,33 @@ def timed_request(base: str, key: str = KEY, model: str = MODEL, **body) -> tupl
     return status, time.monotonic() - t0
 
 
+def cpu_s(pid: int) -> float:
+    """The process's user + system CPU seconds so far."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def loop_lag(base: str, stop) -> list[float]:
+    """Seconds each GET /health took, one after another until `stop` is set: the edge's event loop answers it
+    at once, so the slowest is how long the loop was busy with something else."""
+    lags = []
+    while not stop.is_set():
+        t0 = time.monotonic()
+        try:
+            urllib.request.urlopen(base + "/health", timeout=30).read()
+        except OSError:
+            pass
+        lags.append(time.monotonic() - t0)
+        stop.wait(0.01)
+    return lags
+
+
 def huge_prompts(base: str, edge_pid: int, n: int = 8, key: str = KEY, legit_key: str = KEY,
                  model: str = MODEL) -> dict:
     """n prompts of 7.5 MB at once (each under the 8 MiB body limit, past protocol.MAX_PROMPT_CHARS) beside one
-    legit request: their statuses and refused params, the slowest refusal, the edge's peak RSS growth (sampled
-    every 20 ms), the legit request's status and seconds."""
+    legit request (sent 0.1 s after them): their statuses and refused params, the slowest refusal, the edge's
+    peak RSS growth (sampled every 20 ms) and CPU seconds, its event loop's longest stall (GET /health, polled),
+    the legit request's status and seconds."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
@@ -143,19 +165,37 @@ def huge_prompts(base: str, edge_pid: int, n: int = 8, key: str = KEY, legit_key
         status, answer, _ = post(base, "/v1/completions", body, key, timeout=300)
         return status, answer.get("error", {}).get("param"), time.monotonic() - t0
 
+    def legit() -> tuple[int, float]:
+        time.sleep(0.1)  # while the huge bodies arrive
+        return timed_request(base, legit_key, model)
+
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    with ThreadPoolExecutor(n + 1) as pool:
+    cpu0 = cpu_s(edge_pid)
+    with ThreadPoolExecutor(n + 2) as pool:
+        lags = pool.submit(loop_lag, base, done)
         refused = [pool.submit(one, i) for i in range(n)]
-        legit = pool.submit(timed_request, base, legit_key, model)
+        legit_answer = pool.submit(legit)
         answers = [f.result() for f in refused]
-        legit_status, legit_s = legit.result()
-    done.set()
+        legit_status, legit_s = legit_answer.result()
+        done.set()
+        lag = max(lags.result(), default=0.0)
     sampler.join()
     return {"statuses": [a[0] for a in answers], "params": [a[1] for a in answers],
             "slowest_refusal_s": round(max(a[2] for a in answers), 3),
             "rss_growth_mib": round((max(peak[0], rss_kib(edge_pid)) - before) / 1024, 1),
+            "edge_cpu_s": round(cpu_s(edge_pid) - cpu0, 2), "loop_stall_max_s": round(lag, 3),
             "legit_status": legit_status, "legit_s": round(legit_s, 3)}
+
+
+def huge_only(base: str, edge_pid: int) -> dict:
+    """`--only huge`: the legit request at rest (median of 5), then huge_prompts, then at rest again."""
+    import statistics
+
+    rest = lambda: round(statistics.median(timed_request(base)[1] for _ in range(5)), 3)  # noqa: E731
+    out = {"at_rest_s": rest(), "huge_prompts_8": huge_prompts(base, edge_pid), "at_rest_after_s": rest()}
+    out["legit_vs_rest"] = round(out["huge_prompts_8"]["legit_s"] / max(out["at_rest_s"], 1e-9), 2)
+    return out | {"loadavg": os.getloadavg()}
 
 
 def healthz_under_idle(port: int, n_idle: int = 64) -> float:
@@ -220,7 +260,8 @@ def run(args) -> dict:
             wait_http(base + "/health", edge, timeout=300)
             health = {"broker": cluster.broker_health_port, "cloud_worker": cluster.health_ports[0],
                       "edge": edge_health}
-            return attack(base, http_port, edge.pid, health) | {"edge_alive": edge.poll() is None}
+            run_attack = huge_only if args.only == "huge" else lambda b, pid: attack(b, http_port, pid, health)
+            return run_attack(base, edge.pid) | {"edge_alive": edge.poll() is None}
         finally:
             edge.terminate()
             edge.wait(timeout=30)
@@ -232,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default=DEMO_TARGET, help="target model (its config gives the edge the context)")
     ap.add_argument("--draft", default=DEMO_DRAFT)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--only", choices=("huge",), help="huge: only the 8 huge prompts beside a legit request")
     ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args(argv)
     result = {"meta": meta(["httpfuzz", *(argv or [])]), "results": run(args)}

@@ -292,7 +292,7 @@ def test_huge_prompts_are_refused_before_tokenising_beside_a_legit_request(stack
     out = httpfuzz.huge_prompts(stack["base"], stack["edge"].pid, n=8, key=KEYS[1], legit_key=KEYS[0], model=MODEL)
     assert out["statuses"] == [400] * 8 and out["params"] == ["prompt"] * 8, out
     assert out["rss_growth_mib"] <= 100, out
-    assert out["legit_status"] == 200 and out["slowest_refusal_s"] < 10, out  # 21 s each before, one after another
+    assert set(out["legit_statuses"]) == {200} and out["slowest_refusal_s"] < 10, out  # 21 s each before
     assert stack["edge"].poll() is None
 
 

@@ -50,10 +50,12 @@ def rss_kib(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def post(base: str, path: str, body: dict, key: str | None = KEY, timeout: float = 60) -> tuple[int, dict, dict]:
-    """(status, JSON body, headers) of one POST."""
+def post(base: str, path: str, body: dict | bytes, key: str | None = KEY,
+         timeout: float = 60) -> tuple[int, dict, dict]:
+    """(status, JSON body, headers) of one POST (`body`: an object, or its JSON already encoded)."""
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
-    request = urllib.request.Request(base + path, json.dumps(body).encode(), headers)
+    request = urllib.request.Request(base + path, body if isinstance(body, bytes) else json.dumps(body).encode(),
+                                     headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as r:
             return r.status, json.loads(r.read()), dict(r.headers)
@@ -144,16 +146,33 @@ def loop_lag(base: str, stop) -> list[float]:
     return lags
 
 
+def _legit_beside(base: str, key: str, model: str, stop, out) -> None:
+    """In a child process (so the senders' threads cannot delay it): legit requests one after another and the
+    event loop's stall (loop_lag) beside them, until `stop` is set; puts (statuses, seconds, longest stall)."""
+    import threading
+
+    stalls: list[float] = []
+    poller = threading.Thread(target=lambda: stalls.extend(loop_lag(base, stop)))
+    poller.start()
+    answers = [timed_request(base, key, model)]
+    while not stop.is_set():
+        answers.append(timed_request(base, key, model))
+    poller.join()
+    out.put(([a[0] for a in answers], [a[1] for a in answers], max(stalls, default=0.0)))
+
+
 def huge_prompts(base: str, edge_pid: int, n: int = 8, key: str = KEY, legit_key: str = KEY,
                  model: str = MODEL) -> dict:
-    """n prompts of 7.5 MB at once (each under the 8 MiB body limit, past protocol.MAX_PROMPT_CHARS) beside one
-    legit request (sent 0.1 s after them): their statuses and refused params, the slowest refusal, the edge's
-    peak RSS growth (sampled every 20 ms) and CPU seconds, its event loop's longest stall (GET /health, polled),
-    the legit request's status and seconds."""
+    """n prompts of 7.5 MB at once (each under the 8 MiB body limit, past protocol.MAX_PROMPT_CHARS) beside legit
+    requests (one after another until every huge one is answered, from another process): their statuses and
+    refused params, the slowest refusal, the edge's peak RSS growth (sampled every 20 ms) and CPU seconds, its
+    event loop's longest stall (GET /health, polled), the legit requests' statuses and seconds (legit_s: the
+    slowest)."""
+    import multiprocessing
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    body = {"model": model, "prompt": "ab " * 2_500_000, "max_tokens": 1}
+    body = json.dumps({"model": model, "prompt": "ab " * 2_500_000, "max_tokens": 1}).encode()  # once, before
     before, peak, done = rss_kib(edge_pid), [0], threading.Event()
 
     def sample() -> None:
@@ -165,27 +184,28 @@ def huge_prompts(base: str, edge_pid: int, n: int = 8, key: str = KEY, legit_key
         status, answer, _ = post(base, "/v1/completions", body, key, timeout=300)
         return status, answer.get("error", {}).get("param"), time.monotonic() - t0
 
-    def legit() -> tuple[int, float]:
-        time.sleep(0.1)  # while the huge bodies arrive
-        return timed_request(base, legit_key, model)
-
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     cpu0 = cpu_s(edge_pid)
-    with ThreadPoolExecutor(n + 2) as pool:
-        lags = pool.submit(loop_lag, base, done)
-        refused = [pool.submit(one, i) for i in range(n)]
-        legit_answer = pool.submit(legit)
-        answers = [f.result() for f in refused]
-        legit_status, legit_s = legit_answer.result()
+    ctx = multiprocessing.get_context("fork")
+    stop, results = ctx.Event(), ctx.Queue()
+    child = ctx.Process(target=_legit_beside, args=(base, legit_key, model, stop, results))
+    child.start()
+    try:
+        with ThreadPoolExecutor(n) as pool:
+            answers = list(pool.map(one, range(n)))
+    finally:
+        stop.set()
         done.set()
-        lag = max(lags.result(), default=0.0)
+    legit_statuses, legit_s, lag = results.get(timeout=120)
+    child.join()
     sampler.join()
     return {"statuses": [a[0] for a in answers], "params": [a[1] for a in answers],
             "slowest_refusal_s": round(max(a[2] for a in answers), 3),
             "rss_growth_mib": round((max(peak[0], rss_kib(edge_pid)) - before) / 1024, 1),
             "edge_cpu_s": round(cpu_s(edge_pid) - cpu0, 2), "loop_stall_max_s": round(lag, 3),
-            "legit_status": legit_status, "legit_s": round(legit_s, 3)}
+            "legit_statuses": legit_statuses, "legit_s": round(max(legit_s), 3),
+            "legit_each_s": [round(t, 3) for t in legit_s]}
 
 
 def huge_only(base: str, edge_pid: int) -> dict:

@@ -86,16 +86,19 @@ class BodyBudget:
     large: asyncio.Lock = field(default_factory=asyncio.Lock)  # held while a large body is read
 
 
-async def read_body(request, limits: HttpLimits, budget: BodyBudget) -> bytes:
+async def read_body(request, limits: HttpLimits, budget: BodyBudget, stats=None) -> bytes:
     """The body as it arrives: 413 past max_body_bytes (a larger Content-Length is refused before reading),
     429 while the bodies being read hold the whole budget, 408 if it is not complete within body_timeout_s. A body
-    past LARGE_BODY_BYTES (declared, or once it grows past it) waits, unread, while another large one is read."""
+    past LARGE_BODY_BYTES (declared, or once it grows past it) waits, unread, while another large one is read
+    (counted in `stats.http_large_body_waits`)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limits.max_body_bytes:
         raise _too_large(limits)
     chunks, size, large = [], 0, [False]
 
     async def take_large() -> None:
+        if budget.large.locked() and stats is not None:
+            stats.http_large_body_waits += 1
         await budget.large.acquire()
         large[0] = True
 

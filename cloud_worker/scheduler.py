@@ -165,6 +165,8 @@ class Scheduler:
         self._step_tokens = 0                          # new tokens of the forming step's VERIFYs
         self.queued: Counter = Counter()               # broker connection -> its requests waiting (queue + batch)
         self._client_tokens: dict[bytes, int] = defaultdict(int)  # ... per client (Item.client)
+        self._capped_now: set[bytes] = set()   # clients with VERIFYs held by their share from the forming step
+        self._capped_last: set[bytes] = set()  # ... from the last step: they sit out a step another client wants
 
     def __len__(self) -> int:
         """Requests waiting: queued, or in the step being formed."""
@@ -199,10 +201,10 @@ class Scheduler:
         if stale:
             self.queue = deque(item for item in self.queue if item.conn not in conns)
             self.batch = [item for item in self.batch if item.conn not in conns]
-            self._step_tokens = sum(item.tokens for item in self.batch)
+            self._step_tokens = sum(map(self._cost, self.batch))
             self._client_tokens = defaultdict(int)
             for item in self.batch:
-                self._client_tokens[item.client] += item.tokens
+                self._client_tokens[item.client] += self._cost(item)
         for item in stale:
             self.last_seen.pop(item.key, None)
         for conn in conns:
@@ -212,6 +214,7 @@ class Scheduler:
     def _step(self) -> Plan:
         batch, self.batch = self.batch, []
         self._step_tokens, self._client_tokens = 0, defaultdict(int)
+        self._capped_last, self._capped_now = self._capped_now, set()
         for item in batch:
             self.queued[item.conn] -= 1
         return Plan(Step(batch, self.prefill.rows(exclude={item.key for item in batch})))
@@ -224,6 +227,7 @@ class Scheduler:
         held: set[SessionKey] = set()
         kept: deque[Item] = deque()
         capped: list[Item] = []  # VERIFYs past their client's share: they wait for the next step
+        deferred: list[Item] = []  # VERIFYs of clients capped in the last step: only if no other client's is ready
         share = self._client_share()
         waits_for_step = False
         handled = 0
@@ -233,15 +237,16 @@ class Scheduler:
                 self.queued[item.conn] -= sum(i.key == item.key for i in kept)
                 kept = deque(i for i in kept if i.key != item.key)  # the edge gave up: its held work goes
                 capped = [i for i in capped if i.key != item.key]
+                deferred = [i for i in deferred if i.key != item.key]
                 held.discard(item.key)
             if item.key in in_batch or item.key in held or (item.is_verify and not self.prefill.ready(item.key)):
                 waits_for_step = waits_for_step or item.key in in_batch
                 held.add(item.key)
                 kept.append(item)
-            elif item.is_verify and not self._fits(item, share):
+            elif item.is_verify and (item.client in self._capped_last or not self._fits(item, share)):
                 held.add(item.key)
                 kept.append(item)
-                capped.append(item)
+                (deferred if item.client in self._capped_last else capped).append(item)
             elif item.is_verify:
                 self._add(item, in_batch)
             else:
@@ -250,7 +255,14 @@ class Scheduler:
                 handled += 1
                 if isinstance(item.msg, P.Close):
                     self.last_seen.pop(item.key, None)
-        waits_for_step = waits_for_step or bool(capped)  # ready, held only for the next step: run this one now
+        for item in deferred if not self.batch else ():  # no other client's VERIFY is ready: theirs go after all
+            if self._fits(item, share):
+                self._add(item, in_batch)
+                kept.remove(item)
+            else:
+                capped.append(item)
+        self._capped_now.update(item.client for item in capped)
+        waits_for_step = waits_for_step or bool(capped or deferred)  # ready, held for the next step: run this one
         flooded = handled >= MAX_CONTROL and bool(self.queue)
         self.queue.extendleft(reversed(kept))
         return waits_for_step, flooded
@@ -258,8 +270,15 @@ class Scheduler:
     def _add(self, item: Item, in_batch: set[SessionKey]) -> None:
         self.batch.append(item)
         in_batch.add(item.key)
-        self._step_tokens += item.tokens
-        self._client_tokens[item.client] += item.tokens
+        self._step_tokens += self._cost(item)
+        self._client_tokens[item.client] += self._cost(item)
+
+    def _cost(self, item: Item) -> int:
+        """The tokens a VERIFY's row runs: its own (Item.tokens) and what of its context the KV store lacks past
+        the one token every prefill chunk leaves (a session's first VERIFY after its prefill carries up to
+        prefill_tokens of context)."""
+        s = self.contexts.sessions.get(item.key)
+        return item.tokens + (max(0, len(s.tokens) - self.contexts.cached(item.key) - 1) if s is not None else 0)
 
     def _full(self) -> bool:
         return len(self.batch) >= self.max_batch or self._step_tokens >= self.max_step_tokens
@@ -267,10 +286,11 @@ class Scheduler:
     def _fits(self, item: Item, share: int) -> bool:
         """Within the step's token budget (a first VERIFY always fits) and within its client's share of the step
         (a client's first VERIFY always does)."""
-        if self.batch and self._step_tokens + item.tokens > self.max_step_tokens:
+        cost = self._cost(item)
+        if self.batch and self._step_tokens + cost > self.max_step_tokens:
             return False
         used = self._client_tokens[item.client]
-        return not used or used + item.tokens <= share
+        return not used or used + cost <= share
 
     def _client_share(self) -> int:
         """max_step_tokens over the clients active lately (sessions heard within idle_after_s, and this queue's)."""

@@ -66,12 +66,22 @@ def test_a_client_past_its_share_waits_while_another_is_active_and_alone_gets_th
     assert [it.peer for it in step.verifies] == [b"flood"]  # ... so a flood-only step holds the flood's part only:
     s.push(chain(b"legit", 1))  # the legit VERIFY that comes during it waits for one short step, not three trees'
     step = s.plan(0.0, lambda it: None).step
-    by = {peer: sum(it.tokens for it in step.verifies if it.peer == peer) for peer in (b"flood", b"legit")}
-    assert by == {b"legit": 5, b"flood": 65}
+    assert [it.peer for it in step.verifies] == [b"legit"]  # and the flood, held by its share, sits this one out
+    assert [it.peer for it in s.plan(0.0, lambda it: None).step.verifies] == [b"flood"]  # nobody else: its turn
     s.last_seen.clear()  # the legit client went quiet: the flood alone gets the whole step again
     s._prune(100.0)
-    step = s.plan(100.0, lambda it: None).step
-    assert len(step.verifies) == 3
+    assert len(s.plan(100.0, lambda it: None).step.verifies) == 3
+    assert len(s.plan(100.0, lambda it: None).step.verifies) == 3  # held by the budget alone: it never sits out
+
+
+def test_a_verify_counts_the_context_its_row_still_carries():
+    contexts = Contexts({(b"flood", sid): 64 for sid in range(8)})  # nothing cached: 63 context tokens a row
+    s = Scheduler(SchedulerConfig(max_batch=32, max_wait_ms=2.0, max_step_tokens=256, prefill_tokens=64), contexts)
+    for sid in range(8):
+        s.push(tree(b"flood", sid))
+    step = s.plan(0.0, lambda it: None).step
+    assert len(step.verifies) == 2  # 65 + 63 = 128 tokens a row: two fill the 256 (counting 65: three)
+
 
 
 def test_connections_of_one_client_share_its_part():

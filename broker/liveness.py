@@ -87,12 +87,12 @@ class Liveness(Tables):
     def _edge_gone(self, edge: bytes) -> list[Action]:
         """The edge disconnected or went silent: close its sessions on their workers so they free the memory."""
         peer = self.peers.pop(edge, None)
-        self.handles.remove(edge)
         self.stats.live_edges = len(self.peers)
         actions = []
         for key in sorted(peer.sessions) if peer is not None else []:
             session = self._forget(key)
             actions.append(self._to_worker(session.worker, edge, protocol.encode(protocol.Close(session=key[1]))))
+        self.handles.remove(edge)  # after the CLOSEs: they carry its handle, which names its client
         return actions
 
     def _lose_worker(self, worker_id: bytes, reason: str, *, tell_worker: bool,

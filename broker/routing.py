@@ -99,7 +99,7 @@ class Router(Liveness):
         if peer is None:
             burst = max(1.0, self.limits.bad_replies_per_s)
             peer = self.peers[edge] = Peer(edge, user, now, TokenBucket(self.limits.bad_replies_per_s, burst))
-            self.handles.add(edge)
+            self.handles.add(edge, user)
             self.stats.live_edges = len(self.peers)
         peer.expires = now + self.limits.edge_ttl
         return peer, actions

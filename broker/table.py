@@ -157,10 +157,11 @@ class Stats:
 
 
 class EdgeHandles:
-    """What workers see instead of an edge's routing id: a keyed 16-byte hash (the key drawn at start), so no
-    worker learns the ids the frontend generates (`0x00` + a counter no peer may know). Maps a handle back to
-    the routing id for the edges added and not yet removed, and keeps their handles (a keyed hash costs about
-    a microsecond, more than the rest of a request's routing)."""
+    """What workers see instead of an edge's routing id: keyed hashes (the key drawn at start) of its client
+    (`protocol.CLIENT_TAG` bytes: the CURVE key, else the routing id; a worker shares its budgets per client by
+    them) and of its routing id (16 bytes), so no worker learns the ids the frontend generates (`0x00` + a counter
+    no peer may know) or the keys. Maps a handle back to the routing id for the edges added and not yet removed,
+    and keeps their handles (a keyed hash costs about a microsecond, more than the rest of a request's routing)."""
 
     def __init__(self) -> None:
         self._key = os.urandom(32)
@@ -169,21 +170,24 @@ class EdgeHandles:
 
     def of(self, edge: bytes) -> bytes:
         handle = self._handles.get(edge)
-        return handle if handle is not None else self._hash(edge)
+        return handle if handle is not None else self._handle(edge, edge)
 
-    def add(self, edge: bytes) -> None:
-        handle = self._handles[edge] = self._hash(edge)
+    def add(self, edge: bytes, client: object = None) -> None:
+        """A live edge connection; `client`: its CURVE key (None: the connection is its own client)."""
+        handle = self._handles[edge] = self._handle(edge, edge if client is None else str(client).encode())
         self._edges[handle] = edge
 
     def remove(self, edge: bytes) -> None:
-        self._edges.pop(self._handles.pop(edge, None) or self._hash(edge), None)
+        self._edges.pop(self._handles.pop(edge, None) or self._handle(edge, edge), None)
 
     def edge(self, handle: bytes) -> bytes:
         """The routing id behind `handle`; b"" for a handle of no live edge."""
         return self._edges.get(handle, b"")
 
-    def _hash(self, edge: bytes) -> bytes:
-        return hashlib.blake2b(edge, key=self._key, digest_size=16).digest()
+    def _handle(self, edge: bytes, client: bytes) -> bytes:
+        tag = hashlib.blake2b(b"client:" + client, key=self._key, digest_size=protocol.CLIENT_TAG).digest()
+        return tag + hashlib.blake2b(edge, key=self._key, digest_size=16).digest()
+
 
 class Tables:
     """The broker's state: live workers, edge connections and open sessions, each client's quota, counters. Its

@@ -15,10 +15,13 @@ Rules:
 - At most `max_batch` VERIFYs and `max_step_tokens` of their new tokens per step (a tree's nodes count as tokens,
   like vLLM's max_num_batched_tokens), and at most MAX_CONTROL other messages handled per plan (then the
   plan yields to the event loop, so heartbeats and /healthz keep time under a flood of control messages).
-- Fair across clients (a client = the key's peer: the broker's index and the client id it gave): a client's
-  VERIFYs take at most max_step_tokens / (clients active lately) of a step while another client's wait; what
-  the others leave unused goes to the capped ones, oldest first (work-conserving). So one edge with 48 sessions
-  of 64-node trees gets half of each step beside a second edge, not all of it.
+- Fair across clients (a client: `protocol.client_of`, the broker's index and the client it named, an edge's
+  CURVE key or else its connection): while several clients are active lately (heard within idle_after_s), each
+  client's VERIFYs take at most max_step_tokens / (those clients) of a step, its first VERIFY always fits, and
+  the rest wait for the next step, even if the others leave their part unused. So a step under one client's
+  flood of trees holds its part only (one 64-node tree beside one other client), and another client's VERIFY
+  waits at most for such a step to end before its own goes: on a CPU, where a step's time grows with its tokens,
+  that bounds its round trip; a client alone gets the whole step.
 - Chunked prefill: a session is ready when what of its context the KV store does not hold fits in
   `prefill_tokens`. Each step carries up to `prefill_tokens` of the contexts not ready: an equal part per
   client with a context pending (its oldest session first), the rest oldest first; each chunk leaves one token
@@ -58,6 +61,11 @@ class Item:
     @property
     def peer(self) -> bytes:
         return self.key[0]
+
+    @property
+    def client(self) -> bytes:
+        """Whose share it counts against: the broker and the client it named (protocol.client_of)."""
+        return P.client_of(self.key[0])
 
     @property
     def is_verify(self) -> bool:
@@ -125,16 +133,17 @@ class ChunkedPrefill:
         need = {key: len(s.tokens) - 1 - self.contexts.cached(key) for key, s in pending}
         given: dict[SessionKey, int] = defaultdict(int)
         budget = self.tokens
-        share = max(1, budget // len({key[0] for key, _ in pending}))
+        share = max(1, budget // len({P.client_of(key[0]) for key, _ in pending}))
         left: dict[bytes, int] = defaultdict(lambda: share)
         for rounds in (left, None):  # per client's share, then the rest
             for key, _ in pending:
-                n = min(budget, need[key] - given[key], left[key[0]] if rounds is not None else budget)
+                client = P.client_of(key[0])
+                n = min(budget, need[key] - given[key], left[client] if rounds is not None else budget)
                 if n > 0:
                     given[key] += n
                     budget -= n
                     if rounds is not None:
-                        left[key[0]] -= n
+                        left[client] -= n
         rows = []
         for key, s in pending:
             if given[key]:
@@ -155,7 +164,9 @@ class Scheduler:
         self.last_seen: dict[SessionKey, float] = {}   # session -> arrival of its latest message
         self._step_tokens = 0                          # new tokens of the forming step's VERIFYs
         self.queued: Counter = Counter()               # broker connection -> its requests waiting (queue + batch)
-        self._client_tokens: dict[bytes, int] = defaultdict(int)  # ... per client (the key's peer)
+        self._client_tokens: dict[bytes, int] = defaultdict(int)  # ... per client (Item.client)
+        self._capped_now: set[bytes] = set()   # clients with VERIFYs held by their share from the forming step
+        self._capped_last: set[bytes] = set()  # ... from the last step: they sit out a step another client wants
 
     def __len__(self) -> int:
         """Requests waiting: queued, or in the step being formed."""
@@ -190,10 +201,10 @@ class Scheduler:
         if stale:
             self.queue = deque(item for item in self.queue if item.conn not in conns)
             self.batch = [item for item in self.batch if item.conn not in conns]
-            self._step_tokens = sum(item.tokens for item in self.batch)
+            self._step_tokens = sum(map(self._cost, self.batch))
             self._client_tokens = defaultdict(int)
             for item in self.batch:
-                self._client_tokens[item.peer] += item.tokens
+                self._client_tokens[item.client] += self._cost(item)
         for item in stale:
             self.last_seen.pop(item.key, None)
         for conn in conns:
@@ -203,6 +214,7 @@ class Scheduler:
     def _step(self) -> Plan:
         batch, self.batch = self.batch, []
         self._step_tokens, self._client_tokens = 0, defaultdict(int)
+        self._capped_last, self._capped_now = self._capped_now, set()
         for item in batch:
             self.queued[item.conn] -= 1
         return Plan(Step(batch, self.prefill.rows(exclude={item.key for item in batch})))
@@ -214,7 +226,8 @@ class Scheduler:
         in_batch = {item.key for item in self.batch}
         held: set[SessionKey] = set()
         kept: deque[Item] = deque()
-        capped: list[Item] = []  # VERIFYs past their client's share: they get what the others leave
+        capped: list[Item] = []  # VERIFYs past their client's share: they wait for the next step
+        deferred: list[Item] = []  # VERIFYs of clients capped in the last step: only if no other client's is ready
         share = self._client_share()
         waits_for_step = False
         handled = 0
@@ -224,15 +237,16 @@ class Scheduler:
                 self.queued[item.conn] -= sum(i.key == item.key for i in kept)
                 kept = deque(i for i in kept if i.key != item.key)  # the edge gave up: its held work goes
                 capped = [i for i in capped if i.key != item.key]
+                deferred = [i for i in deferred if i.key != item.key]
                 held.discard(item.key)
             if item.key in in_batch or item.key in held or (item.is_verify and not self.prefill.ready(item.key)):
                 waits_for_step = waits_for_step or item.key in in_batch
                 held.add(item.key)
                 kept.append(item)
-            elif item.is_verify and not self._fits(item, share):
+            elif item.is_verify and (item.client in self._capped_last or not self._fits(item, share)):
                 held.add(item.key)
                 kept.append(item)
-                capped.append(item)
+                (deferred if item.client in self._capped_last else capped).append(item)
             elif item.is_verify:
                 self._add(item, in_batch)
             else:
@@ -241,11 +255,14 @@ class Scheduler:
                 handled += 1
                 if isinstance(item.msg, P.Close):
                     self.last_seen.pop(item.key, None)
-        for item in capped:  # work-conserving: room the other clients left, oldest first
-            if not self._full() and self._fits(item, None):
+        for item in deferred if not self.batch else ():  # no other client's VERIFY is ready: theirs go after all
+            if self._fits(item, share):
                 self._add(item, in_batch)
                 kept.remove(item)
-        waits_for_step = waits_for_step or bool(capped) and self._full()
+            else:
+                capped.append(item)
+        self._capped_now.update(item.client for item in capped)
+        waits_for_step = waits_for_step or bool(capped or deferred)  # ready, held for the next step: run this one
         flooded = handled >= MAX_CONTROL and bool(self.queue)
         self.queue.extendleft(reversed(kept))
         return waits_for_step, flooded
@@ -253,23 +270,31 @@ class Scheduler:
     def _add(self, item: Item, in_batch: set[SessionKey]) -> None:
         self.batch.append(item)
         in_batch.add(item.key)
-        self._step_tokens += item.tokens
-        self._client_tokens[item.peer] += item.tokens
+        self._step_tokens += self._cost(item)
+        self._client_tokens[item.client] += self._cost(item)
+
+    def _cost(self, item: Item) -> int:
+        """The tokens a VERIFY's row runs: its own (Item.tokens) and what of its context the KV store lacks past
+        the one token every prefill chunk leaves (a session's first VERIFY after its prefill carries up to
+        prefill_tokens of context)."""
+        s = self.contexts.sessions.get(item.key)
+        return item.tokens + (max(0, len(s.tokens) - self.contexts.cached(item.key) - 1) if s is not None else 0)
 
     def _full(self) -> bool:
         return len(self.batch) >= self.max_batch or self._step_tokens >= self.max_step_tokens
 
-    def _fits(self, item: Item, share: int | None) -> bool:
-        """Within the step's token budget (a first VERIFY always fits) and, with a `share`, within its client's
-        share of the step (a client's first VERIFY always does)."""
-        if self.batch and self._step_tokens + item.tokens > self.max_step_tokens:
+    def _fits(self, item: Item, share: int) -> bool:
+        """Within the step's token budget (a first VERIFY always fits) and within its client's share of the step
+        (a client's first VERIFY always does)."""
+        cost = self._cost(item)
+        if self.batch and self._step_tokens + cost > self.max_step_tokens:
             return False
-        used = self._client_tokens[item.peer]
-        return share is None or not used or used + item.tokens <= share
+        used = self._client_tokens[item.client]
+        return not used or used + cost <= share
 
     def _client_share(self) -> int:
         """max_step_tokens over the clients active lately (sessions heard within idle_after_s, and this queue's)."""
-        clients = {key[0] for key in self.last_seen} | {item.peer for item in self.batch}
+        clients = {P.client_of(key[0]) for key in self.last_seen} | {item.client for item in self.batch}
         return max(1, self.max_step_tokens // max(1, len(clients)))
 
     def _wait_budget(self, now: float) -> float:

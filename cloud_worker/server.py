@@ -94,7 +94,8 @@ class CloudWorker(transport.Service):
         s = self._stats
         return {
             "requests": s.requests, "verify_requests": s.verify_requests, "batches": s.batches,
-            "forward_passes": self.verifier.stats["forward_passes"], "bad_requests": s.bad_requests,
+            "forward_passes": self.verifier.stats["forward_passes"],
+            "forward_tokens": self.verifier.stats["forward_tokens"], "bad_requests": s.bad_requests,
             "internal_errors": s.internal_errors, "replies": s.replies, "replies_dropped": s.replies_dropped,
             "heartbeats_sent": s.heartbeats_sent, "heartbeats_received": s.heartbeats_received,
             "bad_broker_messages": s.bad_broker_messages, "reconnects": s.reconnects,

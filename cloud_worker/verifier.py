@@ -195,9 +195,9 @@ class Verifier:
 
     def _budgets(self, key: SessionKey, need: int) -> None:
         """The budgets of `key`'s broker and client (module docstring); O(sessions) only when a share is contended."""
-        broker, client, c = key[0][:1], key[0], self.config
+        broker, client, c = key[0][:1], P.client_of(key[0]), self.config
         of_broker = lambda k: k[0][:1] == broker and k != key  # noqa: E731
-        of_client = lambda k: k[0] == client and k != key  # noqa: E731
+        of_client = lambda k: P.client_of(k[0]) == client and k != key  # noqa: E731
         # each share is summed over the sessions only when everyone's holdings together would not fit in it, so
         # an uncontended OPEN costs O(1) (a batch of n OPENs is not O(n^2))
         used = lambda: self.store.capacity - self.store.free_tokens  # noqa: E731

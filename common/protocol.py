@@ -5,7 +5,8 @@ typed msgspec Struct (array_like: fields by position; trailing defaults omitted;
 travel as little-endian float32 `bytes` (common/packing.py). Enums travel as small ints, decode only to a member.
 
   edge   -> broker : [header, body]             OPEN, VERIFY, CLOSE, RESAMPLE, HEARTBEAT (liveness)
-  broker -> worker : [client_id, header, body]  client_id: the edge's handle (a keyed hash of its routing id)
+  broker -> worker : [client_id, header, body]  client_id: the edge's handle (keyed hashes of its client, then its
+                                                routing id: `client_of`)
   worker -> broker : [client_id, header, body]  VERDICT, ERROR, RESAMPLED (b"": READY, HEARTBEAT, DISCONNECT)
   broker -> edge   : [header, body]             VERDICT, ERROR, RESAMPLED
   client <-> edge  : [header, body]             GENERATE, CANCEL / TOKENS, DONE, ERROR
@@ -45,7 +46,16 @@ NodeRef = Annotated[int, msgspec.Meta(ge=-1, lt=MAX_DRAFT)]  # a tree node's ind
 
 SessionKey = tuple[bytes, int]
 """(peer, session): the session is the edge's own number; the peer is the edge's connection: its routing id on
-the broker's frontend (bound to the CURVE key it first spoke with), on a worker the handle sent in its place."""
+the broker's frontend (bound to the CURVE key it first spoke with), on a worker the broker's index (one byte) and
+the handle sent in its place."""
+
+CLIENT_TAG = 8  # a handle's first bytes: a keyed hash of the edge's client (8 bytes: no two clients alike in 2^32)
+
+
+def client_of(peer: bytes) -> bytes:
+    """The client behind a worker's peer: the broker's index and the handle's client tag. A broker names a client
+    by the edge's CURVE key (every connection of one key is one client), else by the connection itself."""
+    return peer[:1 + CLIENT_TAG]
 
 
 class MsgType(enum.IntEnum):

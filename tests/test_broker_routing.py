@@ -82,11 +82,11 @@ def test_forwarded_frames_are_unchanged_and_prefixed_with_ids(router):
 
 def test_workers_never_see_an_edge_routing_id(router):
     """The frontend's generated ids (`0x00` + counter) would tell a worker where the counter stands: workers get
-    a keyed 16-byte handle instead, unrelated for consecutive ids, and a reply under an unknown handle is
-    dropped."""
+    a keyed handle instead (its client's tag, then 16 bytes of the connection), unrelated for consecutive ids, and
+    a reply under an unknown handle is dropped."""
     first, second = b"\x00\x12\x34\x56\x78", b"\x00\x12\x34\x56\x79"
     sent = [only(edge_send(router, open_(1), edge=e))[1][1] for e in (first, second)]
-    assert all(len(h) == 16 and first not in h and second not in h for h in sent)
+    assert all(len(h) == protocol.CLIENT_TAG + 16 and first not in h and second not in h for h in sent)
     assert sent[0] != sent[1] and sent == [router.handles.of(first), router.handles.of(second)]
     assert Router().handles.of(first) != sent[0]  # the key is per broker
     verdict = protocol.encode(protocol.Verdict(session=1, seq=0, n_accepted=0))
@@ -342,3 +342,17 @@ def test_new_sessions_go_to_the_worker_with_the_most_free_kv_memory():
     # W2 is expected to fill as it takes sessions (200 slots each, its average), W1 stays at 20 % free
     worker_send(r, W2, protocol.Heartbeat(load=40, kv_free=1_000), client=b"")
     assert worker_of(only(edge_send(r, open_(6)))) == W1
+
+
+def test_a_curve_key_s_connections_are_one_client_to_the_workers(router):
+    """A worker shares its KV store and each step per client (protocol.client_of): every connection of one CURVE
+    key carries the same client tag, anonymous connections each their own; when an edge goes, the CLOSEs its
+    workers get still carry its handle (so they find its sessions)."""
+    handle = lambda edge, user: only(router.from_edge([edge, *protocol.encode(open_(1))], 0.0, user=user))[1][1]  # noqa: E731
+    alice = [handle(b"\x00\x01", "alice-key"), handle(b"\x00\x02", "alice-key")]
+    anon = [handle(b"\x00\x03", None), handle(b"\x00\x04", None)]
+    client = lambda h: protocol.client_of(b"\x00" + h)  # noqa: E731
+    assert client(alice[0]) == client(alice[1]) and alice[0] != alice[1]
+    assert client(anon[0]) != client(anon[1]) and client(anon[0]) != client(alice[0])
+    gone = router._edge_gone(b"\x00\x01")
+    assert [frames[1] for _, frames in gone] == [alice[0]]

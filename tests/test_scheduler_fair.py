@@ -1,7 +1,9 @@
 """The cloud scheduler's step token budget and its fairness across clients, pure (no sockets): a tree VERIFY's
 nodes count as tokens (max_step_tokens, like vLLM's max_num_batched_tokens), one client's VERIFYs take at most its
 share of a step while another's wait (before: first come first served, 48 sessions of 64-node trees made a legit
-session's round trip 115x slower), what is left unused goes to the capped client, and chunked prefill gives each
+session's round trip 115x slower) and the rest wait for the next step while another client is active (a flood-only
+step stays short, so a legit VERIFY arriving during it waits little), a client being its CURVE key's connections
+together (protocol.client_of), and chunked prefill gives each
 client with a pending context its part of the prefill budget (before: oldest session first, whoever sent it)."""
 
 from __future__ import annotations
@@ -55,15 +57,46 @@ def test_a_legit_chain_behind_48_trees_of_another_client_goes_in_the_first_step(
     assert flood <= 256 - 5 and sum(it.tokens for it in step.verifies) <= 256
 
 
-def test_a_client_past_its_share_gets_what_the_others_leave():
+def test_a_client_past_its_share_waits_while_another_is_active_and_alone_gets_the_step():
     s = scheduler(max_step_tokens=256)
-    s.last_seen[(b"legit", 1)] = 0.0  # the legit client was active lately: a share is kept for it ...
+    s.last_seen[(b"legit", 1)] = 0.0  # the legit client was active lately (drafting its next block) ...
     for sid in range(8):
         s.push(tree(b"flood", sid))
-    s.push(chain(b"legit", 1))
     step = s.plan(0.0, lambda it: None).step
-    by = {peer: sum(it.tokens for it in step.verifies if it.peer == peer) for peer in (b"flood", b"legit")}
-    assert by[b"legit"] == 5 and 128 <= by[b"flood"] <= 251  # ... and what it leaves unused goes to the flood
+    assert [it.peer for it in step.verifies] == [b"flood"]  # ... so a flood-only step holds the flood's part only:
+    s.push(chain(b"legit", 1))  # the legit VERIFY that comes during it waits for one short step, not three trees'
+    step = s.plan(0.0, lambda it: None).step
+    assert [it.peer for it in step.verifies] == [b"legit"]  # and the flood, held by its share, sits this one out
+    assert [it.peer for it in s.plan(0.0, lambda it: None).step.verifies] == [b"flood"]  # nobody else: its turn
+    s.last_seen.clear()  # the legit client went quiet: the flood alone gets the whole step again
+    s._prune(100.0)
+    assert len(s.plan(100.0, lambda it: None).step.verifies) == 3
+    assert len(s.plan(100.0, lambda it: None).step.verifies) == 3  # held by the budget alone: it never sits out
+
+
+def test_a_verify_counts_the_context_its_row_still_carries():
+    contexts = Contexts({(b"flood", sid): 64 for sid in range(8)})  # nothing cached: 63 context tokens a row
+    s = Scheduler(SchedulerConfig(max_batch=32, max_wait_ms=2.0, max_step_tokens=256, prefill_tokens=64), contexts)
+    for sid in range(8):
+        s.push(tree(b"flood", sid))
+    step = s.plan(0.0, lambda it: None).step
+    assert len(step.verifies) == 2  # 65 + 63 = 128 tokens a row: two fill the 256 (counting 65: three)
+
+
+
+def test_connections_of_one_client_share_its_part():
+    tag = b"\x00" + bytes(P.CLIENT_TAG)  # broker 0, one client (a CURVE key) ...
+    s = scheduler(max_step_tokens=256)
+    s.last_seen[(b"\x00legit", 1)] = 0.0
+    for conn in range(8):  # ... on 8 connections, a tree each
+        s.push(tree(tag + bytes([conn]) * 16, 1))
+    step = s.plan(0.0, lambda it: None).step
+    assert len(step.verifies) == 1  # one part for the client, not one per connection
+    anonymous = scheduler(max_step_tokens=256)
+    anonymous.last_seen[(b"\x00legit", 1)] = 0.0
+    for conn in range(8):  # anonymous connections: each its own client (the residual docs/fairness.md states)
+        anonymous.push(tree(b"\x00" + bytes([conn]) * 24, 1))
+    assert len(anonymous.plan(0.0, lambda it: None).step.verifies) == 3
 
 
 def test_each_session_keeps_its_order_under_the_budget():

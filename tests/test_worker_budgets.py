@@ -41,6 +41,15 @@ def test_one_client_holds_at_most_its_share_of_the_kv_store(tiny_runners):
     assert v.stats["evictions"] == 0 and v.stats["budget_refusals"] == 1
 
 
+def test_a_client_s_connections_hold_one_share_of_the_kv_store_together(tiny_runners):
+    v, _ = verifier(tiny_runners)
+    client = b"\x00" + bytes(P.CLIENT_TAG)  # one client (a CURVE key) over 100 connections, a session on each
+    with pytest.raises(Overloaded, match="this client holds its share"):
+        for conn in range(100):
+            v.open((client + conn.to_bytes(16, "big"), 1), P.Open(1, [5] * 60))
+    assert sum(v.store.span(k).capacity for k in v.sessions) <= v.store.capacity // 2
+
+
 def test_only_idle_sessions_are_evicted(tiny_runners):
     v, now = verifier(tiny_runners, max_sessions=4, client_kv_share=1.0)
     for sid in range(4):

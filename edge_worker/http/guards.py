@@ -8,7 +8,9 @@
                      a client sending its headers a byte at a time is closed at that deadline (slowloris)
     body             read as it arrives, at most max_body_bytes (413 at once past it, never read whole first),
                      complete within body_timeout_s (408); all bodies being read together hold at most
-                     max_body_bytes_in_flight (429 past it), so many large bodies at once cannot exhaust memory
+                     max_body_bytes_in_flight (429 past it), so many large bodies at once cannot exhaust memory;
+                     a body past LARGE_BODY_BYTES is read only while no other large one is (it waits unread), so
+                     large bodies cannot fill the event loop with reading and decoding beside everyone else's
     concurrency      at most max_concurrent generations in flight (429 with Retry-After)
     fair share       with N API keys, one key holds at most 1/N of the edge's budget of requests and prompt tokens
                      in flight (the edge's share of its broker quota), so one key cannot exhaust it for everyone;
@@ -32,6 +34,10 @@ from .api import APIError
 from ..config import HttpLimits
 
 RETRY_AFTER_S = 1
+# a body past this is "large" and read only while no other large one is (one at a time, the others wait unread):
+# no prompt that fits protocol.MAX_CONTEXT (32,768 tokens) needs more unless its tokens average 32 JSON bytes, so
+# large bodies are attacks or refusals, and reading and decoding each costs the event loop ~25 ms per 8 MiB
+LARGE_BODY_BYTES = 1 << 20
 OPEN = ""  # the key of every request when no API keys are configured
 
 
@@ -73,27 +79,40 @@ def authorize(limits: HttpLimits, authorization: str | None) -> str:
 
 @dataclass
 class BodyBudget:
-    """Bytes of request bodies being read, over all connections (at most `limit`)."""
+    """Bytes of request bodies being read, over all connections (at most `limit`), and whether a large one is."""
 
     limit: int
     used: int = 0
+    large: asyncio.Lock = field(default_factory=asyncio.Lock)  # held while a large body is read
 
 
-async def read_body(request, limits: HttpLimits, budget: BodyBudget) -> bytes:
+async def read_body(request, limits: HttpLimits, budget: BodyBudget, stats=None) -> bytes:
     """The body as it arrives: 413 past max_body_bytes (a larger Content-Length is refused before reading),
-    429 while the bodies being read hold the whole budget, 408 if it is not complete within body_timeout_s."""
+    429 while the bodies being read hold the whole budget, 408 if it is not complete within body_timeout_s. A body
+    past LARGE_BODY_BYTES (declared, or once it grows past it) waits, unread, while another large one is read
+    (counted in `stats.http_large_body_waits`)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limits.max_body_bytes:
         raise _too_large(limits)
-    chunks, size = [], 0
+    chunks, size, large = [], 0, [False]
+
+    async def take_large() -> None:
+        if budget.large.locked() and stats is not None:
+            stats.http_large_body_waits += 1
+        await budget.large.acquire()
+        large[0] = True
 
     async def pull() -> None:
         nonlocal size
+        if declared.isdigit() and int(declared) > LARGE_BODY_BYTES:
+            await take_large()
         async for chunk in request.stream():
             if size + len(chunk) > limits.max_body_bytes:
                 raise _too_large(limits)
             if budget.used + len(chunk) > budget.limit:
                 raise _busy("too many request bodies are being read at once")
+            if size + len(chunk) > LARGE_BODY_BYTES and not large[0]:
+                await take_large()
             size += len(chunk)
             budget.used += len(chunk)
             chunks.append(chunk)
@@ -105,6 +124,8 @@ async def read_body(request, limits: HttpLimits, budget: BodyBudget) -> bytes:
                        code="request_timeout") from None
     finally:
         budget.used -= size
+        if large[0]:
+            budget.large.release()
     return b"".join(chunks)
 
 

@@ -62,6 +62,7 @@ class HttpStats:
     http_too_large: int = 0        # 413: a body past the limit (refused while it arrived)
     http_timeouts: int = 0         # request heads or bodies not complete in time (closed, or 408)
     http_connections_dropped: int = 0  # connections closed to stay under the connection cap
+    http_large_body_waits: int = 0  # bodies past guards.LARGE_BODY_BYTES that waited, unread, for another one
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
@@ -215,7 +216,7 @@ class OpenAIApp:
         request_id = "req-" + uuid.uuid4().hex[:16]
         try:
             key = guards.authorize(self.limits, request.headers.get("authorization"))
-            req = api.parse(await guards.read_body(request, self.limits, self.bodies), kind)
+            req = api.parse(await guards.read_body(request, self.limits, self.bodies, self.stats), kind)
             api.check(req, self.served_model)
             ticket = self.share.admit(key)  # the concurrency limit and the key's share, before any tokenising
         except Exception as exc:

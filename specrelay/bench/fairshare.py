@@ -2,8 +2,10 @@
 `specrelay broker` + `specrelay cloud-worker`; the attacker is a raw ZeroMQ client on the broker's frontend).
 
     tree flood   `--sessions` (48) sessions of one client each keep a 64-node token-tree VERIFY in flight for
-                 `--flood-s` seconds, while one legit greedy generation runs: its round trip (median gap between
-                 committed chunks) under the flood against at rest, and its output against the target alone.
+                 `--flood-s` seconds, while one legit greedy generation runs (`--legit-draft-len` tokens a VERIFY):
+                 its round trip (VERIFY sent -> VERDICT, mean; also the median gap between committed chunks)
+                 under the flood against at rest, its output against the target alone, and the worker's steps
+                 (how many, their mean seconds, tokens, VERIFYs, prefill tokens) at rest and under the flood.
     KV fill      (`--kv-cache-mb`, a second worker run) one client opens sessions of `--fill-tokens`-token prompts
                  until refused and keeps them busy, while 4 legit greedy generations run: how many finished and
                  equal the target alone, and what share of the store the attacker held.
@@ -73,6 +75,18 @@ def _gap(gaps: list[float]) -> float:
     return round(statistics.median(gaps[1:] or gaps), 4)  # the first gap includes the prefill
 
 
+def _steps(before: dict, after: dict) -> dict:
+    """The worker's steps between two /metrics reads: how many, their mean seconds, tokens, VERIFYs, prefill."""
+    name = lambda k: f"specrelay_cloud_{k}" + ("" if k.startswith("forward_seconds") else "_total")  # noqa: E731
+    d = {k: after.get(name(k), 0.0) - before.get(name(k), 0.0)
+         for k in ("forward_passes", "forward_tokens", "prefill_tokens", "verify_requests", "forward_seconds_sum",
+                   "forward_seconds_count")}
+    n = max(d["forward_passes"], 1.0)
+    return {"steps": int(d["forward_passes"]), "mean_s": round(d["forward_seconds_sum"] / max(d["forward_seconds_count"], 1), 4),
+            "tokens_per_step": round(d["forward_tokens"] / n, 1), "prefill_tokens_per_step": round(d["prefill_tokens"] / n, 1),
+            "verifies_per_step": round(d["verify_requests"] / n, 2)}
+
+
 def tree_flood(args, prompts, refs) -> dict:
     from ..cluster import LocalCluster
     from ..common.runner import ModelRunner
@@ -80,18 +94,27 @@ def tree_flood(args, prompts, refs) -> dict:
     tok = ModelRunner.load(args.target).tokenizer
     attack_prompt = tok(prompts[1]).input_ids
     with LocalCluster(args.target, threads=1) as cluster:
-        rest_out, rest = asyncio.run(legit(cluster.frontend, args.draft, prompts[:1], args.max_new_tokens))
+        before = cluster.metrics(cluster.health_ports[0])
+        rest_timing, flood_timing = {}, {}
+        rest_out, rest = asyncio.run(legit(cluster.frontend, args.draft, prompts[:1], args.max_new_tokens, rest_timing,
+                                           args.legit_draft_len))
+        at_rest = _steps(before, cluster.metrics(cluster.health_ports[0]))
 
         async def both():
             flood = asyncio.create_task(attacker(cluster.frontend, args.sessions, args.flood_s, attack_prompt, 64))
             await asyncio.sleep(3.0)
-            outs, gaps = await legit(cluster.frontend, args.draft, prompts[:1], args.max_new_tokens)
-            return outs, gaps, await flood
+            before = cluster.metrics(cluster.health_ports[0])
+            outs, gaps = await legit(cluster.frontend, args.draft, prompts[:1], args.max_new_tokens, flood_timing,
+                                     args.legit_draft_len)
+            after = cluster.metrics(cluster.health_ports[0])
+            return outs, gaps, await flood, _steps(before, after)
 
-        outs, gaps, seen = asyncio.run(both())
-    return {"sessions": args.sessions, "nodes": 64, "attacker_replies": dict(seen),
+        outs, gaps, seen, steps = asyncio.run(both())
+    return {"sessions": args.sessions, "nodes": 64, "attacker_replies": dict(seen), "steps_at_rest": at_rest, "steps_under_flood": steps,
+            "legit_verify_at_rest": rest_timing, "legit_verify_under_flood": flood_timing,
             "legit_round_trip_at_rest_s": _gap(rest), "legit_round_trip_under_flood_s": _gap(gaps),
-            "slowdown": round(_gap(gaps) / max(_gap(rest), 1e-9), 2),
+            "slowdown": round(flood_timing["verify_latency_s"] / max(rest_timing["verify_latency_s"], 1e-9), 2),
+            "gap_slowdown": round(_gap(gaps) / max(_gap(rest), 1e-9), 2),
             "legit_exact": outs == refs[:1] and rest_out == refs[:1], "loadavg": os.getloadavg()}
 
 
@@ -159,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--sessions", type=int, default=48)
     ap.add_argument("--flood-s", type=float, default=40.0)
+    ap.add_argument("--legit-draft-len", type=int, default=4,
+                    help="tree flood: the legit session's draft length, the same at rest and under the flood")
     ap.add_argument("--fill-tokens", type=int, default=400, help="KV fill: each attacker prompt's tokens")
     ap.add_argument("--kv-cache-mb", type=float, default=64, help="KV fill: the worker's KV store")
     ap.add_argument("--only", choices=("trees", "kv"), help="run one attack")

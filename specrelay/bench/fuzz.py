@@ -84,8 +84,11 @@ class HealthWatch:
         self._thread.join()
 
 
-async def legit(frontend: str, draft: str, prompts: list[str], max_new: int) -> tuple[list[list[int]], list[float]]:
-    """Greedy generations of every prompt at once; returns the outputs and the gaps between committed chunks."""
+async def legit(frontend: str, draft: str, prompts: list[str], max_new: int, timing: dict | None = None,
+                draft_len: int | None = None) -> tuple[list[list[int]], list[float]]:
+    """Greedy generations of every prompt at once (`draft_len` None: the edge's policy); returns the outputs and
+    the gaps between committed chunks. `timing`, if given, gets the edge's mean VERIFY -> VERDICT seconds and
+    draft tokens per VERIFY."""
     from ..edge_worker.config import SessionConfig
     from ..edge_worker.server import load_edge
 
@@ -100,10 +103,16 @@ async def legit(frontend: str, draft: str, prompts: list[str], max_new: int) -> 
                 gaps.append(now - last)
                 last = now
 
-            ids, _ = await edge.generate(edge.tokenizer(prompt).input_ids, SessionConfig(max_new), tick)
+            ids, _ = await edge.generate(edge.tokenizer(prompt).input_ids, SessionConfig(max_new, draft_len=draft_len),
+                                        tick)
             return ids
 
         outs = await asyncio.gather(*(one(p) for p in prompts))
+        if timing is not None:
+            m = edge.metrics
+            rounds = max(sum(m.verify_latency_seconds.counts), 1)
+            timing.update(verify_latency_s=round(m.verify_latency_seconds.total / rounds, 4),
+                          draft_len=round(m.draft_len.total / rounds, 2), rounds=rounds)
     return outs, gaps
 
 

@@ -50,10 +50,12 @@ def rss_kib(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def post(base: str, path: str, body: dict, key: str | None = KEY, timeout: float = 60) -> tuple[int, dict, dict]:
-    """(status, JSON body, headers) of one POST."""
+def post(base: str, path: str, body: dict | bytes, key: str | None = KEY,
+         timeout: float = 60) -> tuple[int, dict, dict]:
+    """(status, JSON body, headers) of one POST (`body`: an object, or its JSON already encoded)."""
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
-    request = urllib.request.Request(base + path, json.dumps(body).encode(), headers)
+    request = urllib.request.Request(base + path, body if isinstance(body, bytes) else json.dumps(body).encode(),
+                                     headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as r:
             return r.status, json.loads(r.read()), dict(r.headers)
@@ -123,15 +125,54 @@ def timed_request(base: str, key: str = KEY, model: str = MODEL, **body) -> tupl
     return status, time.monotonic() - t0
 
 
+def cpu_s(pid: int) -> float:
+    """The process's user + system CPU seconds so far."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def loop_lag(base: str, stop) -> list[float]:
+    """Seconds each GET /health took, one after another until `stop` is set: the edge's event loop answers it
+    at once, so the slowest is how long the loop was busy with something else."""
+    lags = []
+    while not stop.is_set():
+        t0 = time.monotonic()
+        try:
+            urllib.request.urlopen(base + "/health", timeout=30).read()
+        except OSError:
+            pass
+        lags.append(time.monotonic() - t0)
+        stop.wait(0.01)
+    return lags
+
+
+def _legit_beside(base: str, key: str, model: str, stop, out) -> None:
+    """In a child process (so the senders' threads cannot delay it): legit requests one after another and the
+    event loop's stall (loop_lag) beside them, until `stop` is set; puts (statuses, seconds, longest stall)."""
+    import threading
+
+    stalls: list[float] = []
+    poller = threading.Thread(target=lambda: stalls.extend(loop_lag(base, stop)))
+    poller.start()
+    answers = [timed_request(base, key, model)]
+    while not stop.is_set():
+        answers.append(timed_request(base, key, model))
+    poller.join()
+    out.put(([a[0] for a in answers], [a[1] for a in answers], max(stalls, default=0.0)))
+
+
 def huge_prompts(base: str, edge_pid: int, n: int = 8, key: str = KEY, legit_key: str = KEY,
                  model: str = MODEL) -> dict:
-    """n prompts of 7.5 MB at once (each under the 8 MiB body limit, past protocol.MAX_PROMPT_CHARS) beside one
-    legit request: their statuses and refused params, the slowest refusal, the edge's peak RSS growth (sampled
-    every 20 ms), the legit request's status and seconds."""
+    """n prompts of 7.5 MB at once (each under the 8 MiB body limit, past protocol.MAX_PROMPT_CHARS) beside legit
+    requests (one after another until every huge one is answered, from another process): their statuses and
+    refused params, the slowest refusal, the edge's peak RSS growth (sampled every 20 ms) and CPU seconds, its
+    event loop's longest stall (GET /health, polled), the legit requests' statuses and seconds (legit_s: the
+    slowest)."""
+    import multiprocessing
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    body = {"model": model, "prompt": "ab " * 2_500_000, "max_tokens": 1}
+    body = json.dumps({"model": model, "prompt": "ab " * 2_500_000, "max_tokens": 1}).encode()  # once, before
     before, peak, done = rss_kib(edge_pid), [0], threading.Event()
 
     def sample() -> None:
@@ -145,17 +186,36 @@ def huge_prompts(base: str, edge_pid: int, n: int = 8, key: str = KEY, legit_key
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    with ThreadPoolExecutor(n + 1) as pool:
-        refused = [pool.submit(one, i) for i in range(n)]
-        legit = pool.submit(timed_request, base, legit_key, model)
-        answers = [f.result() for f in refused]
-        legit_status, legit_s = legit.result()
-    done.set()
+    cpu0 = cpu_s(edge_pid)
+    ctx = multiprocessing.get_context("fork")
+    stop, results = ctx.Event(), ctx.Queue()
+    child = ctx.Process(target=_legit_beside, args=(base, legit_key, model, stop, results))
+    child.start()
+    try:
+        with ThreadPoolExecutor(n) as pool:
+            answers = list(pool.map(one, range(n)))
+    finally:
+        stop.set()
+        done.set()
+    legit_statuses, legit_s, lag = results.get(timeout=120)
+    child.join()
     sampler.join()
     return {"statuses": [a[0] for a in answers], "params": [a[1] for a in answers],
             "slowest_refusal_s": round(max(a[2] for a in answers), 3),
             "rss_growth_mib": round((max(peak[0], rss_kib(edge_pid)) - before) / 1024, 1),
-            "legit_status": legit_status, "legit_s": round(legit_s, 3)}
+            "edge_cpu_s": round(cpu_s(edge_pid) - cpu0, 2), "loop_stall_max_s": round(lag, 3),
+            "legit_statuses": legit_statuses, "legit_s": round(max(legit_s), 3),
+            "legit_each_s": [round(t, 3) for t in legit_s]}
+
+
+def huge_only(base: str, edge_pid: int) -> dict:
+    """`--only huge`: the legit request at rest (median of 5), then huge_prompts, then at rest again."""
+    import statistics
+
+    rest = lambda: round(statistics.median(timed_request(base)[1] for _ in range(5)), 3)  # noqa: E731
+    out = {"at_rest_s": rest(), "huge_prompts_8": huge_prompts(base, edge_pid), "at_rest_after_s": rest()}
+    out["legit_vs_rest"] = round(out["huge_prompts_8"]["legit_s"] / max(out["at_rest_s"], 1e-9), 2)
+    return out | {"loadavg": os.getloadavg()}
 
 
 def healthz_under_idle(port: int, n_idle: int = 64) -> float:
@@ -220,7 +280,8 @@ def run(args) -> dict:
             wait_http(base + "/health", edge, timeout=300)
             health = {"broker": cluster.broker_health_port, "cloud_worker": cluster.health_ports[0],
                       "edge": edge_health}
-            return attack(base, http_port, edge.pid, health) | {"edge_alive": edge.poll() is None}
+            run_attack = huge_only if args.only == "huge" else lambda b, pid: attack(b, http_port, pid, health)
+            return run_attack(base, edge.pid) | {"edge_alive": edge.poll() is None}
         finally:
             edge.terminate()
             edge.wait(timeout=30)
@@ -232,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default=DEMO_TARGET, help="target model (its config gives the edge the context)")
     ap.add_argument("--draft", default=DEMO_DRAFT)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--only", choices=("huge",), help="huge: only the 8 huge prompts beside a legit request")
     ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args(argv)
     result = {"meta": meta(["httpfuzz", *(argv or [])]), "results": run(args)}

@@ -117,3 +117,32 @@ def test_a_prompt_prefill_first_does_not_make_a_slow_cross_vocabulary_draft_pay(
     assert est.wait(0) < 0.2  # measured: 120-160 ms for rows of 1 to 3
     for objective in (Objective.SPEED, Objective.BALANCED):
         assert DraftPolicy(est, objective).choose(32) == 0
+
+
+def test_an_opening_that_fails_at_the_first_position_does_not_stop_drafting():
+    """Cross vocabulary, a prompt's boundary: every session's first two blocks are rejected at their first token
+    (the demo pair's: 3 % and 10 %, 65 % later). The opening's rounds count apart, so the sessions draft
+    from their third round on and the edge's first-position rate keeps what later rounds measure."""
+    est = edge(draft_s=0.002, rtt_s=0.01)
+    before = est.acceptance.rates(1)[0]
+    for _ in range(16):
+        policy = DraftPolicy(est, Objective.BALANCED)
+        for _ in range(2):
+            policy.observe_block(policy.choose(48), 0)
+    assert est.acceptance.rates(1)[0] == before and est.opening.rate(0, before) < 0.3
+    assert policy.choose(48) >= 2  # its third round drafts
+    assert DraftPolicy(est, Objective.BALANCED).rates(1)[0] < 0.3  # a new session's first round: as measured
+
+
+def test_a_guess_at_d_0_brings_a_session_back_to_drafting():
+    """A session whose own first position failed often runs at d = 0; the guess pre-drafted during each 1-token
+    VERIFY samples that position, and once the draft agrees again the session drafts."""
+    est = edge(draft_s=0.004, rtt_s=0.0002)
+    policy = DraftPolicy(est, Objective.BALANCED)
+    policy.opening = None
+    for _ in range(12):
+        policy.observe_block(4, 0)
+    assert policy.choose(48) == 0
+    for _ in range(12):
+        policy.observe_block(0, 0, bonus_match=True)
+    assert policy.choose(48) >= 2

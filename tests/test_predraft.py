@@ -137,3 +137,20 @@ async def test_speculation_metrics_and_load_hints(zctx, linked, twin_drafter, ti
     cloud = await asyncio.to_thread(metrics, worker.health_port)
     assert f"specrelay_cloud_spec_decode_num_accepted_tokens_total {float(accepted)}" in cloud
     assert "specrelay_cloud_forward_seconds_count" in cloud
+
+
+def test_a_round_at_d_0_predrafts_the_guess_for_the_targets_token(twin_drafter):
+    """While a 1-token VERIFY (d = 0) is in flight the idle draft thread drafts the guess for the target's token:
+    the draft policy's sample of the first position (the only news it gets at d = 0, edge_worker/policy)."""
+    from specrelay.edge_worker.policy import EdgeEstimates
+    from specrelay.edge_worker.session import EdgeSession
+
+    est = EdgeEstimates(predraft=True)
+    est.observe_steps(1, 1, 0.001)  # a draft forward of 1 ms against a 50 ms round: a guess fits the wait
+    est.observe_round(1, 0.05, None)
+    session = EdgeSession(twin_drafter.runner.tokenizer(PROMPTS[0]).input_ids,
+                          SessionConfig(max_new_tokens=8, draft_len=0), twin_drafter, estimates=est)
+    session.open_message()
+    assert session.next_request().draft == []
+    job = session.predraft_job()
+    assert job is not None and job.d == 1

@@ -146,3 +146,18 @@ def test_a_guess_at_d_0_brings_a_session_back_to_drafting():
     for _ in range(12):
         policy.observe_block(0, 0, bonus_match=True)
     assert policy.choose(48) >= 2
+
+
+def test_cloud_accepts_a_slower_edge_and_stops_where_a_token_adds_under_min_value():
+    """`cloud`: the fewest calls whatever the edge's time. A draft slower than the verify it saves (speed and
+    balanced: d = 0) still drafts, up to the last token at least MIN_VALUE likely to be accepted."""
+    from specrelay.edge_worker.policy.choose import MIN_VALUE
+
+    est = edge(draft_s=0.030, rtt_s=0.0002)
+    policy = DraftPolicy(est, Objective.CLOUD)
+    d = policy.choose(48)
+    reach = [1.0]
+    for a in policy.rates(33):
+        reach.append(reach[-1] * a)
+    assert d > 0 and reach[d] >= MIN_VALUE > reach[d + 1]
+    assert DraftPolicy(est, Objective.BALANCED).choose(48) == 0

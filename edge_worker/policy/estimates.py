@@ -249,7 +249,8 @@ class EdgeEstimates:
         --predraft, or before the draft is timed: a guess must not delay the VERDICT's handling)."""
         if not (self.predraft and self.draft.known):
             return 0
-        return int(PREDRAFT_SHARE * self.wait(tokens) / max(self.per_token(), 1e-9))
+        # past the tokens it keeps, a cross-vocabulary draft drafts `lookahead` more (its last may still grow)
+        return max(0, int(PREDRAFT_SHARE * self.wait(tokens) / max(self.per_token(), 1e-9)) - self.lookahead)
 
 
 PREDRAFT_SHARE = 0.8   # pre-drafting stops this far into the expected wait, so the draft thread is idle (and the

@@ -197,9 +197,8 @@ class EdgeSession:
         remaining = self.config.max_new_tokens - len(self.generated) - len(chain.block.ids)
         d_next = self.policy.choose(remaining - 1, explore=False)  # if the block and the bonus guess are accepted
         k = min(1 + d_next, remaining - 1, self.estimates.predraft_budget(len(chain.block.ids)))
-        # on the idle draft thread a pre-draft is free; after a round at d = 0 the guess alone samples the first
-        # position's acceptance (the policy's only news at d = 0) and keeps the draft caught up
-        if k <= 0 or d_next <= 0 and self.policy.fixed is not None:  # fixed at d = 0: no policy to inform
+        # on the idle draft thread a pre-draft is free; at d = 0 nothing is (the next round drafts nothing)
+        if k <= 0 or d_next <= 0:
             return None
         return self.drafter.continue_job(job, chain.block.ids, k)
 

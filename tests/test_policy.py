@@ -134,20 +134,6 @@ def test_an_opening_that_fails_at_the_first_position_does_not_stop_drafting():
     assert DraftPolicy(est, Objective.BALANCED).rates(1)[0] < 0.3  # a new session's first round: as measured
 
 
-def test_a_guess_at_d_0_brings_a_session_back_to_drafting():
-    """A session whose own first position failed often runs at d = 0; the guess pre-drafted during each 1-token
-    VERIFY samples that position, and once the draft agrees again the session drafts."""
-    est = edge(draft_s=0.004, rtt_s=0.0002)
-    policy = DraftPolicy(est, Objective.BALANCED)
-    policy.opening = None
-    for _ in range(12):
-        policy.observe_block(4, 0)
-    assert policy.choose(48) == 0
-    for _ in range(12):
-        policy.observe_block(0, 0, bonus_match=True)
-    assert policy.choose(48) >= 2
-
-
 def test_cloud_accepts_a_slower_edge_and_stops_where_a_token_adds_under_min_value():
     """`cloud`: the fewest calls whatever the edge's time. A draft slower than the verify it saves (speed and
     balanced: d = 0) still drafts, up to the last token at least MIN_VALUE likely to be accepted."""

@@ -144,27 +144,3 @@ async def test_speculation_metrics_and_load_hints(zctx, linked, twin_drafter, ti
     cloud = await asyncio.to_thread(metrics, worker.health_port)
     assert f"specrelay_cloud_spec_decode_num_accepted_tokens_total {float(accepted)}" in cloud
     assert "specrelay_cloud_forward_seconds_count" in cloud
-
-
-def test_a_round_at_d_0_predrafts_the_guess_for_the_targets_token(twin_drafter):
-    """While a 1-token VERIFY (d = 0) is in flight the idle draft thread drafts the guess for the target's token:
-    the draft policy's sample of the first position (the only news it gets at d = 0, edge_worker/policy)."""
-    from specrelay.edge_worker.policy import EdgeEstimates
-    from specrelay.edge_worker.session import EdgeSession
-
-    from specrelay.common.protocol import Objective
-
-    est = EdgeEstimates(predraft=True)
-    est.observe_steps(1, 1, 0.038)  # a draft forward of 38 ms against a 50 ms round: d = 0 is the fastest, and a
-    est.observe_round(1, 0.05, None)  # guess fits the wait
-    config = SessionConfig(max_new_tokens=8, objective=Objective.SPEED)
-    session = EdgeSession(twin_drafter.runner.tokenizer(PROMPTS[0]).input_ids, config, twin_drafter, estimates=est)
-    session.open_message()
-    assert session.next_request().draft == []
-    job = session.predraft_job()
-    assert job is not None and job.d == 1
-    fixed = EdgeSession(list(session.prompt_ids), SessionConfig(max_new_tokens=8, draft_len=0), twin_drafter,
-                        estimates=est)
-    fixed.open_message()
-    fixed.next_request()
-    assert fixed.predraft_job() is None  # --draft-len 0 (the target alone through the same path): no guesses

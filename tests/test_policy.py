@@ -119,21 +119,6 @@ def test_a_prompt_prefill_first_does_not_make_a_slow_cross_vocabulary_draft_pay(
         assert DraftPolicy(est, objective).choose(32) == 0
 
 
-def test_an_opening_that_fails_at_the_first_position_does_not_stop_drafting():
-    """Cross vocabulary, a prompt's boundary: every session's first two blocks are rejected at their first token
-    (the demo pair's: 3 % and 10 %, 65 % later). The opening's rounds count apart, so the sessions draft
-    from their third round on and the edge's first-position rate keeps what later rounds measure."""
-    est = edge(draft_s=0.002, rtt_s=0.01)
-    before = est.acceptance.rates(1)[0]
-    for _ in range(16):
-        policy = DraftPolicy(est, Objective.BALANCED)
-        for _ in range(2):
-            policy.observe_block(policy.choose(48), 0)
-    assert est.acceptance.rates(1)[0] == before and est.opening.rate(0, before) < 0.3
-    assert policy.choose(48) >= 2  # its third round drafts
-    assert DraftPolicy(est, Objective.BALANCED).rates(1)[0] < 0.3  # a new session's first round: as measured
-
-
 def test_cloud_accepts_a_slower_edge_and_stops_where_a_token_adds_under_min_value():
     """`cloud`: the fewest calls whatever the edge's time. A draft slower than the verify it saves (speed and
     balanced: d = 0) still drafts, up to the last token at least MIN_VALUE likely to be accepted."""

@@ -34,13 +34,13 @@ def pick(rows: list[tuple[float, float]], objective: Objective) -> int:
     return max((i for i, r in enumerate(rates) if r >= floor), key=lambda i: (rows[i][0], -i))
 
 
-def chain_rows(est: EdgeEstimates, a: list[float], top: int) -> list[tuple[float, float]]:
+def chain_rows(est: EdgeEstimates, a: list[float], top: int, cut: bool = True) -> list[tuple[float, float]]:
     """(E(d), T(d)) for d = 0..top at acceptance a_0..a_top: E(d) = sum_{k<=d} P_k with P_k = prod_{j<k} a_j;
     T(d) = t s (d + lookahead) less the pre-drafted start (P_{d+1} x what fits the wait) + R + V(d)."""
     rows, e, p, t = [], 0.0, 1.0, est.per_token()
     (w0, w1), share = est.wait_line(), PREDRAFT_SHARE / max(t, 1e-12) if est.predraft and est.draft.known else 0.0
     for d in range(top + 1):
-        if d and p < MIN_VALUE:  # the d-th token's chance to be accepted (P_d): below MIN_VALUE, no longer chains
+        if cut and d and p < MIN_VALUE:  # the d-th token's chance to be accepted (P_d) under MIN_VALUE: no longer
             break
         e += p
         p *= a[d]
@@ -100,16 +100,11 @@ class DraftPolicy:
         self.edge, self.objective, self.fixed = edge or EdgeEstimates(), objective, fixed
         self.own = AcceptanceCounts()
         self.idle = 0  # rounds at d = 0 since the last acceptance sample
-        self.opening: int | None = 0  # the round of the session's opening (None: a draft token was accepted)
         self.exploring = False  # the round in flight drafts d = 1 to sample acceptance
 
     def rates(self, n: int) -> list[float]:
-        """a_0..a_{n-1}: this session's counts shrunk toward the edge's pooled rates (themselves toward the prior);
-        in the session's opening, a_0 is the edge's for that round of an opening."""
-        a = self.own.rates(n, self.edge.acceptance.rates(n))
-        if self.opening is not None and n:
-            a[0] = self.edge.opening.rate(self.opening, a[0])
-        return a
+        """a_0..a_{n-1}: this session's counts shrunk toward the edge's pooled rates (themselves toward the prior)."""
+        return self.own.rates(n, self.edge.acceptance.rates(n))
 
     def choose(self, remaining: int, explore: bool = True) -> int:
         """The chain length d in 0..min(MAX_LEN, remaining - 1): fixed, d = 1 when exploring is due (EXPLORE_SHARE;
@@ -128,7 +123,7 @@ class DraftPolicy:
         (None: a chain wins; the session drafts it as with trees off). depth / nodes: fixed by the caller."""
         top = max(0, min(MAX_LEN, remaining - 1))
         est = self.edge
-        chains = chain_rows(est, self.rates(top + 1), top)
+        chains = chain_rows(est, self.rates(top + 1), top, cut=depth is None)  # a depth given: kept
         top = len(chains) - 1  # no deeper than the longest chain worth drafting (MIN_VALUE)
         rows = [(s, e, tree_time(est, s)) for s, e in tree_rows(est, [e for e, _ in chains], top, depth, nodes)]
         if trees == "auto":
@@ -146,25 +141,12 @@ class DraftPolicy:
         return replace(shape, min_value=max(MIN_VALUE, node_cost * e / t))
 
     def observe_block(self, d: int, n: int, bonus_match: bool | None = None) -> None:
-        """A VERDICT on a block of d drafts (n accepted; the pre-drafted guess's match after a full block, at d = 0
-        the guess for the target's token). In the session's opening, the first position counts apart, by round."""
+        """A VERDICT on a block of d drafts (n accepted; the pre-drafted guess's match after a full block)."""
         sampled = d > 0 or bonus_match is not None
-        self.idle = 0 if sampled else self.idle + 1
-        if self.opening is not None:
-            first = n > 0 or (d == 0 and bool(bonus_match))
-            if sampled:
-                self.edge.opening.observe(self.opening, first)
-            if not first:  # still in the opening (it ends after MAX_LEN rounds: a draft that never pays)
-                self.opening = self.opening + 1 if self.opening + 1 < MAX_LEN else None
-                return
-            self.opening = None
-            if d == 0:
-                return
-            d, n = d - 1, n - 1  # past its first token, the block counts as usual
-            sampled = d > 0 or bonus_match is not None
         if sampled:
             self.own.observe(d, n, bonus_match)
             self.edge.acceptance.observe(d, n, bonus_match)
+        self.idle = 0 if sampled else self.idle + 1
 
     def observe_round(self, width: int, latency_s: float, hint: LoadHint | None, draft_s: float | None,
                       steps: int = 0, catchup: bool = False) -> None:

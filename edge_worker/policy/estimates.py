@@ -99,30 +99,6 @@ class AcceptanceCounts:
         return out
 
 
-class OpeningCounts:
-    """Decayed counts of a session's first draft position by the session's round, over its opening (the rounds
-    before any draft token of it was accepted): a prompt ends where the target's tokenizer may never stop (a
-    prompt ending in '\\n' where the target writes '\\n    ' as one token), so the target's first tokens are not
-    the ones a draft with another tokenizer continues with (cross vocabulary: 3 % and 10 % in the first two rounds
-    against 65 % later)."""
-
-    def __init__(self) -> None:
-        self.reached: list[float] = []
-        self.accepted: list[float] = []
-
-    def observe(self, r: int, accepted: bool) -> None:
-        grow = max(0, r + 1 - len(self.reached))
-        self.reached = [x * ACCEPT_DECAY for x in self.reached] + [0.0] * grow
-        self.accepted = [x * ACCEPT_DECAY for x in self.accepted] + [0.0] * grow
-        self.reached[r] += 1.0
-        self.accepted[r] += float(accepted)
-
-    def rate(self, r: int, prior: float) -> float:
-        """a_0 of an opening's round r, shrunk toward `prior` (the position's rate after the opening)."""
-        r_, a = (self.reached[r], self.accepted[r]) if r < len(self.reached) else (0.0, 0.0)
-        return (a + PRIOR_WEIGHT * prior) / (r_ + PRIOR_WEIGHT)
-
-
 class RankAcceptance:
     """Decayed counts per (confidence class, rank) of tree nodes: how often a node's r-th child was tested and
     accepted, and how often the accepted path met each class (`seen`)."""
@@ -176,7 +152,6 @@ class EdgeEstimates:
     def __init__(self, predraft: bool = False) -> None:
         self.predraft = predraft
         self.acceptance, self.ranks = AcceptanceCounts(), RankAcceptance()
-        self.opening = OpeningCounts()     # a_0 of the sessions' opening rounds, by round
         self.draft = EWLine()              # seconds per draft forward vs its columns (sessions, tree nodes)
         self.cloud = EWLine()      # the worker's forward, seconds vs its tokens (load hints)
         self.latency = EWLine()    # without load hints: seconds from VERIFY to VERDICT vs our row
@@ -249,8 +224,7 @@ class EdgeEstimates:
         --predraft, or before the draft is timed: a guess must not delay the VERDICT's handling)."""
         if not (self.predraft and self.draft.known):
             return 0
-        # past the tokens it keeps, a cross-vocabulary draft drafts `lookahead` more (its last may still grow)
-        return max(0, int(PREDRAFT_SHARE * self.wait(tokens) / max(self.per_token(), 1e-9)) - self.lookahead)
+        return int(PREDRAFT_SHARE * self.wait(tokens) / max(self.per_token(), 1e-9))
 
 
 PREDRAFT_SHARE = 0.8   # pre-drafting stops this far into the expected wait, so the draft thread is idle (and the

@@ -151,7 +151,6 @@ class TreeRounds:
         st.cloud_calls += 1
         st.accepted_tokens += n
         st.record_tree(self.shape.depth if self.shape else 0, n, n + 1 if kids[-1] else n)
-        self.s.policy.opening = None  # the opening's own first-position rate is a chain's (edge_worker/policy)
         acc = self.edge().ranks
         acc.decay()
         for i, (w, sent_kids) in enumerate(zip(walk, kids)):

@@ -94,7 +94,7 @@ def add_http(p, default: str | None) -> None:
 def add_objective(p) -> None:
     p.add_argument("--objective", choices=OBJECTIVES, default=EdgeConfig.default_objective.name.lower(),
                    help="what --draft-len auto optimises: speed (the session's tokens/s), balanced (the fewest cloud "
-                   "calls within 10%% of the best speed) or cloud (the least cloud time per token, whatever the "
+                   "calls within 10%% of the best speed) or cloud (the fewest cloud calls per token, whatever the "
                    "session's speed); docs/policy.md")
 
 

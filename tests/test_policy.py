@@ -117,3 +117,18 @@ def test_a_prompt_prefill_first_does_not_make_a_slow_cross_vocabulary_draft_pay(
     assert est.wait(0) < 0.2  # measured: 120-160 ms for rows of 1 to 3
     for objective in (Objective.SPEED, Objective.BALANCED):
         assert DraftPolicy(est, objective).choose(32) == 0
+
+
+def test_cloud_accepts_a_slower_edge_and_stops_where_a_token_adds_under_min_value():
+    """`cloud`: the fewest calls whatever the edge's time. A draft slower than the verify it saves (speed and
+    balanced: d = 0) still drafts, up to the last token at least MIN_VALUE likely to be accepted."""
+    from specrelay.edge_worker.policy.choose import MIN_VALUE
+
+    est = edge(draft_s=0.030, rtt_s=0.0002)
+    policy = DraftPolicy(est, Objective.CLOUD)
+    d = policy.choose(48)
+    reach = [1.0]
+    for a in policy.rates(33):
+        reach.append(reach[-1] * a)
+    assert d > 0 and reach[d] >= MIN_VALUE > reach[d + 1]
+    assert DraftPolicy(est, Objective.BALANCED).choose(48) == 0

@@ -22,6 +22,7 @@ import ctypes.util
 import os
 import signal
 from collections.abc import Awaitable, Callable, Coroutine
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
 import structlog
@@ -314,6 +315,32 @@ async def serve_until_signalled(service: Service) -> None:
         loop.add_signal_handler(sig, service.request_stop)
     try:
         await service.run()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+async def serve_all(*services, on_started=None) -> None:
+    """Start `services` in order (common.transport.Service), serve until SIGTERM / SIGINT or until any of them
+    stops, then stop them in reverse order (a front end before the edge it uses, the edge before the broker).
+    `on_started()` runs once all are up."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        async with AsyncExitStack() as stack:
+            for service in services:
+                await stack.enter_async_context(service)
+            if on_started is not None:
+                on_started()
+            waits = [asyncio.create_task(stop.wait())]
+            waits += [asyncio.create_task(s._stopped.wait()) for s in services]  # Service's "closed" event
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in waits:
+                    task.cancel()
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)

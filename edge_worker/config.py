@@ -23,6 +23,7 @@ from ..common.protocol import (DEFAULT_OBJECTIVE, DEFAULT_SAMPLED_MODE, DEFAULT_
 from ..common.sampling import SamplingParams
 
 SEED_LIMIT = 1 << 63
+SERVED_MODEL_NAME = "specrelay"  # the `model` the HTTP API answers to (specrelay/defaults.py shares it)
 TREES = ("off", "on", "auto")  # token trees (edge_worker/policy)  # seeds travel as unsigned 63-bit integers (protocol.U63)
 
 
@@ -93,7 +94,7 @@ class EdgeConfig:
     default_trees: str = "off"        # token trees: off, on, auto (edge_worker/policy)
     linger_ms: int = 100
     heartbeat_s: float = HEARTBEAT_INTERVAL  # ZMTP heartbeats on the broker connection (drop a dead TCP peer)
-    predraft: bool = True             # draft ahead while a VERIFY is in flight (edge_worker/predraft.py)
+    predraft: bool = True             # draft ahead while a VERIFY is in flight (edge_worker/draft/predraft.py)
     max_context: int | None = None    # the target's context (prompt + max_new_tokens); None = unknown
 
     def __post_init__(self) -> None:
@@ -127,7 +128,7 @@ def session_config(edge: EdgeConfig, *, max_new_tokens: int = SessionConfig.max_
 
 @dataclass
 class HttpLimits:
-    """What one edge's HTTP API allows (enforced by edge_worker/httpguard.py). max_body_bytes: the largest legal
+    """What one edge's HTTP API allows (enforced by edge_worker/http/guards.py). max_body_bytes: the largest legal
     request (a prompt of protocol.MAX_PROMPT_CHARS characters, JSON-escaped) fits. max_prompt_tokens: prompt
     tokens in flight, at most the broker's --max-prompt-tokens-per-client for this edge's key (divided by the edges
     that share the key)."""

@@ -22,7 +22,7 @@ from ..common import protocol as P
 from ..common.errors import ErrorCode, FatalError, InvalidRequest, RequestError
 from . import config as edge_config
 from .config import SessionConfig
-from .textstream import TextStream
+from .http.textstream import TextStream
 
 log = structlog.get_logger("specrelay.edge")
 

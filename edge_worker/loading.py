@@ -6,9 +6,9 @@ from __future__ import annotations
 from ..common.errors import FatalError
 from ..common.modelsource import check_model, pretrained_args
 from ..common.runner import ModelRunner, config_context
-from . import draftkv
-from .drafter import Drafter
-from .xdrafter import CrossVocabDrafter
+from .draft import kv as draft_kv
+from .draft.drafter import Drafter
+from .xvocab.drafter import CrossVocabDrafter
 
 
 def load_drafter(draft_model: str, target_tokenizer: str | None = None, device: str = "cpu",
@@ -20,7 +20,7 @@ def load_drafter(draft_model: str, target_tokenizer: str | None = None, device: 
     vocabulary size defaults to the target config's (when `target_tokenizer` is a model directory/id).
     """
     runner = ModelRunner.load(draft_model, device=device, dtype=dtype)
-    draftkv.self_check(runner)  # before READY: a draft K/V path that is not the model's own fails here
+    draft_kv.self_check(runner)  # before READY: a draft K/V path that is not the model's own fails here
     if target_tokenizer is None:
         return Drafter(runner, target_vocab_size), runner.tokenizer
     target_tok, config_vocab = load_target_tokenizer(target_tokenizer)

@@ -2,7 +2,7 @@
 through `frontend.ClientFrontend` when `EdgeConfig.listen` is set); `serve` is the body of `specrelay
 edge-worker`, `EdgeHealth` its health port.
 
-One zmq.asyncio DEALER per broker (edge_worker/links.py; CURVE when keys are configured). Its routing id is chosen
+One zmq.asyncio DEALER per broker (edge_worker/routing/links.py; CURVE when keys are configured). Its routing id is chosen
 by the broker's ROUTER, so no other edge can claim it; a session belongs to one broker's connection and this key
 at a time (its `route.Route.link`, chosen by a stable hash over the brokers that are up). A receiver loop per
 broker hands each VERDICT / RESAMPLED / ERROR to the session waiting on it, if that session is on that broker; a
@@ -37,21 +37,20 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from .. import defaults
 from ..common import health, transport
 from ..common import protocol as P
 from ..common.brokers import broker_list, per_broker
 from ..common.errors import (AuthenticationFailed, FatalError, GenerationTimeout, InvalidRequest,
                              Overloaded, RequestError, SpecRelayError)
 from . import telemetry
-from .batcher import DraftBatcher
-from .config import EdgeConfig, SessionConfig
-from .drafter import Drafter
+from .draft.batcher import DraftBatcher
+from .config import SERVED_MODEL_NAME, EdgeConfig, SessionConfig
+from .draft.drafter import Drafter
 from .frontend import ClientFrontend
-from .links import BrokerLink, BrokerLinks
+from .routing.links import BrokerLink, BrokerLinks
 from .loading import load_drafter, target_context
 from .policy import EdgeEstimates
-from .route import Retries, Route
+from .routing.route import Retries, Route
 from .session import EdgeSession
 
 log = structlog.get_logger("specrelay.edge")
@@ -334,12 +333,11 @@ async def load_edge(broker: str | Sequence[str], draft_model: str, target_tokeni
 async def serve(broker: str | Sequence[str], draft_model: str, listen: str | None,
                 target_tokenizer: str | None = None, *, device: str = "cpu", dtype: str = "float32",
                 config: EdgeConfig | None = None, http: tuple[str, int] | None = None, http_limits=None,
-                served_model_name: str = defaults.SERVED_MODEL_NAME,
+                served_model_name: str = SERVED_MODEL_NAME,
                 health_port: int | None = None, health_host: str = "127.0.0.1", **options) -> None:
     """`specrelay edge-worker`: load the draft model, connect to the brokers and serve clients on `listen`
     (ZeroMQ), on `http` (the OpenAI-compatible API) and health / metrics on `health_port`, until SIGTERM / SIGINT."""
-    from ..runtime import serve_all
-    from .http import HttpFrontend, HttpStats
+    from .http.server import HttpFrontend, HttpStats
 
     sys.setswitchinterval(GIL_SWITCH_S)
     config = replace(config or EdgeConfig(), listen=listen)
@@ -352,7 +350,7 @@ async def serve(broker: str | Sequence[str], draft_model: str, listen: str | Non
     stats = HttpStats()
     services = [edge] + ([HttpFrontend(edge, *http, served_model_name, stats, http_limits)] if http else [])
     services += [EdgeHealth(edge, stats, health_host, health_port)] if health_port is not None else []
-    await serve_all(*services)
+    await transport.serve_all(*services)
 
 
 class EdgeHealth(transport.Service):

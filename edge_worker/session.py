@@ -8,7 +8,7 @@ WORKER_LOST or a timeout).
 
 The shape of each block comes from the draft policy (edge_worker/policy): fixed, or `auto` = the objective's
 pick on the model of the acceptance and the timings the shell reports (`record_timing`). While a VERIFY
-is in flight the shell may pre-draft the chain on (`predraft_job` / `take_predraft`, edge_worker/predraft.py);
+is in flight the shell may pre-draft the chain on (`predraft_job` / `take_predraft`, edge_worker/draft/predraft.py);
 the next `draft_job` then starts from the part of it that the verdict confirmed.
 """
 
@@ -23,11 +23,11 @@ from ..common.packing import f32
 from ..common.protocol import Mode
 from ..common.resample import Rejection
 from .config import SessionConfig
-from .drafter import DraftBlock, Drafter, DraftJob
+from .draft.drafter import DraftBlock, Drafter, DraftJob
 from .policy import DraftPolicy, EdgeEstimates
-from .predraft import DraftChain
-from .treedraft import TreeBlock
-from .treeround import TreeRounds, TreesRefused
+from .draft.predraft import DraftChain
+from .trees.drafter import TreeBlock
+from .trees.rounds import TreeRounds, TreesRefused
 
 
 def _refuses_trees(error: P.Error) -> bool:
@@ -53,8 +53,8 @@ class SessionStats:
     reopens: int = 0
     context_full: int = 0          # 1: the generation ended at the target's context (finish_reason length)
     predraft_tokens: int = 0       # draft tokens taken from a pre-drafted chain instead of drafted anew
-    predraft_rounds: int = 0       # blocks that started with pre-drafted tokens
-    predraft_tries: int = 0        # tree rounds whose verdict came while a pre-draft of its outcomes ran
+    predraft_rounds: int = 0       # tries whose next block started with pre-drafted tokens (hits)
+    predraft_tries: int = 0        # verdicts (chain or tree) that came while a pre-draft of their outcome ran
     tree_rounds: int = 0           # VERIFY rounds that carried a tree (not a chain)
     tree_nodes: int = 0            # draft nodes of those rounds and of the tree engine's chains
     draft_s: float = 0.0           # waited for drafts (the critical path), seconds
@@ -110,10 +110,12 @@ class EdgeSession:
         self._hint: P.LoadHint | None = None
         self._width = self._steps = 0              # the last block's cloud row width, fresh draft forwards
         self._catchup = False                      # its draft first caught up on a stretch the draft never saw
+        self._predrafted = False                   # a pre-draft of the verdict in flight was handed out (a try)
+        self._tried = False                        # the last verdict was a try: the next block may be its hit
         self._rejection: Rejection | None = None
         self._resend_vocab = False                 # a worker lacked the bitmap the last OPEN named by hash
         self._pending: P.Resample | None = None
-        self.trees = TreeRounds(self, self.config.trees, self.config.tree_nodes)  # (edge_worker/treeround.py)
+        self.trees = TreeRounds(self, self.config.trees, self.config.tree_nodes)  # (edge_worker/trees/rounds.py)
 
     # ---------------------------------------------------------------------------- requests
     def open_message(self, resend_vocab: bool = False) -> P.Open:
@@ -157,7 +159,7 @@ class EdgeSession:
     def request_for(self, block: DraftBlock | TreeBlock) -> P.Verify:
         """The VERIFY for the freshly drafted `block` (after whatever the chain provided)."""
         if isinstance(block, TreeBlock):
-            self._catchup = False  # a tree round is timed as before (edge_worker/treeround.py)
+            self._catchup = False  # a tree round is timed as before (edge_worker/trees/rounds.py)
             return self.trees.request(block)
         self.trees.block, self.trees.last_steps = None, 0
         # a block drafted after the session's OPEN or after a round at d = 0 first feeds the draft model the whole
@@ -172,7 +174,7 @@ class EdgeSession:
         if block.drafted:  # a cross-vocabulary block: forwards per target token
             self.estimates.observe_block_steps(block.steps, len(block.ids), timed=not self._catchup)
         self.stats.predraft_tokens += reused
-        self.stats.predraft_rounds += reused > 0
+        self.stats.predraft_rounds += self._hit(reused)
         job = self._job
         self._chain = DraftChain(len(self.tokens), job.context, self._block, len(self._block.ids)) if job else None
         return P.Verify(self.sid, self.seq, len(self.tokens), self.tokens[self.cloud_len:], self._block.ids,
@@ -182,8 +184,11 @@ class EdgeSession:
     def predraft_job(self) -> DraftJob | None:
         """While the VERIFY is in flight: a job drafting the chain on (the bonus guess, then the next block as
         long as the policy would draft now). None when there is nothing worth drafting."""
-        if self.trees.block is not None:
-            return self.trees.predraft_job()
+        job = self.trees.predraft_job() if self.trees.block is not None else self._chain_predraft()
+        self._predrafted = job is not None
+        return job
+
+    def _chain_predraft(self) -> DraftJob | None:
         chain, job = self._chain, self._job
         if chain is None or job is None or self._pending is not None or self.done:
             return None
@@ -231,7 +236,18 @@ class EdgeSession:
             raise InvalidRequest(f"unexpected reply {type(reply).__name__} (seq {getattr(reply, 'seq', '?')}, "
                                  f"waiting for {self.seq})", field="seq")
         self._check_ids(reply)
-        return self._apply_verdict(reply)
+        predrafted, self._predrafted = self._predrafted, False
+        new = self._apply_verdict(reply)
+        # a try: a verdict that came while a pre-draft of its outcome ran (chain or tree) and a next block follows
+        self._tried = predrafted and not self.done
+        self.stats.predraft_tries += self._tried
+        return new
+
+    def _hit(self, reused: int) -> bool:
+        """Whether the block being sent starts from the last verdict's pre-draft (a hit of that try): hits and
+        tries count over the same rounds, so hits <= tries."""
+        hit, self._tried = self._tried and reused > 0, False
+        return hit
 
     def _apply_verdict(self, v: P.Verdict) -> list[int]:
         if self.trees.block is not None:

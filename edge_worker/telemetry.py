@@ -5,8 +5,8 @@ bytes, errors.
     GET /metrics   specrelay_edge_spec_decode_num_drafts_total, ..._num_draft_tokens_total,
                    ..._num_accepted_tokens_total, ..._num_accepted_tokens_per_pos_total{position="j"},
                    specrelay_edge_verify_latency_seconds (histogram), ..._draft_wait_seconds, ...,
-                   specrelay_edge_predraft_rounds_total / ..._predraft_tries_total (the pre-draft hit rate of
-                   trees), specrelay_edge_tree_rounds_total
+                   specrelay_edge_predraft_rounds_total / ..._predraft_tries_total (the pre-draft hit rate,
+                   chains and trees), specrelay_edge_tree_rounds_total
     GET /healthz   200 while the worker's event loop answers
     GET /readyz    200 while at least one of its brokers is up (the body says which)
 """
@@ -30,8 +30,8 @@ class EdgeMetrics:
     generations_failed: int = 0
     generated_tokens: int = 0
     predraft_tokens: int = 0
-    predraft_rounds: int = 0    # blocks that started from a pre-draft (hits)
-    predraft_tries: int = 0     # tree verdicts that came while a pre-draft of their outcomes ran
+    predraft_rounds: int = 0    # tries whose next block started from their pre-draft (hits)
+    predraft_tries: int = 0     # verdicts (chain or tree) that came while a pre-draft of their outcome ran
     tree_rounds: int = 0        # VERIFY rounds that carried a token tree
     retries: int = 0
     failovers: int = 0          # sessions moved off a lost broker onto another

@@ -267,7 +267,7 @@ def cmd_distill_xv(args) -> None:
     """Continue `demo-draft-xv` on teacher text + corpus windows with LM loss and boundary KL on V_c."""
     from transformers import AutoModelForCausalLM
     import xv_distill
-    from specrelay.edge_worker.vocab import build_shared_vocab
+    from specrelay.edge_worker.xvocab.mapping import build_shared_vocab
 
     target = AutoModelForCausalLM.from_pretrained(MODELS / "demo-target").eval()
     out = Path(args.out) if args.out else MODELS / "demo-draft-xv"

@@ -77,7 +77,7 @@ def align(text: str, target_tok, draft_tok, t_table, d_table) -> dict | None:
 
 
 def build_windows(texts: list[str], target_tok, draft_tok) -> list[dict]:
-    from specrelay.edge_worker.vocab import token_bytes
+    from specrelay.edge_worker.xvocab.mapping import token_bytes
 
     t_table, d_table = token_bytes(target_tok), token_bytes(draft_tok)
     windows = [w for w in (align(x, target_tok, draft_tok, t_table, d_table) for x in texts) if w and len(w["d"]) > 8]

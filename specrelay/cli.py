@@ -61,7 +61,7 @@ def cmd_cloud_worker(args) -> int:
     curve = client_curve(args)
     set_threads()
     from .cloud_worker.server import serve
-    from .edge_worker.probe import warn_if_unreachable
+    from .edge_worker.routing.probe import warn_if_unreachable
 
     async def main() -> None:
         warning = warn_if_unreachable(args.broker, args.connect_timeout, worker=False, curve=curve)
@@ -85,7 +85,7 @@ def cmd_edge_worker(args) -> int:
     curve = client_curve(args)
     set_threads()
     from .edge_worker.config import EdgeConfig
-    from .edge_worker.probe import warn_if_unreachable
+    from .edge_worker.routing.probe import warn_if_unreachable
     from .edge_worker.server import serve
 
     async def main() -> None:
@@ -121,7 +121,7 @@ def cmd_serve(args) -> int:
 
 
 def http_limits(args):
-    from .edge_worker.httpguard import limits_from_args
+    from .edge_worker.http.guards import limits_from_args
 
     return limits_from_args(args)
 

@@ -105,7 +105,7 @@ def print_result(args, result: dict) -> None:
 
 def main(args) -> int:
     from .edge_worker.config import EdgeConfig
-    from .edge_worker.probe import probe_brokers
+    from .edge_worker.routing.probe import probe_brokers
     from .runtime import run_async, set_threads
 
     prompts = read_prompts(args)

@@ -14,11 +14,11 @@ import zmq.asyncio
 async def serve(args, http_limits=None) -> None:
     from .broker.server import Broker
     from .cloud_worker.server import CloudWorker, WorkerConfig
+    from .common import transport
     from .common.runner import ModelRunner
     from .edge_worker.config import EdgeConfig
-    from .edge_worker.http import HttpFrontend, HttpStats
+    from .edge_worker.http.server import HttpFrontend, HttpStats
     from .edge_worker.server import EdgeHealth, load_edge
-    from .runtime import serve_all
 
     ctx = zmq.asyncio.Context.instance()
     frontend, backend = (f"inproc://specrelay-{name}-{os.getpid()}" for name in ("frontend", "backend"))
@@ -30,7 +30,7 @@ async def serve(args, http_limits=None) -> None:
                                              default_objective=args.objective, default_trees=args.trees),
                            context=ctx)
     stats = HttpStats()
-    await serve_all(Broker(frontend, backend, context=ctx), worker, edge,
+    await transport.serve_all(Broker(frontend, backend, context=ctx), worker, edge,
                     HttpFrontend(edge, *args.http, args.served_model_name, stats, http_limits),
                     EdgeHealth(edge, stats, args.health_host, health_port(args)))
 

@@ -1,12 +1,11 @@
-"""Process plumbing for the command line: the event loop (uvloop when installed), torch's thread count, and
-running several services of one process together."""
+"""Process plumbing for the command line: the event loop (uvloop when installed), torch's thread count and
+SIGHUP (several services of one process run together with common.transport.serve_all)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
-from contextlib import AsyncExitStack
 
 
 def run_async(main) -> object:
@@ -33,29 +32,3 @@ def set_threads() -> None:
     if threads:
         import torch
         torch.set_num_threads(int(threads))
-
-
-async def serve_all(*services, on_started=None) -> None:
-    """Start `services` in order (common.transport.Service), serve until SIGTERM / SIGINT or until any of them
-    stops, then stop them in reverse order (a front end before the edge it uses, the edge before the broker).
-    `on_started()` runs once all are up."""
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        async with AsyncExitStack() as stack:
-            for service in services:
-                await stack.enter_async_context(service)
-            if on_started is not None:
-                on_started()
-            waits = [asyncio.create_task(stop.wait())]
-            waits += [asyncio.create_task(s._stopped.wait()) for s in services]  # Service's "closed" event
-            try:
-                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for task in waits:
-                    task.cancel()
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)

@@ -23,7 +23,7 @@ from .common.rng import Purpose, gumbel, sample_index, uniform
 from .common.runner import Decoder, ModelRunner
 from .common.sampling import SamplingParams, probs_from_logits
 from .edge_worker.config import SessionConfig
-from .edge_worker.drafter import Drafter
+from .edge_worker.draft.drafter import Drafter
 from .edge_worker.session import EdgeSession
 from .edge_worker.policy import EdgeEstimates
 

@@ -1,4 +1,4 @@
-"""Bounded before expensive, nothing silently ignored: the HTTP API's pure core (edge_worker/api.py) refuses every
+"""Bounded before expensive, nothing silently ignored: the HTTP API's pure core (edge_worker/http/api.py) refuses every
 size a client controls while the body is decoded, tokenises a prompt only as far as the context's room, names
 unknown and unserved fields, and lets only OpenAI's roles reach a chat template. No processes: the demo target's
 real tokenizer; tests/test_http_guards.py drives the same over HTTP."""
@@ -14,8 +14,8 @@ from transformers import AutoTokenizer
 
 from conftest import MODELS, demo_available
 from specrelay.common.protocol import MAX_PROMPT_CHARS
-from specrelay.edge_worker import api
-from specrelay.edge_worker.httpguard import FairShare, HttpLimits
+from specrelay.edge_worker.http.server import api
+from specrelay.edge_worker.http.guards import FairShare, HttpLimits
 
 
 def refusal(body: dict, kind=api.CompletionRequest) -> api.APIError:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specrelay.common.errors import InvalidRequest
-from specrelay.edge_worker import api
+from specrelay.edge_worker.http.server import api
 
 
 def refusal(body: bytes, kind=api.CompletionRequest) -> api.APIError:

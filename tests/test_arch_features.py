@@ -18,8 +18,8 @@ from specrelay.cloud_worker.config import VerifierConfig
 from specrelay.cloud_worker.verifier import Verifier
 from specrelay.common.errors import FatalError
 from specrelay.common.runner import KVShape, ModelRunner
-from specrelay.edge_worker import draftkv
-from specrelay.edge_worker.drafter import Drafter
+from specrelay.edge_worker.draft import kv as draft_kv
+from specrelay.edge_worker.draft.drafter import Drafter
 from specrelay.speculative import speculative_generate
 
 from conftest import MODELS
@@ -74,11 +74,11 @@ def test_cloud_self_check_catches_a_feature_the_path_ignores(checkpoints, monkey
 
 def test_edge_draft_kv_reproduces_sliding_models_and_its_check_catches_stretched_windows(checkpoints, monkeypatch):
     for name in FEATURED:
-        draftkv.self_check(ModelRunner.load(str(checkpoints[name])))  # ragged lockstep batches with holes
+        draft_kv.self_check(ModelRunner.load(str(checkpoints[name])))  # ragged lockstep batches with holes
     runner = ModelRunner.load(str(checkpoints["mistral"]))
-    monkeypatch.setattr(draftkv, "attention_windows", lambda config: None)  # transformers' column-based window
+    monkeypatch.setattr(draft_kv, "attention_windows", lambda config: None)  # transformers' column-based window
     with pytest.raises(FatalError, match="the edge's lockstep draft forward does not reproduce"):
-        draftkv.self_check(runner)
+        draft_kv.self_check(runner)
 
 
 @pytest.mark.parametrize("name", ["falcon", "bloom"])
@@ -127,11 +127,11 @@ def test_self_checks_shrink_a_real_checkpoints_long_window_so_the_probe_slides_p
     install(runner.model)
     store = KVStore(runner.kv_shape, 256)
     self_check(runner.model, store, False)
-    draftkv.self_check(runner)
+    draft_kv.self_check(runner)
     assert runner.model.config.sliding_window == 4096  # restored
-    monkeypatch.setattr(draftkv, "attention_windows", lambda config: None)
+    monkeypatch.setattr(draft_kv, "attention_windows", lambda config: None)
     with pytest.raises(FatalError, match="does not reproduce"):
-        draftkv.self_check(runner)
+        draft_kv.self_check(runner)
     ignore_window = classmethod(lambda cls, module, kwargs: cls(softcap=kwargs.get("softcap")))
     monkeypatch.setattr(attention._Features, "of", ignore_window)
     with pytest.raises(FatalError, match="does not reproduce"):

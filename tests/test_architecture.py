@@ -13,9 +13,13 @@ FOLDERS = ("broker", "cloud_worker", "edge_worker", "common", "specrelay", "spec
 MIN_CONCERN_CHARS = 20  # a first docstring line shorter than this cannot say what a module holds
 
 
+def _files() -> list[Path]:
+    """Every .py file of the folders, their subpackages included (edge_worker/http/, edge_worker/trees/, ...)."""
+    return sorted({path for folder in FOLDERS for path in (ROOT / folder).rglob("*.py")})
+
+
 def _modules() -> list[str]:
-    return sorted(f"{folder}/{path.name}" for folder in FOLDERS for path in (ROOT / folder).glob("*.py")
-                  if path.name not in ("__init__.py", "__main__.py"))
+    return [str(path.relative_to(ROOT)) for path in _files() if path.name not in ("__init__.py", "__main__.py")]
 
 
 def concern_table(text: str) -> dict[str, str]:
@@ -61,12 +65,11 @@ def test_every_module_opens_with_a_docstring_naming_its_concern():
     """First statement a docstring, its first line a sentence of what the module holds; not a line count (a module
     split "to stay under N lines" is split by size, not by concern)."""
     wrong = []
-    for folder in FOLDERS:
-        for path in sorted((ROOT / folder).glob("*.py")):
-            doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-            first = doc.strip().split("\n", 1)[0]
-            if len(first) < MIN_CONCERN_CHARS or re.search(r"\b\d+ lines\b", doc):
-                wrong.append(f"{folder}/{path.name}: {first!r}")
+    for path in _files():
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        first = doc.strip().split("\n", 1)[0]
+        if len(first) < MIN_CONCERN_CHARS or re.search(r"\b\d+ lines\b", doc):
+            wrong.append(f"{path.relative_to(ROOT)}: {first!r}")
     assert not wrong, f"modules whose docstring does not open by naming their concern: {wrong}"
 
 
@@ -83,8 +86,12 @@ def _sources() -> dict[str, Path]:
     """Every module of the installed `specrelay` package by its dotted name (packages by their own name)."""
     out = {}
     for package, folder in PACKAGES.items():
-        for path in (ROOT / folder).glob("*.py"):
-            out[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            if package == "specrelay" and parts[0] == "bench":
+                continue  # specrelay.bench is its own entry
+            dotted = ".".join((package,) + parts)
+            out[dotted.removesuffix(".__init__")] = path
     return out
 
 
@@ -150,6 +157,28 @@ def test_common_imports_no_process_package():
                    if module.startswith("specrelay.common") for target in targets
                    if target.startswith(PROCESS_PACKAGES))
     assert not wrong, f"common/ imports a process package: {wrong}"
+
+
+def test_the_graph_sees_subpackages():
+    graph = _graph()
+    assert "specrelay.edge_worker.draft.drafter" in graph["specrelay.edge_worker.trees.rounds"]  # `from ..draft...`
+    assert "specrelay.edge_worker.http.server" in graph["specrelay.onebox"]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Imports from a process package (broker, cloud_worker, edge_worker) of specrelay's own top-level modules
+    (cli, defaults, runtime, ...): the layering is bench -> specrelay -> process packages -> common, one way."""
+    top = {name for name in graph if name.count(".") == 1 and not name.startswith(
+        ("specrelay.bench", "specrelay.common", "specrelay.broker", "specrelay.edge_worker", "specrelay.cloud_worker"))}
+    return sorted(f"{module} -> {target}" for module, targets in graph.items() if module.startswith(PROCESS_PACKAGES)
+                  for target in targets if target in top)
+
+
+def test_process_packages_never_import_specrelay_top_level_modules():
+    assert upward_imports({"specrelay.edge_worker.server": {"specrelay.runtime"}, "specrelay.runtime": set()}) == \
+        ["specrelay.edge_worker.server -> specrelay.runtime"]
+    wrong = upward_imports(_graph())
+    assert not wrong, f"a process package imports specrelay's top level (the arrow points up): {wrong}"
 
 
 def test_no_function_past_60_lines():

@@ -19,7 +19,7 @@ from specrelay.cloud_worker.kvcache import KVShape, KVStore
 from specrelay.cloud_worker.verifier import Verifier, check_deterministic_device, use_batched
 from specrelay.common.errors import FatalError
 from specrelay.common.runner import ModelRunner
-from specrelay.edge_worker.drafter import Drafter
+from specrelay.edge_worker.draft.drafter import Drafter
 from specrelay.speculative import speculative_generate_batch
 from specrelay.edge_worker.config import SessionConfig
 from specrelay.treeref import TreeShape, tree_generate

@@ -153,7 +153,7 @@ def test_one_default_edge_endpoint_everywhere():
 
 def test_parser_and_broker_do_not_import_torch():
     code = ("import sys; from specrelay.cli import parser; parser(); from specrelay.broker.server import Broker; "
-            "from specrelay.edge_worker.probe import probe_broker; print('torch' in sys.modules)")
+            "from specrelay.edge_worker.routing.probe import probe_broker; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
 

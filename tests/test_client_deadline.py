@@ -14,7 +14,7 @@ import zmq
 from specrelay.client import Client
 from specrelay.common import protocol as P
 from specrelay.common.errors import FatalError, GenerationTimeout
-from specrelay.edge_worker.api import speculative
+from specrelay.edge_worker.http.api import speculative
 
 pytestmark = pytest.mark.timeout(60)
 STATS = {"generated_tokens": 6, "cloud_calls": 3, "uplink_bytes": 120, "wall_s": 0.25, "draft_s": 0.01}

@@ -23,8 +23,8 @@ from specrelay.common.errors import ErrorCode
 from specrelay.common.packing import f32
 from specrelay.common.resample import Rejection
 from specrelay.common.sampling import SamplingParams
-from specrelay.edge_worker.drafter import Drafter
-from specrelay.edge_worker.probe import probe_broker
+from specrelay.edge_worker.draft.drafter import Drafter
+from specrelay.edge_worker.routing.probe import probe_broker
 from specrelay.edge_worker.session import EdgeSession, SessionConfig, WorkerMisbehaved
 from test_security import keys  # noqa: F401  the fixture
 

@@ -14,7 +14,7 @@ import torch
 from specrelay.cloud_worker.server import CloudWorker, WorkerConfig
 from specrelay.common import protocol as P
 from specrelay.common.errors import ErrorCode
-from specrelay.edge_worker.drafter import Drafter
+from specrelay.edge_worker.draft.drafter import Drafter
 from specrelay.edge_worker.session import EdgeSession, SessionConfig
 from test_cloud_worker import PROMPTS, FakeBroker, drive, ids_of, wait_until
 

@@ -25,7 +25,7 @@ from specrelay.common import protocol as P
 from specrelay.common.errors import ErrorCode
 from specrelay.common.protocol import MsgType
 from specrelay.common.sampling import SamplingParams
-from specrelay.edge_worker.drafter import Drafter
+from specrelay.edge_worker.draft.drafter import Drafter
 from specrelay.edge_worker.session import EdgeSession, SessionConfig
 from specrelay.speculative import speculative_generate
 

@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from conftest import MODELS, demo_available
-from specrelay.edge_worker.api import ChatRequest, chat_prompt_ids, parse
+from specrelay.edge_worker.http.api import ChatRequest, chat_prompt_ids, parse
 
 pytestmark = [pytest.mark.demo, pytest.mark.skipif(not demo_available(), reason="demo models not trained")]
 

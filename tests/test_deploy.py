@@ -292,7 +292,7 @@ def test_units_raise_the_open_file_limit_above_the_processes_own_caps(name):
     """LimitNOFILE well above what the process caps itself at (HTTP connections, health connections): idle
     sockets then run into the process's cap, which closes the oldest, never into EMFILE."""
     from specrelay.common.health import MAX_CONNECTIONS as HEALTH_CONNECTIONS
-    from specrelay.edge_worker.httpguard import HttpLimits
+    from specrelay.edge_worker.http.guards import HttpLimits
 
     limit = int(read_unit(SYSTEMD / name)["Service"]["LimitNOFILE"][-1])
     assert limit >= 4 * (HttpLimits().max_connections + HEALTH_CONNECTIONS), f"{name}: LimitNOFILE={limit}"

@@ -1,4 +1,4 @@
-"""The edge's draft K/V (edge_worker/draftkv.py): a lockstep batch gathers its rows' pasts once and the model
+"""The edge's draft K/V (edge_worker/draft/kv.py): a lockstep batch gathers its rows' pasts once and the model
 writes each step in place; rows roll back, leave the batch and come back in other batches. Every draft must
 be what the draft model drafts for that context alone (common.runner.Decoder: one sequence, HF's own cache)."""
 
@@ -12,8 +12,8 @@ import torch
 from specrelay.common.protocol import Mode
 from specrelay.common.runner import Decoder
 from specrelay.common.sampling import SamplingParams
-from specrelay.edge_worker.draftkv import LockstepKV, SessionKV, Workspace
-from specrelay.edge_worker.drafter import Drafter, DraftJob
+from specrelay.edge_worker.draft.kv import LockstepKV, SessionKV, Workspace
+from specrelay.edge_worker.draft.drafter import Drafter, DraftJob
 
 
 def alone(runner, context: list[int], d: int) -> list[int]:

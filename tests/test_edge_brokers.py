@@ -13,8 +13,8 @@ import zmq
 
 from specrelay.common import protocol as P
 from specrelay.common.errors import ErrorCode, FatalError
-from specrelay.edge_worker.links import DOWN, UP
-from specrelay.edge_worker.probe import probe_brokers
+from specrelay.edge_worker.routing.links import DOWN, UP
+from specrelay.edge_worker.routing.probe import probe_brokers
 from specrelay.edge_worker.server import EdgeConfig, EdgeHealth, EdgeWorker
 from specrelay.edge_worker.session import SessionConfig
 from test_edge_client import N_NEW, PROMPTS, FakeCloud, drafter, greedy_refs, wait_until  # noqa: F401 (fixtures)

@@ -19,12 +19,12 @@ from specrelay.cloud_worker.verifier import Verifier
 from specrelay.common import protocol as P
 from specrelay.common.errors import GenerationTimeout, InvalidRequest, RequestError
 from specrelay.common.sampling import SamplingParams
-from specrelay.edge_worker.drafter import Drafter
+from specrelay.edge_worker.draft.drafter import Drafter
 from specrelay.common.errors import ErrorCode
 from specrelay.edge_worker.server import serve
 from specrelay.edge_worker.server import EdgeConfig, EdgeWorker
 from specrelay.edge_worker.session import SessionConfig
-from specrelay.edge_worker.textstream import TextStream
+from specrelay.edge_worker.http.textstream import TextStream
 from specrelay.speculative import speculative_generate
 
 pytestmark = pytest.mark.timeout(60)

@@ -19,7 +19,7 @@ from specrelay.broker.quotas import Limits
 from specrelay.cloud_worker.server import CloudWorker, WorkerConfig
 from specrelay.common import protocol as P
 from specrelay.common import transport
-from specrelay.edge_worker.drafter import Drafter
+from specrelay.edge_worker.draft.drafter import Drafter
 from specrelay.edge_worker.server import EdgeConfig, EdgeWorker
 from specrelay.edge_worker.session import SessionConfig
 from specrelay.bench.attacks import Fuzzer

@@ -26,7 +26,7 @@ import pytest
 
 from specrelay.bench import httpfuzz
 from specrelay.cluster import LocalCluster, free_port
-from specrelay.edge_worker.httpguard import FairShare, HttpLimits, load_api_keys
+from specrelay.edge_worker.http.guards import FairShare, HttpLimits, load_api_keys
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -16,7 +16,7 @@ from specrelay.common import protocol as P
 from specrelay.common import verify
 from specrelay.common.errors import ErrorCode, InvalidRequest, RequestError
 from specrelay.common.sampling import SamplingParams
-from specrelay.edge_worker.drafter import Drafter
+from specrelay.edge_worker.draft.drafter import Drafter
 from specrelay.edge_worker.session import EdgeSession, SessionConfig
 from specrelay.speculative import speculative_generate_batch
 

@@ -48,6 +48,14 @@ def test_wheel_carries_the_packages_and_the_demo_pair(wheel):
     for package in ("specrelay", "specrelay/common", "specrelay/broker", "specrelay/edge_worker",
                     "specrelay/cloud_worker"):
         assert f"{package}/__init__.py" in names, package
+    # every module of the source folders, subpackages included: pyproject.toml lists packages one by one, and a
+    # subpackage missing there is missing from the wheel
+    folders = {"specrelay": "specrelay", "common": "specrelay/common", "broker": "specrelay/broker",
+               "edge_worker": "specrelay/edge_worker", "cloud_worker": "specrelay/cloud_worker"}
+    missing = [f"{package}/{path.relative_to(ROOT / folder)}" for folder, package in folders.items()
+               for path in (ROOT / folder).rglob("*.py")
+               if f"{package}/{path.relative_to(ROOT / folder).as_posix()}" not in names]
+    assert not missing, f"modules the wheel lacks (a package missing from pyproject.toml's list?): {missing}"
     for model in ("demo-target", "demo-draft"):
         for f in ("config.json", "model.safetensors", "tokenizer.json"):
             assert f"specrelay/models/{model}/{f}" in names

@@ -22,7 +22,7 @@ from specrelay.cloud_worker.server import CloudWorker
 from specrelay.cloud_worker.verifier import Verifier
 from specrelay.common.runner import ModelRunner
 from specrelay.common.sampling import SamplingParams
-from specrelay.edge_worker.drafter import Drafter
+from specrelay.edge_worker.draft.drafter import Drafter
 from specrelay.edge_worker.server import EdgeHealth
 from specrelay.edge_worker.server import EdgeConfig, EdgeWorker
 from specrelay.edge_worker.session import SessionConfig
@@ -82,6 +82,11 @@ async def test_greedy_with_predrafting_equals_hf_and_reuses_drafts(zctx, linked,
     for prompt, (out, stats) in zip(PROMPTS, results):
         assert out == hf_greedy(target, prompt, 48), prompt
     assert sum(s["predraft_tokens"] for _, s in results) > 0  # the chain was reused
+    # the hit rate's two counters count over the same chain rounds: a hit is a try whose pre-draft was used
+    assert sum(s["predraft_tries"] for _, s in results) > 0
+    assert sum(s["predraft_rounds"] for _, s in results) > 0
+    assert all(s["predraft_rounds"] <= s["predraft_tries"] < s["cloud_calls"] for _, s in results), \
+        [(s["predraft_rounds"], s["predraft_tries"], s["cloud_calls"]) for _, s in results]
 
 
 async def test_seeded_sampling_identical_with_and_without_predrafting(zctx, linked, twin_drafter, tiny_runners):
@@ -96,6 +101,8 @@ async def test_seeded_sampling_identical_with_and_without_predrafting(zctx, link
     assert [out for out, _ in runs[True]] == [out for out, _ in runs[False]]
     assert sum(s["predraft_tokens"] for _, s in runs[True]) > 0
     assert sum(s["predraft_tokens"] for _, s in runs[False]) == 0
+    assert all(s["predraft_rounds"] <= s["predraft_tries"] for _, s in runs[True])
+    assert sum(s["predraft_tries"] + s["predraft_rounds"] for _, s in runs[False]) == 0  # no pre-draft, no try
     for prompt, config, (out, _) in zip(PROMPTS, configs, runs[True]):
         ids = target.tokenizer(prompt).input_ids
         assert out == speculative_generate(twin_drafter, Verifier(target), ids, config)[0]

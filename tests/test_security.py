@@ -17,7 +17,7 @@ from specrelay.broker.server import Broker
 from specrelay.cloud_worker.server import CloudWorker, WorkerConfig
 from specrelay.common import auth, protocol, transport
 from specrelay.common.errors import AuthenticationFailed, FatalError
-from specrelay.edge_worker.drafter import Drafter
+from specrelay.edge_worker.draft.drafter import Drafter
 from specrelay.edge_worker.server import EdgeConfig, EdgeWorker
 from specrelay.edge_worker.session import SessionConfig
 

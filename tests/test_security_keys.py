@@ -124,7 +124,7 @@ def _handshake(endpoint: str, curve, identity: bytes | None) -> None:
 
 
 async def test_an_edge_without_keys_is_told_the_broker_wants_them(zctx, keys):
-    from specrelay.edge_worker.probe import probe_broker
+    from specrelay.edge_worker.routing.probe import probe_broker
 
     secrets, edges, workers = keys
     async with Broker(ANY, ANY, context=zctx, linger_ms=0, curve_secret=str(secrets / "broker.key_secret"),
@@ -135,7 +135,7 @@ async def test_an_edge_without_keys_is_told_the_broker_wants_them(zctx, keys):
 
 @pytest.mark.parametrize("listen, refused", [("tcp://0.0.0.0:0", True), ("tcp://127.0.0.1:0", False)])
 async def test_the_edge_client_port_without_curve_stays_on_loopback(zctx, tiny_runners, listen, refused):
-    from specrelay.edge_worker.drafter import Drafter
+    from specrelay.edge_worker.draft.drafter import Drafter
     from specrelay.edge_worker.server import EdgeConfig, EdgeWorker
 
     target, draft = tiny_runners
@@ -171,7 +171,7 @@ async def test_handshakes_past_the_budget_are_held_not_refused(zctx, keys):
 async def test_the_edge_client_port_with_client_keys_is_curve(zctx, keys, tiny_runners):
     """`--client-keys`: the client port is a CURVE server with the edge's key pair, on any address; a listed
     application key completes the handshake, an unlisted one is refused."""
-    from specrelay.edge_worker.drafter import Drafter
+    from specrelay.edge_worker.draft.drafter import Drafter
     from specrelay.edge_worker.server import EdgeConfig, EdgeWorker
 
     secrets, edges, _ = keys

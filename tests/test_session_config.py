@@ -12,7 +12,8 @@ from specrelay.common import protocol as P
 from specrelay.common.errors import InvalidRequest
 from specrelay.common.protocol import Mode, Objective, Strategy
 from specrelay.common.sampling import SamplingParams
-from specrelay.edge_worker import api, frontend
+from specrelay.edge_worker import frontend
+from specrelay.edge_worker.http.server import api
 from specrelay.edge_worker.config import EdgeConfig, HttpLimits, SessionConfig, session_config
 
 

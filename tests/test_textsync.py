@@ -1,4 +1,4 @@
-"""Edge context sync (edge_worker/textsync.py): after any sequence of appends, DraftContext's draft ids equal a full
+"""Edge context sync (edge_worker/xvocab/textsync.py): after any sequence of appends, DraftContext's draft ids equal a full
 re-tokenisation of the committed text, while re-tokenising only the tail."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import random
 import pytest
 import torch
 
-from specrelay.edge_worker.textsync import DraftContext, incremental_backoff
-from specrelay.edge_worker.vocab import token_bytes
+from specrelay.edge_worker.xvocab.textsync import DraftContext, incremental_backoff
+from specrelay.edge_worker.xvocab.mapping import token_bytes
 from test_vocab import TRICKY, demo_tokenizer, tiny_byte_level, tiny_metaspace  # sibling test module
 from test_vocab import byte_level, metaspace  # noqa: F401  (its module-scoped fixtures, shared)
 

@@ -1,4 +1,4 @@
-"""Token trees through the edge's session (edge_worker/session.py -> treeround.py) and the cloud's Verifier,
+"""Token trees through the edge's session (edge_worker/session.py -> trees/rounds.py) and the cloud's Verifier,
 in-process: greedy equals the target alone, coupled equals target-alone sampling for the seed, sample mode's
 first two tokens follow p (chi-square); a retried round sends the very tree again; a worker that cannot verify
 trees gets chains from then on; pre-drafts of the likely verdicts start the next tree."""
@@ -16,9 +16,9 @@ from specrelay.common.errors import ErrorCode, InvalidRequest
 from specrelay.common.protocol import Mode
 from specrelay.common.sampling import SamplingParams, probs_from_logits
 from specrelay.edge_worker.config import SessionConfig
-from specrelay.edge_worker.drafter import Drafter
+from specrelay.edge_worker.draft.drafter import Drafter
 from specrelay.edge_worker.session import EdgeSession
-from specrelay.edge_worker.treeround import TreesRefused
+from specrelay.edge_worker.trees.rounds import TreesRefused
 from specrelay.speculative import speculative_generate_batch, target_generate
 
 PROMPTS = ["def add(a, b):\n", "class Point:\n", "for i in"]

@@ -1,4 +1,4 @@
-"""The edge's token-tree drafting (edge_worker/treedraft.py, draftkv.py trees, drafttree.py): a tree node's logits
+"""The edge's token-tree drafting (edge_worker/trees/drafter.py, draft/kv.py trees, trees/tree.py): a tree node's logits
 are the draft model's for its own path alone, in any batch and after its ancestors were kept aside; a tree level
 costs one forward for every session; a verdict's path joins the history without re-running it and the subtree
 under it stays; the shapes follow the contract (parents first, distinct siblings in draw order)."""
@@ -11,11 +11,11 @@ import torch
 from specrelay.common.protocol import Mode
 from specrelay.common.sampling import SamplingParams
 from specrelay.common.tree import Tree
-from specrelay.edge_worker.draftkv import LockstepKV, SessionKV, TreeFeed, Workspace
-from specrelay.edge_worker.drafter import Drafter
-from specrelay.edge_worker.drafttree import ROOT
-from specrelay.edge_worker.treedraft import TreeJob, node_dist
-from specrelay.edge_worker.drafttree import TreeShape
+from specrelay.edge_worker.draft.kv import LockstepKV, SessionKV, TreeFeed, Workspace
+from specrelay.edge_worker.draft.drafter import Drafter
+from specrelay.edge_worker.trees.tree import ROOT
+from specrelay.edge_worker.trees.drafter import TreeJob, node_dist
+from specrelay.edge_worker.trees.tree import TreeShape
 from specrelay.edge_worker.policy import RankAcceptance
 
 TEXTS = ["def add(a, b):\n", "class Point:\n", "for i in range(10):\n"]

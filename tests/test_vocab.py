@@ -1,4 +1,4 @@
-"""Byte mapping of tokens and the shared vocabulary V_c (edge_worker/vocab.py).
+"""Byte mapping of tokens and the shared vocabulary V_c (edge_worker/xvocab/mapping.py).
 
 Tiny tokenizers built in-test (one byte-level BPE, one Metaspace + byte-fallback BPE) test the logic on every
 run; the demo pair and the OpenAI vocabularies are used when present."""
@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from specrelay.edge_worker import vocab as V
+from specrelay.edge_worker.xvocab import mapping as V
 
 torch.set_num_threads(1)
 

@@ -16,7 +16,7 @@ from specrelay.common.errors import ErrorCode, InvalidRequest
 from specrelay.common.packing import f32
 from specrelay.common.protocol import Mode, ResampleKind, Strategy
 from specrelay.common.resample import SRDV_MAX_ROUNDS, Pending, serve_resample
-from specrelay.edge_worker.drafter import Drafter
+from specrelay.edge_worker.draft.drafter import Drafter
 from specrelay.edge_worker.session import EdgeSession, SessionConfig
 from test_cloud_worker import (PROMPTS, FakeBroker, drive, fake_broker, http_get, ids_of,  # noqa: F401 fixtures
                                start_worker, target_continuation, wait_until)

@@ -93,7 +93,7 @@ def test_predraft_continues_a_cross_vocab_chain_as_text():
     re-tokenised text (the context the session will have once the chain is committed), never from ids mapped
     token by token (-1 outside V_c: an IndexError that wiped the session's draft K/V)."""
     from specrelay.common.protocol import Mode
-    from specrelay.edge_worker.drafter import DraftJob
+    from specrelay.edge_worker.draft.drafter import DraftJob
     from specrelay.paths import demo_model
 
     drafter, tok = load_drafter(demo_model("demo-draft-xv"), demo_model("demo-target"))

@@ -9,7 +9,7 @@ from dataclasses import replace
 from functools import lru_cache
 
 from ...common.protocol import MAX_DRAFT, LoadHint, Objective
-from ..drafttree import TreeShape
+from ..trees.tree import TreeShape
 from .estimates import PREDRAFT_SHARE, AcceptanceCounts, EdgeEstimates
 
 MAX_LEN = 32           # the longest chain, the deepest tree auto drafts (past it a demo pair's chance of

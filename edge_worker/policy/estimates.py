@@ -4,7 +4,7 @@ chains and trees. Pure: numbers in, numbers out; no clocks, no sockets."""
 from __future__ import annotations
 
 from ...common.protocol import LoadHint
-from ..drafttree import BUCKETS, MAX_BRANCH
+from ..trees.tree import BUCKETS, MAX_BRANCH
 
 PRIOR_ACCEPT = 0.7     # acceptance assumed where nothing was measured (a demo pair's typical first-position rate);
                        # a later sibling of a tree node gets half of it (its elder siblings were rejected)

@@ -6,7 +6,7 @@ Each round, every session drafts d tokens greedily in one lockstep batch, then k
 one other token (as after a VERDICT: the cache rolls back, the next batch feeds the catch-up). Two paths draft
 the same contexts, interleaved round by round:
 
-- `in place`: the edge's drafter (edge_worker/draftkv.py): pasts gathered once per batch, K/V written in place;
+- `in place`: the edge's drafter (edge_worker/draft/kv.py): pasts gathered once per batch, K/V written in place;
 - `restack`: the path the edge used before, kept in common/runner.py: every step restacks every session's
   past left-padded (`forward_batch`) and appends the kept K/V by concatenation (`append_kv`).
 
@@ -61,7 +61,7 @@ def run(args) -> dict:
     from ..common.protocol import Mode
     from ..common.runner import ModelRunner
     from ..common.sampling import SamplingParams
-    from ..edge_worker.drafter import Drafter, DraftJob
+    from ..edge_worker.draft.drafter import Drafter, DraftJob
 
     torch.set_num_threads(args.threads)
     runner = ModelRunner.load(args.draft)

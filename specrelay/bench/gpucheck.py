@@ -68,7 +68,7 @@ def exactness(pair: str, target: str, draft: str | None, device: str, dtype: str
     """One row per attention path: the pair's greedy output through the Verifier against HF generate."""
     from ..common.runner import ModelRunner
     from ..edge_worker.config import SessionConfig
-    from ..edge_worker.drafter import Drafter
+    from ..edge_worker.draft.drafter import Drafter
     from ..speculative import speculative_generate_batch
 
     t = ModelRunner.load(target, device, dtype)
@@ -187,7 +187,7 @@ def throughput(target: str, draft: str, device: str, dtype: str, size: dict) -> 
     """(c): generated tokens/s of `sessions` concurrent sessions against one, one Verifier (its default path)."""
     from ..common.runner import ModelRunner
     from ..edge_worker.config import SessionConfig
-    from ..edge_worker.drafter import Drafter
+    from ..edge_worker.draft.drafter import Drafter
     from ..speculative import speculative_generate_batch
 
     t, d = ModelRunner.load(target, device, dtype), ModelRunner.load(draft, device, dtype)

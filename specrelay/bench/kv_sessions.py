@@ -102,7 +102,7 @@ def bench_concurrency(args) -> dict:
     from ..cluster import LocalCluster
     from ..common.runner import ModelRunner
     from ..common.sampling import SamplingParams
-    from ..edge_worker.drafter import Drafter
+    from ..edge_worker.draft.drafter import Drafter
     from ..edge_worker.config import SessionConfig
     from ..speculative import speculative_generate_batch
 

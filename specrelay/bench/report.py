@@ -253,7 +253,7 @@ _NOTES = {
               "`hr` (a large payload) too often; a large K sends candidates that are never needed.",
     "draft_step": "In-process, the draft model alone, 1 torch thread: each round every session drafts d tokens "
                   "greedily in one lockstep batch, then keeps a prefix plus one other token (a rollback and a "
-                  "catch-up, as after a VERDICT). `in place` is the edge's drafter (edge_worker/draftkv.py); "
+                  "catch-up, as after a VERDICT). `in place` is the edge's drafter (edge_worker/draft/kv.py); "
                   "`restack` the path it used before (every step restacks every session's past and concatenates "
                   "it twice more). Median ms per round over contexts from the prompt to `context (end)`.",
     "wire": "Bytes on the wire (header + body frames) with realistic values: a per-edge session id of 37, token "

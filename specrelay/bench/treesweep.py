@@ -44,7 +44,7 @@ def fields(config: Config, stats: list[dict], tokens: int, verify_requests: floa
     """A sweep row's tree fields, from its sessions' stats and the cloud's VERIFY count."""
     total = lambda key: sum(s.get(key, 0) for s in stats)  # noqa: E731
     rounds = max(1, total("cloud_calls"))
-    tries = total("predraft_tries") if config.trees != "off" else max(0, rounds - len(stats))
+    tries = total("predraft_tries")
     return {
         "trees": config.trees, "tree_nodes": config.nodes,
         "shape": "tree" if total("tree_rounds") * 2 > rounds else "chain",

@@ -61,7 +61,7 @@ def run(args) -> dict:
     from ..common.sampling import SamplingParams
     from ..edge_worker.loading import load_drafter
     from ..edge_worker.config import SessionConfig
-    from ..edge_worker.vocab import token_bytes
+    from ..edge_worker.xvocab.mapping import token_bytes
     from ..speculative import speculative_generate_batch, target_generate
 
     target = ModelRunner.load(str(MODELS / "demo-target"))

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible API's response objects (edge_worker/api.py re-exports them): one finished generation
+"""The OpenAI-compatible API's response objects (edge_worker/http/api.py re-exports them): one finished generation
 (`Outcome`) and the envelope of a response or a stream chunk (`Shape`), with `usage` and the `speculative` stats."""
 
 from __future__ import annotations

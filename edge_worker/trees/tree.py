@@ -1,7 +1,7 @@
 """A session's draft tree on the edge (pure: no model): the nodes drafted after its committed tokens, what the
 draft said after each node it ran, which of them a VERIFY carries, and what a verdict leaves of it.
 
-Node ids are stable for the tree's life (the node K/V in `treekv.NodeKV` are keyed by them), so a verdict that
+Node ids are stable for the tree's life (the node K/V in `trees.kv.NodeKV` are keyed by them), so a verdict that
 commits a path re-roots the tree at the path's end without renumbering (`reroot`). A node at depth k stands at
 absolute position root_len - 1 + k; the draft's distribution after node u (`NodeDist`, once u was fed to the draft
 model) is about position root_len + depth(u): where u's children stand.
@@ -180,7 +180,7 @@ class DraftTree:
 
 def adopt(tree: DraftTree, kv, ids: list[int], context: list[int]) -> tuple[list[int], DraftTree | None]:
     """After a verdict: follow the committed tokens past the tree's root down the tree and move the K/V of every fed
-    node on that path into the session's history (kv: draftkv.SessionKV), dropping the rest. Returns (the ids the
+    node on that path into the session's history (kv: draft.kv.SessionKV), dropping the rest. Returns (the ids the
     history now holds, what is left of the tree: the subtree under the path's end when it covers the whole
     context, else None)."""
     n = len(ids)

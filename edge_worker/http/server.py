@@ -1,13 +1,13 @@
 """The edge worker's OpenAI-compatible HTTP front end (`specrelay edge-worker --http HOST:PORT`, `specrelay serve`).
 
-Starlette routes on uvicorn, in the edge worker's own event loop, over `EdgeWorker.generate` (edge_worker/api.py
+Starlette routes on uvicorn, in the edge worker's own event loop, over `EdgeWorker.generate` (edge_worker/http/api.py
 is the pure part: requests, stop strings, response shapes). A client that goes away cancels its generation, in a
 stream (the disconnect or the failed write) and in a plain request (a watcher on the connection); cancelling
 `generate` CLOSEs the session, so the cloud worker frees its KV at once.
 
     GET  /v1/models   POST /v1/completions   POST /v1/chat/completions   GET /health
 
-Every request passes the guards of edge_worker/httpguard.py (API key, body size and time, request-head deadline,
+Every request passes the guards of edge_worker/http/guards.py (API key, body size and time, request-head deadline,
 connection cap, concurrency and per-key fair share). An error the client did not cause is logged with its
 request id (the `x-request-id` header) and answered with a generic message naming that id, never exception text.
 """
@@ -31,10 +31,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from ..common import transport
-from ..common.errors import FatalError, InvalidRequest, RequestError
-from . import api, httpguard
-from .config import HttpLimits
+from ...common import transport
+from ...common.errors import FatalError, InvalidRequest, RequestError
+from . import api, guards
+from ..config import HttpLimits
 from .textstream import TextStream
 
 log = structlog.get_logger("specrelay.http")
@@ -125,8 +125,8 @@ class OpenAIApp:
         self.edge, self.served_model = edge, served_model
         self.stats = stats or HttpStats()
         self.limits = limits or HttpLimits()
-        self.share = httpguard.FairShare(self.limits)
-        self.bodies = httpguard.BodyBudget(self.limits.max_body_bytes_in_flight)
+        self.share = guards.FairShare(self.limits)
+        self.bodies = guards.BodyBudget(self.limits.max_body_bytes_in_flight)
         self.tokenising = asyncio.Semaphore(TOKENISE_AT_ONCE)
 
     def asgi(self) -> Starlette:
@@ -137,7 +137,7 @@ class OpenAIApp:
 
     async def models(self, request: Request) -> JSONResponse:
         try:
-            httpguard.authorize(self.limits, request.headers.get("authorization"))
+            guards.authorize(self.limits, request.headers.get("authorization"))
         except api.APIError as exc:
             return self._error(exc)
         return JSONResponse({"object": "list", "data": [{"id": self.served_model, "object": "model", "created": 0,
@@ -157,8 +157,8 @@ class OpenAIApp:
         self.stats.http_requests += 1
         request_id = "req-" + uuid.uuid4().hex[:16]
         try:
-            key = httpguard.authorize(self.limits, request.headers.get("authorization"))
-            req = api.parse(await httpguard.read_body(request, self.limits, self.bodies), kind)
+            key = guards.authorize(self.limits, request.headers.get("authorization"))
+            req = api.parse(await guards.read_body(request, self.limits, self.bodies), kind)
             api.check(req, self.served_model)
             ticket = self.share.admit(key)  # the concurrency limit and the key's share, before any tokenising
         except Exception as exc:
@@ -200,7 +200,7 @@ class OpenAIApp:
             return self._error(api_error(work.exception(), request_id), request_id)
         return JSONResponse(shape.full(work.result()), headers={"x-request-id": request_id})
 
-    async def _generate(self, ids, config, stops, ticket: httpguard.Ticket, on_text=None, *,
+    async def _generate(self, ids, config, stops, ticket: guards.Ticket, on_text=None, *,
                         request_id: str = "") -> api.Outcome:
         self.stats.http_in_flight += 1
         t0 = time.perf_counter()
@@ -216,7 +216,7 @@ class OpenAIApp:
                  cloud_calls=out.stats.get("cloud_calls"), wall_s=round(time.perf_counter() - t0, 3))
         return out
 
-    async def _events(self, shape: api.Shape, ids, config, stops, include_usage: bool, ticket: httpguard.Ticket,
+    async def _events(self, shape: api.Shape, ids, config, stops, include_usage: bool, ticket: guards.Ticket,
                       request_id: str) -> AsyncIterator[bytes]:
         """Server-sent events: a chunk per committed piece of text, the last chunk (finish_reason, speculative
         stats), the usage chunk if asked, [DONE]. Leaving early cancels the generation (its finally CLOSEs)."""
@@ -267,7 +267,7 @@ class EventStream:
     """An SSE response that owns its event iterator: the client disconnecting (or a write failing) closes the
     iterator at once, whose `finally` cancels the generation."""
 
-    def __init__(self, events: AsyncIterator[bytes], app: OpenAIApp, ticket: httpguard.Ticket,
+    def __init__(self, events: AsyncIterator[bytes], app: OpenAIApp, ticket: guards.Ticket,
                  request_id: str) -> None:
         self.events, self.app, self.ticket = events, app, ticket
         self.headers = SSE_HEADERS + [(b"x-request-id", request_id.encode())]
@@ -318,7 +318,7 @@ class HttpFrontend(transport.Service):
     async def _open(self) -> None:
         self._sock = _listen(self.host, self.port)
         self.port = self._sock.getsockname()[1]
-        protocol = httpguard.guarded_protocol(self.app.limits, self.app.stats)
+        protocol = guards.guarded_protocol(self.app.limits, self.app.stats)
         config = uvicorn.Config(self.app.asgi(), http=protocol, lifespan="off", log_config=None, access_log=False,
                                 timeout_graceful_shutdown=GRACE_S)
         config.load()

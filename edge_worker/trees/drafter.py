@@ -1,14 +1,14 @@
 """Drafting token trees for many sessions at once: ONE batched draft forward per depth level, not one per branch.
 
-A tree job grows its session's draft tree (edge_worker/drafttree.py) level by level to its shape
-(edge_worker/drafttree.py, chosen by edge_worker/policy): at each step every session still drafting feeds the nodes of its next level (the
-draft model with a tree attention mask over its K/V, edge_worker/draftkv.py `trees=True`), then each fed node's
+A tree job grows its session's draft tree (edge_worker/trees/tree.py) level by level to its shape
+(edge_worker/trees/tree.py, chosen by edge_worker/policy): at each step every session still drafting feeds the nodes of its next level (the
+draft model with a tree attention mask over its K/V, edge_worker/draft/kv.py `trees=True`), then each fed node's
 children are chosen from what the draft says after it (`node_dist`), in the mode's way:
   greedy   the draft's likeliest tokens;
   coupled  the top of log q + g_t with the SHARED Gumbel noise of their position (the first is the chain's token);
   sample   drawn from q without replacement (common/tree.py `draw_children`; the node's q row travels).
 Nodes a pre-draft already drafted are kept: the job only drafts what is missing. The nodes' K/V stay beside the
-history until a verdict commits a path (DraftState.sync -> drafttree.adopt).
+history until a verdict commits a path (DraftState.sync -> trees.tree.adopt).
 
 A pre-draft job (`OutcomePlan`) runs while the VERIFY is in flight, one forward per chunk: it feeds the tree's
 leaves and guesses of the verdict's next token (`outcome` nodes), likeliest first, and grows the next tree under
@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..common.protocol import Mode
-from ..common.rng import Purpose, gumbel
-from ..common.sampling import SamplingParams, probs_from_logits
-from ..common.tree import draw_children
-from .draftkv import LockstepKV, TreeFeed, Workspace
-from .drafttree import BUCKETS, CANDIDATES, ROOT, DraftTree, NodeDist, TreeShape, bucket_of, expand_level
-from .policy import RankAcceptance
+from ...common.protocol import Mode
+from ...common.rng import Purpose, gumbel
+from ...common.sampling import SamplingParams, probs_from_logits
+from ...common.tree import draw_children
+from ..draft.kv import LockstepKV, TreeFeed, Workspace
+from .tree import BUCKETS, CANDIDATES, ROOT, DraftTree, NodeDist, TreeShape, bucket_of, expand_level
+from ..policy import RankAcceptance
 
 PREDRAFT_WIDTH = 64     # columns one pre-draft chunk feeds per session at most (a chunk delays a real draft)
 PREDRAFT_COLUMNS = 128  # ... and all sessions of an edge together (each gets its share, at least 4)
@@ -124,7 +124,7 @@ class Cursor:
         self.drafter, self.job = drafter, job
         self.noise: dict = {}  # position -> the shared Gumbel noise there (coupled)
         state, context = job.state, job.context
-        state.sync(context)  # a verdict's path joins the history; the subtree after it stays (drafttree.adopt)
+        state.sync(context)  # a verdict's path joins the history; the subtree after it stays (trees.tree.adopt)
         self.history: list[int] = []
         if job.plan is not None and (state.tree is None or state.tree.root_len != len(context)):
             job.plan.chunks = 0  # the tree it was to grow is gone (a failed batch reset the state): nothing to do

@@ -22,10 +22,10 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from ..common import protocol as P
-from ..common import transport
-from ..common.brokers import choose
-from ..common.errors import NO_LIVE_WORKER, ConnectionLost, InvalidRequest, Overloaded
+from ...common import protocol as P
+from ...common import transport
+from ...common.brokers import choose
+from ...common.errors import NO_LIVE_WORKER, ConnectionLost, InvalidRequest, Overloaded
 from .route import Route
 
 log = structlog.get_logger("specrelay.edge")

@@ -1,4 +1,4 @@
-"""The guards of the edge's HTTP API (edge_worker/http.py): every HTTP client of an edge is assumed hostile.
+"""The guards of the edge's HTTP API (edge_worker/http/server.py): every HTTP client of an edge is assumed hostile.
 
     API keys         `Authorization: Bearer K` on /v1/* (as vLLM and OpenAI); none configured = open
     connections      at most max_connections open (and half the open-file limit); past it the oldest idle one
@@ -27,9 +27,9 @@ from pathlib import Path
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ..common.errors import ConfigError
+from ...common.errors import ConfigError
 from .api import APIError
-from .config import HttpLimits
+from ..config import HttpLimits
 
 RETRY_AFTER_S = 1
 OPEN = ""  # the key of every request when no API keys are configured

@@ -23,15 +23,15 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from ..common.runner import ModelRunner
-from .treekv import NodeKV, TreeColumns
+from ...common.runner import ModelRunner
+from ..trees.kv import NodeKV, TreeColumns
 
 NodeRef = tuple[int, "int | None", int]  # a tree node in a feed: (node id, parent node id or None = the root, position)
 
 
 class SessionKV:
     """One session's draft K/V: buf [layers, 2, kv_heads, capacity, head_dim], the first `length` positions valid;
-    `nodes`: the K/V of its draft tree's nodes, beside the history (edge_worker/treekv.py)."""
+    `nodes`: the K/V of its draft tree's nodes, beside the history (edge_worker/trees/kv.py)."""
 
     def __init__(self) -> None:
         self.buf: torch.Tensor | None = None
@@ -308,7 +308,7 @@ class Workspace:
 def self_check(runner: ModelRunner) -> None:
     """Raise FatalError (one line) unless lockstep forwards (ragged, with holes, a second batch gathering the
     pasts after a rollback) give the draft model's own logits (common/selfcheck.py)."""
-    from ..common import selfcheck
+    from ...common import selfcheck
 
     a, b = selfcheck.probe(runner.vocab_size)
 

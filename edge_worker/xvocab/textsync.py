@@ -24,7 +24,7 @@ from typing import Sequence
 import structlog
 from tokenizers import Tokenizer
 
-from ..common.runner import common_prefix
+from ...common.runner import common_prefix
 
 log = structlog.get_logger("specrelay.textsync")
 

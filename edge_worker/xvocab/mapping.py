@@ -6,7 +6,7 @@
   SharedVocab       the two id maps over V_c; `SharedVocab.identity` is the same-vocabulary case.
 
 Report of |V| and |V_c| for the demo pair and the OpenAI vocabularies:
-    python -m specrelay.edge_worker.vocab --report [--gpt2-encoder path/to/encoder.json]
+    python -m specrelay.edge_worker.xvocab.mapping --report [--gpt2-encoder path/to/encoder.json]
 """
 
 from __future__ import annotations

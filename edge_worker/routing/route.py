@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import asyncio
 
-from ..common import protocol as P
-from ..common.errors import RequestError, UnknownSession
-from .config import EdgeConfig
-from .session import EdgeSession
+from ...common import protocol as P
+from ...common.errors import RequestError, UnknownSession
+from ..config import EdgeConfig
+from ..session import EdgeSession
 
 
 class Route:

@@ -4,7 +4,7 @@ The draft model runs in one worker thread; while it drafts a batch, new jobs que
 batch, so batching grows with load and costs nothing to a lone session (no waiting). A job's block is handed
 to its session as soon as that job leaves the batch, not when the batch's longest job ends.
 
-Pre-drafts (edge_worker/predraft.py) have the lowest priority: they run only while no real draft waits, a few
+Pre-drafts (edge_worker/draft/predraft.py) have the lowest priority: they run only while no real draft waits, a few
 tokens at a time (`chunk`), so a real draft waits for at most one chunk. `collect` stops a pre-draft and hands
 back what it drafted so far.
 """

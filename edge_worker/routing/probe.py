@@ -19,10 +19,10 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from ..common import protocol as P
-from ..common import transport
-from ..common.brokers import broker_list, per_broker
-from ..common.errors import AuthenticationFailed, FatalError, InvalidRequest, from_wire
+from ...common import protocol as P
+from ...common import transport
+from ...common.brokers import broker_list, per_broker
+from ...common.errors import AuthenticationFailed, FatalError, InvalidRequest, from_wire
 
 HANDSHAKE_FAILED = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication failed: the broker at {} refused this process's CURVE key "

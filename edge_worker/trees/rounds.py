@@ -11,17 +11,17 @@ before: its levels are drafted already, so the job only rebuilds the wire form.
 
 from __future__ import annotations
 
-from ..common import protocol as P
-from ..common.errors import InternalError, InvalidRequest
-from ..common.packing import f32
-from ..common.protocol import Mode
-from ..common.resample import Rejection
-from ..common.tree import Tree, encode_q_row
-from .drafter import DraftBlock, DraftJob
-from .drafttree import ROOT, TreeShape
-from .predraft import OutcomePlan, TreePreDraft
-from .policy import PREDRAFT_SHARE, EdgeEstimates
-from .treedraft import PREDRAFT_COLUMNS, PREDRAFT_WIDTH, TreeBlock, TreeJob
+from ...common import protocol as P
+from ...common.errors import InternalError, InvalidRequest
+from ...common.packing import f32
+from ...common.protocol import Mode
+from ...common.resample import Rejection
+from ...common.tree import Tree, encode_q_row
+from ..draft.drafter import DraftBlock, DraftJob
+from .tree import ROOT, TreeShape
+from ..draft.predraft import OutcomePlan, TreePreDraft
+from ..policy import PREDRAFT_SHARE, EdgeEstimates
+from .drafter import PREDRAFT_COLUMNS, PREDRAFT_WIDTH, TreeBlock, TreeJob
 
 MAX_FRAME_ROWS = 6 << 20  # bytes of q rows one VERIFY may carry (common/protocol.py MAX_FRAME is 8 MiB)
 
@@ -40,7 +40,6 @@ class TreeRounds:
         self.chain = False                    # it travelled as a chain
         self.root_len = 0
         self.chains_only = False
-        self._planned = 0                     # pre-draft chunks planned for the tree in flight
         self.last_steps = 0                   # forwards the last tree job ran (0: not a tree round)
 
     @property
@@ -89,7 +88,7 @@ class TreeRounds:
         st.tree_rounds += not self.chain
         st.tree_nodes += len(block.ids)
         st.predraft_tokens += block.reused
-        st.predraft_rounds += block.reused > 0
+        st.predraft_rounds += s._hit(block.reused)
         for width, seconds in block.forwards:
             self.edge().observe_forward(width, seconds)
         if self.shape.depth:
@@ -140,8 +139,6 @@ class TreeRounds:
             s._rejection = Rejection(q, s.drafter.shared_mask, s.config.seed, len(s.tokens), v.seq, s.sid,
                                      s.config.resample)
             s._resolve(s._rejection.step(v))
-        s.stats.predraft_tries += self._planned > 0 and not s.done  # a next block that could start from it
-        self._planned = 0
         return s.generated[start:]
 
     def _count(self, block: TreeBlock, tree, path: list[int]) -> None:
@@ -175,7 +172,6 @@ class TreeRounds:
         if chunks <= 0:
             return None
         c = s.config
-        self._planned = chunks
         width = max(4, min(PREDRAFT_WIDTH, PREDRAFT_COLUMNS // max(1, self.edge().sessions)))  # all sessions share
         plan = OutcomePlan(block.nodes, shape, chunks, width)                                      # a chunk's forward
         wait = self._wait()

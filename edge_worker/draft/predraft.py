@@ -15,9 +15,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ..common.protocol import Mode
+from ...common.protocol import Mode
 from .drafter import DraftBlock
-from .drafttree import expand_level
+from ..trees.tree import expand_level
 
 
 @dataclass
@@ -66,7 +66,7 @@ class OutcomePlan:
 
     def next(self, cursor) -> list[int]:
         """The nodes the next chunk feeds (new outcome nodes included); [] when nothing is worth it."""
-        from .treedraft import GUESSES, PREDRAFT_MIN
+        from ..trees.drafter import GUESSES, PREDRAFT_MIN
 
         tree, job = cursor.job.state.tree, cursor.job
         if tree is None or self.chunks <= 0:
@@ -115,7 +115,7 @@ class OutcomePlan:
     def _expand_ready(self, cursor) -> None:
         """In every guess's subtree, expand the levels whose nodes are all fed (no forward needed), shallowest
         first, and note the unfed nodes of the first level that is not."""
-        from .treedraft import branching_left
+        from ..trees.drafter import branching_left
 
         tree, job = cursor.job.state.tree, cursor.job
         sample, depth = job.mode == Mode.SAMPLE, self.shape.depth

@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..common.protocol import Mode
-from ..common.rng import Purpose, gumbel, sample_index, uniform
-from ..common.runner import ModelRunner, common_prefix
-from ..common.sampling import SamplingParams, probs_from_logits
-from .draftkv import LockstepKV, SessionKV, Workspace
-from .drafttree import DraftTree, adopt
-from .treedraft import TreeBlock, TreeJob, draft_trees
+from ...common.protocol import Mode
+from ...common.rng import Purpose, gumbel, sample_index, uniform
+from ...common.runner import ModelRunner, common_prefix
+from ...common.sampling import SamplingParams, probs_from_logits
+from .kv import LockstepKV, SessionKV, Workspace
+from ..trees.tree import DraftTree, adopt
+from ..trees.drafter import TreeBlock, TreeJob, draft_trees
 
 
 @dataclass
@@ -31,11 +31,11 @@ class DraftState:
     ids: list[int] = field(default_factory=list)
     kv: SessionKV = field(default_factory=SessionKV)
     last_logits: torch.Tensor | None = None  # [V_draft]
-    tree: DraftTree | None = None  # the draft tree hanging from `ids` (edge_worker/treedraft.py), its K/V in kv.nodes
+    tree: DraftTree | None = None  # the draft tree hanging from `ids` (edge_worker/trees/drafter.py), its K/V in kv.nodes
 
     def sync(self, context: list[int]) -> None:
         """Keep only the cached prefix that `context` still starts with (rejected drafts are dropped); a draft
-        tree's nodes on the committed path join the history, the rest are dropped (drafttree.adopt)."""
+        tree's nodes on the committed path join the history, the rest are dropped (trees.tree.adopt)."""
         if self.tree is not None:
             ids, self.tree = adopt(self.tree, self.kv, self.ids, context)
             if ids != self.ids:
@@ -86,7 +86,7 @@ class DraftBlock:
 class Drafter:
     """Holds the draft model (same vocabulary as the target); proposes blocks for many sessions at once."""
 
-    trees = True  # drafts token trees of target ids (edge_worker/treedraft.py)
+    trees = True  # drafts token trees of target ids (edge_worker/trees/drafter.py)
 
     def __init__(self, runner: ModelRunner, target_vocab_size: int | None = None) -> None:
         self.runner = runner
@@ -157,7 +157,7 @@ class Drafter:
         """Draft every job in lockstep: at each step, ONE forward over the sessions still drafting. A job whose
         block is complete leaves the batch at once, and `ready(index, block)` hands it over then (its session
         need not wait for the batch's longest job: a cross-vocabulary block's length in draft tokens varies).
-        Every block records the forwards its session waited for (`steps`). Tree jobs (edge_worker/treedraft.py)
+        Every block records the forwards its session waited for (`steps`). Tree jobs (edge_worker/trees/drafter.py)
         form a lockstep batch of their own."""
         if any(isinstance(j, TreeJob) for j in jobs):
             return self._draft_mixed(jobs, ready)

@@ -10,7 +10,7 @@ cloud accepts a token only if it is the target's argmax.
 
 Both: the committed target tokens become bytes (the target tokenizer's decode table — the edge loads the target
 TOKENIZER, never the target model) and only the affected tail of the text is re-tokenised in the draft
-vocabulary (edge_worker.textsync.DraftContext).
+vocabulary (edge_worker.xvocab.textsync.DraftContext).
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import torch
 
 import codecs
 
-from ..common import bitmap
-from ..common.protocol import Mode
-from ..common.runner import ModelRunner
-from .drafter import DraftBlock, Drafter, DraftJob, DraftState
+from ...common import bitmap
+from ...common.protocol import Mode
+from ...common.runner import ModelRunner
+from ..draft.drafter import DraftBlock, Drafter, DraftJob, DraftState
 from .textsync import DraftContext, text_encoder
-from .vocab import build_shared_vocab, target_bytes_table, token_bytes
+from .mapping import build_shared_vocab, target_bytes_table, token_bytes
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The OpenAI-compatible API's pure core: request bodies in, SessionConfigs and response objects out. No sockets,
-no ASGI (edge_worker/http.py serves it).
+no ASGI (edge_worker/http/server.py serves it).
 
     POST /v1/completions       prompt (a string, one string in a list, or token ids)
     POST /v1/chat/completions  messages, through the target tokenizer's chat template
@@ -22,11 +22,11 @@ from typing import Annotated, Any
 
 import msgspec
 
-from ..common.errors import InvalidRequest
-from ..common.protocol import MAX_CONTEXT, MAX_PROMPT_CHARS
-from . import config
-from .apiresponse import Outcome, Shape, speculative, usage  # noqa: F401 (the API's response objects)
-from .config import EdgeConfig, SessionConfig
+from ...common.errors import InvalidRequest
+from ...common.protocol import MAX_CONTEXT, MAX_PROMPT_CHARS
+from .. import config
+from .responses import Outcome, Shape, speculative, usage  # noqa: F401 (the API's response objects)
+from ..config import EdgeConfig, SessionConfig
 
 COMPLETION_MAX_TOKENS = 16    # OpenAI's default for /v1/completions
 OPENAI_TEMPERATURE = 1.0      # OpenAI's default temperature (the CLI's is 0: greedy)

@@ -1,12 +1,12 @@
 """A token tree's draft K/V on the edge: the nodes' K/V kept beside a session's history, and which columns of a
 lockstep batch each tree node may attend to.
 
-A session's history (`draftkv.SessionKV`) is one line of positions. A draft tree's nodes do not belong to it until
+A session's history (`draft.kv.SessionKV`) is one line of positions. A draft tree's nodes do not belong to it until
 a verdict commits their path, so their K/V live beside it in a `NodeKV`, keyed by the tree's node ids: a later batch
 gathers the nodes it extends (pre-drafting goes on a level at a time), and after a verdict the accepted path's
 columns are appended to the history (`adopt`), the rest dropped, without re-running anything.
 
-In a lockstep batch (`draftkv.LockstepKV` with `trees=True`) the columns after the gathered history form a region
+In a lockstep batch (`draft.kv.LockstepKV` with `trees=True`) the columns after the gathered history form a region
 whose visibility `TreeColumns` keeps per row: a history column (the session's catch-up tokens) is seen by every
 later column of its row at a position not before it; a node column by itself and its descendants only (the tree
 attention mask). Siblings share positions (a node at depth k stands at the root's position + k), so the causal

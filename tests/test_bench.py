@@ -71,7 +71,7 @@ def test_stress_smoke_real_processes(tiny_pair, tmp_path):
     target, draft = tiny_pair
     out = tmp_path / "results"
     run = bench("stress", "--target", str(target), "--draft", str(draft), "--edges", "1", "--sessions-per-edge", "2",
-                "--cloud-workers", "1", "--duration", "4", "--warmup", "2", "--sample-every", "0.5", "--link", "10ms",
+                "--cloud-workers", "1", "--duration", "2", "--warmup", "1", "--sample-every", "0.25", "--link", "10ms",
                 "--num-prompts", "3", "--max-new-tokens", "8", "--json", "--out", str(out))
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     summary = json.loads(run.stdout.splitlines()[-1])

@@ -43,7 +43,10 @@ def test_why_loopback_differs_names_the_cores_and_the_round_trip():
     assert "share every core (--no-pin)" in shared
 
 
+# `extended`: the default run's sibling is tests/test_packaging.py::test_specrelay_demo_from_the_installed_wheel, which
+# runs the whole demo (every prompt, the link too) from the installed wheel and asserts all of this but the --limit
 @pytest.mark.demo
+@pytest.mark.extended
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(not demo_available() or len(os.sched_getaffinity(0)) < 2, reason="demo models, 2 cores")
 def test_demo_prints_it_all_from_a_real_run(tmp_path):

@@ -8,6 +8,7 @@ run this venv's editable-install hook, so `import specrelay` can only find the w
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -69,12 +70,22 @@ def test_specrelay_demo_from_the_installed_wheel(fresh, tmp_path):
     assert where.stdout.startswith(str(fresh.parent)), where.stdout + where.stderr
     version = subprocess.run([fresh / "specrelay", "--version"], capture_output=True, text=True, env=env, timeout=60)
     assert version.returncode == 0 and version.stdout.startswith("specrelay ")
-    demo = subprocess.run([fresh / "specrelay", "demo", "--max-new-tokens", "8"], capture_output=True, text=True,
-                          cwd=tmp_path, env=env, timeout=280)
+    demo = subprocess.run([fresh / "specrelay", "demo", "--max-new-tokens", "8", "--json", str(tmp_path / "demo.json")],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=280)
     assert demo.returncode == 0, demo.stderr[-3000:]
-    assert "identical to target alone" in demo.stdout and "tokens/s" in demo.stdout
+    out = demo.stdout
+    assert "identical to target alone" in out and "tokens/s" in out
     assert "loading the draft model" in demo.stderr  # progress while the models load
     assert str(fresh.parent) in demo.stderr  # the demo pair came from the installed package
+    # what a first-time reader sees (the one real demo run of `make test`; test_demo_output.py checks the pieces)
+    assert "tiny" in out and "nonsense" in out
+    assert "==== prompt 1 " in out and "---- completion (8 tokens) " in out
+    record = json.loads((tmp_path / "demo.json").read_text())
+    assert len(record["load_average"]) == 3
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert record["placement"]["pinned"]
+    if len(os.sched_getaffinity(0)) == 2:  # the line names the CPUs
+        assert "the edge runs on CPU 0, the broker and the cloud worker on CPU 1" in " ".join(out.split())
 
 
 def test_demo_says_where_it_looked(fresh, tmp_path):

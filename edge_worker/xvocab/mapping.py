@@ -294,7 +294,7 @@ def _n_tokens(table: Sequence[bytes | None]) -> int:
 def _demo_tokenizer(name: str):
     from transformers import AutoTokenizer
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     for path in (root / "models" / name, root / ".train" / f"tok-{name}"):
         if (path / "tokenizer.json").exists():
             return AutoTokenizer.from_pretrained(str(path))

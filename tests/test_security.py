@@ -77,7 +77,8 @@ async def test_keys_admit_each_role_and_refuse_everything_else(zctx, keys, tiny_
                         with pytest.raises(AuthenticationFailed, match="authentication failed"):
                             await bad.generate(ids, SessionConfig(max_new_tokens=12))
                         await asyncio.wait_for(bad.wait_closed(), 5)
-                assert time.monotonic() - t0 < 5
+                assert time.monotonic() - t0 < 15  # retrying would spend the 30 s retry budget; the edge's start
+                # alone took 10 s once on a loaded machine, so the bound sits between the two
             assert worker.stats["requests"] == requests_seen  # not one prompt reached the worker
             # an edge key posing as a worker: refused at the handshake, the worker stops with the error
             impostor = CloudWorker(broker.backend, target, WorkerConfig(linger_ms=0), context=zctx,

@@ -14,7 +14,8 @@ counter (1, 2, ...): the broker and the workers key them by (this edge's peer id
 (1 byte in MessagePack below 128, at most 3 below SID_WRAP) in every message.
 
 Drafting runs in ONE worker thread (the draft model is shared by every session, `DraftBatcher`), so the event
-loop keeps moving bytes while a block is drafted. A failed round is retried by re-OPENing with the whole
+loop keeps moving bytes while a block is drafted; which queued jobs draft together and when pre-drafts run is the
+edge scheduler's decision (edge_worker/scheduler.py), the same one the in-process reference follows. A failed round is retried by re-OPENing with the whole
 committed context, under the policy of `route.Retries` (`retry_budget_s` seconds of consecutive failures: a
 broker restart, a gap with no worker).
 
@@ -222,13 +223,10 @@ class EdgeWorker(transport.Service):
     async def _step(self, session: EdgeSession, route: Route) -> list[int]:
         """Draft (in the draft thread) or take the pending RESAMPLE, send it (pre-drafting on while it is in
         flight), apply the reply, and report the round's timings to the session's draft-length policy."""
-        job = session.draft_job()  # None while a RESAMPLE is pending
-        draft_s = None
-        if job is None:
-            request = session.next_request()
-        else:
+        request, draft_s = session.resample_request(), None  # a pending RESAMPLE goes before any draft
+        if request is None:  # the job waits in the draft thread's queue until the edge scheduler batches it
             t0 = time.perf_counter()
-            request = session.request_for(await self._batcher.draft(job))
+            request = session.request_for(await self._batcher.draft(session.draft_job()))
             draft_s = time.perf_counter() - t0 if self._batcher.batches > 1 else None  # the first: warm-up
         if route.stash is not None:  # the OPEN already failed: do not send on top of it
             reply, route.stash = route.stash, None

@@ -1,6 +1,8 @@
 """The edge's pure core for one generation: draft a block, send VERIFY, apply the VERDICT, repeat.
 
-No sockets: the caller sends whatever `next_request()` returns and feeds the reply to `apply()`.
+No sockets and no model: the caller (an edge's step loop, the in-process reference) asks the edge scheduler
+(edge_worker/scheduler.py) whether the session resamples or drafts, sends `resample_request()` or runs the draft
+forwards of `draft_job()` and sends `request_for(block)`, and feeds the reply to `apply()`.
 The session knows which committed tokens the cloud already holds (`cloud_len`), so a token the edge drew
 itself after a rejection travels once, as the `tail` of the next VERIFY; on a retry
 `open_message()` carries the whole history and the cloud re-prefills from it (after UNKNOWN_SESSION,
@@ -152,10 +154,9 @@ class EdgeSession:
         msg.constraint = c.constraint
         return msg
 
-    def next_request(self) -> P.Verify | P.Resample:
-        """The next message to send: a pending RESAMPLE, or a VERIFY for a freshly drafted block."""
-        job = self.draft_job()
-        return self._pending if job is None else self.request_for(self.drafter.draft_batch([job])[0])
+    def resample_request(self) -> P.Resample | None:
+        """The pending RESAMPLE, which goes before any draft of this session (None when there is none)."""
+        return self._pending
 
     def draft_job(self) -> DraftJob | None:
         """What to draft next (None while a RESAMPLE is pending); an edge batches these across sessions.

@@ -1,7 +1,7 @@
 """In-process speculative decoding: the edge core and the cloud core wired by function calls, no network.
 
-`speculative_generate` is the reference the distributed path is tested against (same cores, same counters,
-so the same tokens for the same seed) and the in-process baseline of the benchmarks.
+`speculative_generate` is the reference the distributed path is tested against (same cores, the same edge
+scheduler, same counters, so the same tokens for the same seed) and the in-process baseline of the benchmarks.
 `target_generate` is target-alone decoding with the same sampling transform and counters: greedy, plain
 sampling, or Gumbel-coupled sampling — what speculative output must equal (coupled) or match in law.
 """
@@ -25,6 +25,7 @@ from .edge_worker.config import SessionConfig
 from .edge_worker.draft.drafter import Drafter
 from .edge_worker.session import EdgeSession
 from .edge_worker.policy import EdgeEstimates
+from .edge_worker.scheduler import EdgeScheduler, Phase, SessionView
 
 
 def speculative_generate(draft: ModelRunner | Drafter, target: ModelRunner | Verifier, prompt_ids: list[int],
@@ -56,16 +57,12 @@ def speculative_generate_batch(draft: ModelRunner | Drafter, target: ModelRunner
             verifier.open((b"", s.sid), s.open_message())
         except UnknownVocab:  # this verifier never saw the drafter's bitmap: the edge's re-OPEN, in-process
             verifier.open((b"", s.sid), s.open_message(resend_vocab=True))
-    live = list(sessions)
+    live, scheduler = list(sessions), EdgeScheduler()  # in-process: every ready session in one lockstep batch
     while live:
-        jobs = [(s, s.draft_job()) for s in live]
-        drafting = [(s, j) for s, j in jobs if j is not None]
-        blocks = drafter.draft_batch([j for _, j in drafting])
-        verifies = [s.request_for(b) for (s, _), b in zip(drafting, blocks)]
+        verifies, resamples = lockstep_requests(live, drafter, scheduler)
         replies = verifier.verify([((b"", v.session), v) for v in verifies]) if verifies else []
         pairs = list(zip(verifies, replies))
-        pairs += [(req, verifier.resample((b"", s.sid), req)) for s, j in jobs if j is None
-                  for req in [s.next_request()]]
+        pairs += [(req, verifier.resample((b"", req.session), req)) for req in resamples]
         for request, reply in pairs:
             session = sessions[request.session - 1]
             session.stats.uplink_bytes += sum(map(len, P.encode(request)))
@@ -80,6 +77,32 @@ def speculative_generate_batch(draft: ModelRunner | Drafter, target: ModelRunner
     # vars, not asdict: the sessions end here, so their stats need no deep copy (asdict was 15% of 20,000 seeds)
     return [(s.generated, vars(s.stats) | {"wall_s": wall} | ({"scores": s.scores()} if s.config.scored else {}))
             for s in sessions]
+
+
+def lockstep_requests(sessions: list[EdgeSession], drafter: Drafter,
+                      scheduler: EdgeScheduler) -> tuple[list[P.Verify], list[P.Resample]]:
+    """One lockstep step of the edge scheduler's actions (edge_worker/scheduler.py), in-process: the VERIFYs of the
+    sessions it drafts (one batched draft forward per draft position) and the RESAMPLEs it sends."""
+    by_sid = {s.sid: s for s in sessions}
+    actions = scheduler.step([session_view(s) for s in sessions])
+    drafting = [by_sid[sid] for sid in actions.draft]
+    blocks = drafter.draft_batch([s.draft_job() for s in drafting])
+    verifies = [s.request_for(b) for s, b in zip(drafting, blocks)]
+    return verifies, [by_sid[sid].resample_request() for sid in actions.resample]
+
+
+def session_view(session: EdgeSession) -> SessionView:
+    """What the edge scheduler sees of a session between rounds: done, a RESAMPLE pending, or ready to draft."""
+    if session.done:
+        return SessionView(session.sid, Phase.DONE)
+    return SessionView(session.sid, Phase.READY if session.resample_request() is None else Phase.RESAMPLE)
+
+
+def next_request(session: EdgeSession) -> P.Verify | P.Resample:
+    """One session's next message alone (tests that drive a cloud worker by hand): its pending RESAMPLE, or a VERIFY
+    of a block drafted for it now."""
+    verifies, resamples = lockstep_requests([session], session.drafter, EdgeScheduler())
+    return (resamples + verifies)[0]
 
 
 @torch.no_grad()

@@ -26,6 +26,7 @@ from specrelay.common.sampling import SamplingParams
 from specrelay.edge_worker.draft.drafter import Drafter
 from specrelay.edge_worker.routing.probe import probe_broker
 from specrelay.edge_worker.session import EdgeSession, SessionConfig, WorkerMisbehaved
+from specrelay.speculative import next_request
 from test_security import keys  # noqa: F401  the fixture
 
 pytestmark = pytest.mark.timeout(120)
@@ -45,7 +46,7 @@ def test_ids_a_worker_sends_outside_the_vocabulary_are_a_retryable_error(tiny_ru
     target, _ = tiny_runners
     v = target.vocab_size
     session = sampled_session(tiny_runners)
-    request = session.next_request()
+    request = next_request(session)
     if reply == "next_token":
         bad = P.Verdict(4, request.seq, 0, v + 3)
     else:
@@ -70,7 +71,7 @@ def test_no_next_token_outside_a_sample_rejection_is_a_retryable_error(tiny_runn
                               sid=4)
     else:
         session = sampled_session(tiny_runners)
-    request = session.next_request()
+    request = next_request(session)
     n = 0 if mode == "greedy" else len(session._block.ids)
     with pytest.raises(WorkerMisbehaved, match="no next token") as info:
         session.apply(P.Verdict(4, request.seq, n, -1))

@@ -16,6 +16,7 @@ from specrelay.common import protocol as P
 from specrelay.common.errors import ErrorCode
 from specrelay.edge_worker.draft.drafter import Drafter
 from specrelay.edge_worker.session import EdgeSession, SessionConfig
+from specrelay.speculative import next_request
 from test_cloud_worker import PROMPTS, FakeBroker, drive, ids_of, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -73,9 +74,9 @@ async def test_a_reset_of_one_broker_drops_only_its_sessions(two_brokers, worker
     on_a, on_b = session(tiny_runners, PROMPTS[0]), session(tiny_runners, PROMPTS[1])
     for broker, s in ((a, on_a), (b, on_b)):
         await broker.send(b"e", s.open_message())
-        await broker.send(b"e", s.next_request())
+        await broker.send(b"e", next_request(s))
         s.apply(await broker.reply(b"e"))
-    await b.send(b"e", on_b.next_request())  # queued on the worker while broker A goes away
+    await b.send(b"e", next_request(on_b))  # queued on the worker while broker A goes away
     assert worker.stats["broker_sessions_per_broker"] == {a.endpoint: 1, b.endpoint: 1}
     await a.sock.send_multipart([a.worker, b"", *P.encode(P.Disconnect(reason="broker restarting"))])
     await a.ready(2)  # the worker registered with A again at once
@@ -83,10 +84,10 @@ async def test_a_reset_of_one_broker_drops_only_its_sessions(two_brokers, worker
     assert worker.stats["broker_sessions_per_broker"] == {a.endpoint: 0, b.endpoint: 1}
     on_b.apply(await b.reply(b"e"))  # B's queued VERIFY survived A's reset
     while not on_b.done:
-        await b.send(b"e", on_b.next_request())
+        await b.send(b"e", next_request(on_b))
         on_b.apply(await b.reply(b"e"))
     assert on_b.generated == reference(target, PROMPTS[1])
-    await a.send(b"e", on_a.next_request())  # A's session is gone: the edge will re-OPEN it
+    await a.send(b"e", next_request(on_a))  # A's session is gone: the edge will re-OPEN it
     reply = await a.reply(b"e")
     assert isinstance(reply, P.Error) and reply.code == ErrorCode.UNKNOWN_SESSION
     assert worker.stats["broker_resets_per_broker"][b.endpoint] == 0

@@ -27,7 +27,7 @@ from specrelay.common.protocol import MsgType
 from specrelay.common.sampling import SamplingParams
 from specrelay.edge_worker.draft.drafter import Drafter
 from specrelay.edge_worker.session import EdgeSession, SessionConfig
-from specrelay.speculative import speculative_generate
+from specrelay.speculative import next_request, speculative_generate
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -139,7 +139,7 @@ async def drive(broker: FakeBroker, client: bytes, session: EdgeSession) -> list
     """An edge over the fake broker: OPEN pipelined with the first VERIFY, one request in flight, CLOSE."""
     await broker.send(client, session.open_message())
     while not session.done:
-        await broker.send(client, session.next_request())
+        await broker.send(client, next_request(session))
         session.apply(await broker.reply(client))
     await broker.send(client, session.close_message())
     return session.generated

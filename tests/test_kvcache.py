@@ -18,7 +18,7 @@ from specrelay.common.errors import ErrorCode, InvalidRequest, RequestError
 from specrelay.common.sampling import SamplingParams
 from specrelay.edge_worker.draft.drafter import Drafter
 from specrelay.edge_worker.session import EdgeSession, SessionConfig
-from specrelay.speculative import speculative_generate_batch
+from specrelay.speculative import next_request, speculative_generate_batch
 
 import packed
 
@@ -303,7 +303,7 @@ def test_deterministic_output_survives_a_failover_at_any_verify(tiny_runners):
             if session.done:
                 span = verifier.store.span(key)
                 return session.generated, span.kv[:, :, :, :span.length].clone()
-            req = session.next_request()
+            req = next_request(session)
             if step == fail_at and isinstance(req, P.Verify):
                 with pytest.raises(RequestError):
                     session.apply(P.Error(1, req.seq, ErrorCode.WORKER_LOST, "lost"))

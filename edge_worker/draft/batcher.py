@@ -4,9 +4,10 @@ The draft model runs in one worker thread; while it drafts a batch, new jobs que
 batch, so batching grows with load and costs nothing to a lone session (no waiting). A job's block is handed
 to its session as soon as that job leaves the batch, not when the batch's longest job ends.
 
-Pre-drafts (edge_worker/draft/predraft.py) have the lowest priority: they run only while no real draft waits, a few
-tokens at a time (`chunk`), so a real draft waits for at most one chunk. `collect` stops a pre-draft and hands
-back what it drafted so far.
+Which queued jobs form the next batch and when pre-drafts (edge_worker/draft/predraft.py) run is the edge
+scheduler's decision (edge_worker/scheduler.py: real drafts first, pre-drafts only while none waits, a few tokens at
+a time (`chunk`), so a real draft waits for at most one chunk); this module runs its actions in the draft thread.
+`collect` stops a pre-draft and hands back what it drafted so far.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from concurrent.futures import Executor
 
 from .drafter import DraftBlock, Drafter, DraftJob
 from .predraft import TreePreDraft
+from ..scheduler import EdgeScheduler, Phase, SessionView
 
 
 class PreDraft:
@@ -56,6 +58,7 @@ class DraftBatcher:
         self._pre: list[PreDraft] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self.scheduler = EdgeScheduler(max_batch)  # which jobs draft, which pre-drafts run (edge_worker/scheduler)
         self.batches = 0
         self.jobs = 0
         self.batch_sizes: Counter = Counter()  # real draft batches by number of sessions
@@ -105,18 +108,29 @@ class DraftBatcher:
             self._wake.clear()
             for _ in range(3):  # sessions woken by the same reply burst enqueue too
                 await asyncio.sleep(0)
-            if self._queue:
-                await self._run_drafts()
-            elif self._pre:
-                await self._run_predrafts()
+            actions = self.scheduler.step(self._views())
+            gone = set(actions.dropped)
+            queue, pre = self._queue, self._pre
+            self._pre = [p for i, p in enumerate(pre) if ("pre", i) not in gone]
+            if actions.draft:
+                batch = [queue[i] for _, i in actions.draft]
+                self._queue = [queue[i] for kind, i in actions.wait if kind == "job"]
+                await self._run_drafts(batch)
+            else:
+                self._queue = []
+                if actions.predraft:
+                    await self._run_predrafts([pre[i] for _, i in actions.predraft])
             if self._queue or self._pre:
                 self._wake.set()
 
-    async def _run_drafts(self) -> None:
-        batch, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
-        batch = [(job, fut) for job, fut in batch if not fut.cancelled()]
-        if not batch:
-            return
+    def _views(self) -> list[SessionView]:
+        """The scheduler's view of what waits: each queued draft job, then each pre-draft of a VERIFY in flight."""
+        jobs = [SessionView(("job", i), Phase.DONE if fut.cancelled() else Phase.READY)
+                for i, (_, fut) in enumerate(self._queue)]
+        return jobs + [SessionView(("pre", i), Phase.DONE if pre.finished else Phase.IN_FLIGHT, predraft=True)
+                       for i, pre in enumerate(self._pre)]
+
+    async def _run_drafts(self, batch: list[tuple[DraftJob, asyncio.Future]]) -> None:
         loop = asyncio.get_running_loop()
         self.batches += 1  # counted before its blocks are handed over: `batches > 1` = not the process's first
         self.jobs += len(batch)
@@ -141,10 +155,9 @@ class DraftBatcher:
         for (_, fut), block in zip(batch, blocks):
             _settle(fut, block)
 
-    async def _run_predrafts(self) -> None:
-        """One chunk of every live pre-draft, in one lockstep batch."""
-        self._pre = [pre for pre in self._pre if not pre.finished]
-        chunks = [(pre, job) for pre in self._pre[:self.max_batch] for job in [pre.next_chunk(self.chunk)] if job]
+    async def _run_predrafts(self, pres: list[PreDraft | TreePreDraft]) -> None:
+        """One chunk of each pre-draft the scheduler picked, in one lockstep batch."""
+        chunks = [(pre, job) for pre in pres for job in [pre.next_chunk(self.chunk)] if job]
         if not chunks:
             return
         live = [pre for pre, _ in chunks]

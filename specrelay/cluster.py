@@ -27,7 +27,7 @@ def free_port() -> int:
     low = _ephemeral_low()
     for _ in range(200):
         port = random.randrange(max(1024, low - 16384), low)
-        if port not in _HANDED_OUT and _bindable(port):
+        if port not in _HANDED_OUT and bindable(port):
             _HANDED_OUT.add(port)
             return port
     with socket.socket() as s:  # a crowded range: whatever the kernel gives
@@ -42,7 +42,8 @@ def _ephemeral_low() -> int:
         return 32768  # Linux's default
 
 
-def _bindable(port: int) -> bool:
+def bindable(port: int) -> bool:
+    """Whether a TCP port on 127.0.0.1 can be bound now."""
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", port))

@@ -19,7 +19,7 @@ import urllib.request
 import pytest
 
 from specrelay.bench.httpfuzz import wait_http
-from specrelay.cluster import LocalCluster, free_port
+from specrelay.cluster import LocalCluster, bindable, free_port
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.timeout(300)
@@ -179,15 +179,6 @@ def test_malformed_json_is_a_400(stack):
     assert info.value.code == 400 and "error" in json.loads(info.value.read())
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def raw_request(base: str, body: dict) -> socket.socket:
     """A POST on a raw socket (so the test can drop the connection whenever it likes)."""
     host, port = base.removeprefix("http://").split(":")
@@ -253,7 +244,7 @@ def test_specrelay_serve_one_box(tiny_pair, reference, tiny_runners):
     """`specrelay serve`: broker, cloud worker and edge in one process behind the same API and guards (API key,
     context), its health port on by default beside the API's; SIGTERM stops it."""
     target, draft = tiny_pair
-    port = next(p for p in iter(free_port, None) if _bindable(p + 1))  # the default health port: --http's + 1
+    port = next(p for p in iter(free_port, None) if bindable(p + 1))  # the default health port: --http's + 1
     proc = subprocess.Popen([sys.executable, "-m", "specrelay.cli", "serve", "--model", str(target), "--draft-model",
                              str(draft), "--http", f"127.0.0.1:{port}", "--served-model-name", MODEL],
                             env=dict(os.environ, SPECRELAY_THREADS="1", SPECRELAY_API_KEY="serve-key"),

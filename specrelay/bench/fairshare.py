@@ -24,7 +24,7 @@ import time
 from collections import Counter
 
 from .fuzz import legit
-from .runs import MODELS, load_prompts, write_result
+from .runs import load_prompts, model_flags, write_result
 
 
 async def attacker(frontend: str, sessions: int, seconds: float, prompt: list[int], nodes: int) -> Counter:
@@ -176,10 +176,7 @@ def kv_fill(args, prompts, refs) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, prog="specrelay bench fairshare", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=str(MODELS / "demo-target"))
-    ap.add_argument("--draft", default=str(MODELS / "demo-draft"))
-    ap.add_argument("--prompts", default=str(MODELS / "heldout_prompts.jsonl"))
-    ap.add_argument("--max-new-tokens", type=int, default=48)
+    model_flags(ap, max_new_tokens=48)
     ap.add_argument("--sessions", type=int, default=48)
     ap.add_argument("--flood-s", type=float, default=40.0)
     ap.add_argument("--legit-draft-len", type=int, default=4,

@@ -249,12 +249,9 @@ def _peak_mb(pid: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, prog="specrelay bench fuzz", description=__doc__,
                                  formatter_class=HelpFormatter)
-    from .runs import MODELS as models
-    ap.add_argument("--target", default=str(models / "demo-target"))
-    ap.add_argument("--draft", default=str(models / "demo-draft"))
-    ap.add_argument("--prompts", default=str(models / "heldout_prompts.jsonl"))
+    from .runs import model_flags
+    model_flags(ap, max_new_tokens=64)
     ap.add_argument("--sessions", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--malformed", type=int, default=100_000)
     ap.add_argument("--abusive", type=int, default=10_000)
     ap.add_argument("--attackers", type=int, default=2, help="attacker processes")

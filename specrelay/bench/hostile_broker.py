@@ -19,7 +19,7 @@ import time
 import urllib.request
 
 from .fuzz import legit
-from .runs import MODELS, load_prompts, write_result
+from .runs import load_prompts, model_flags, write_result
 
 
 MAX_RSS_GROWTH_MIB = 32  # the bar: the hostile broker's queue share (2 x 512 small requests) is far less
@@ -101,10 +101,7 @@ def run(args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, prog="specrelay bench hostile-broker", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=str(MODELS / "demo-target"))
-    ap.add_argument("--draft", default=str(MODELS / "demo-draft"))
-    ap.add_argument("--prompts", default=str(MODELS / "heldout_prompts.jsonl"))
-    ap.add_argument("--max-new-tokens", type=int, default=32)
+    model_flags(ap, max_new_tokens=32)
     ap.add_argument("--flood-s", type=float, default=30.0)
     ap.add_argument("--out", default="bench_results")
     args = ap.parse_args(argv)

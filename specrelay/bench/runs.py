@@ -220,6 +220,15 @@ def text_table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def model_flags(ap: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    """--target, --draft (the demo pair), --prompts (the held-out prompts) and --max-new-tokens: the flags every
+    attack benchmark starts with."""
+    ap.add_argument("--target", default=str(MODELS / "demo-target"))
+    ap.add_argument("--draft", default=str(MODELS / "demo-draft"))
+    ap.add_argument("--prompts", default=str(MODELS / "heldout_prompts.jsonl"))
+    ap.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+
+
 def write_result(out_dir: str | Path, name: str, data: dict) -> Path:
     """OUT/<name>.json; a result that does not say its machine's load gets the load average as it ends."""
     data.setdefault("load_average", [round(x, 2) for x in os.getloadavg()])

@@ -226,11 +226,8 @@ def run(args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, prog="specrelay bench worker-abuse", description=__doc__,
                                  formatter_class=HelpFormatter)
-    from .runs import MODELS as models
-    ap.add_argument("--target", default=str(models / "demo-target"))
-    ap.add_argument("--draft", default=str(models / "demo-draft"))
-    ap.add_argument("--prompts", default=str(models / "heldout_prompts.jsonl"))
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    from .runs import model_flags
+    model_flags(ap, max_new_tokens=64)
     ap.add_argument("--flood-s", type=float, default=75.0)
     ap.add_argument("--sessions", type=int, default=14)
     ap.add_argument("--in-flight", type=int, default=60)

@@ -162,12 +162,13 @@ def _legit_beside(base: str, key: str, model: str, stop, out) -> None:
 
 
 def huge_prompts(base: str, edge_pid: int, n: int = 8, key: str = KEY, legit_key: str = KEY,
-                 model: str = MODEL) -> dict:
+                 model: str = MODEL, sender_cpus: tuple[int, ...] = ()) -> dict:
     """n prompts of 7.5 MB at once (each under the 8 MiB body limit, past protocol.MAX_PROMPT_CHARS) beside legit
     requests (one after another until every huge one is answered, from another process): their statuses and
     refused params, the slowest refusal, the edge's peak RSS growth (sampled every 20 ms) and CPU seconds, its
     event loop's longest stall (GET /health, polled), the legit requests' statuses and seconds (legit_s: the
-    slowest)."""
+    slowest). `sender_cpus`: where the attackers' sending threads run (an attacker is another machine: on the
+    edge's own core, its copying of 60 MB into the loopback would be charged to the edge's legit client)."""
     import multiprocessing
     import threading
     from concurrent.futures import ThreadPoolExecutor
@@ -180,6 +181,8 @@ def huge_prompts(base: str, edge_pid: int, n: int = 8, key: str = KEY, legit_key
             peak[0] = max(peak[0], rss_kib(edge_pid))
 
     def one(_) -> tuple[int, str | None, float]:
+        if sender_cpus:
+            os.sched_setaffinity(threading.get_native_id(), sender_cpus)
         t0 = time.monotonic()
         status, answer, _ = post(base, "/v1/completions", body, key, timeout=300)
         return status, answer.get("error", {}).get("param"), time.monotonic() - t0
@@ -208,12 +211,13 @@ def huge_prompts(base: str, edge_pid: int, n: int = 8, key: str = KEY, legit_key
             "legit_each_s": [round(t, 3) for t in legit_s]}
 
 
-def huge_only(base: str, edge_pid: int) -> dict:
+def huge_only(base: str, edge_pid: int, sender_cpus: tuple[int, ...] = ()) -> dict:
     """`--only huge`: the legit request at rest (median of 5), then huge_prompts, then at rest again."""
     import statistics
 
     rest = lambda: round(statistics.median(timed_request(base)[1] for _ in range(5)), 3)  # noqa: E731
-    out = {"at_rest_s": rest(), "huge_prompts_8": huge_prompts(base, edge_pid), "at_rest_after_s": rest()}
+    out = {"at_rest_s": rest(), "huge_prompts_8": huge_prompts(base, edge_pid, sender_cpus=sender_cpus),
+           "at_rest_after_s": rest()}
     out["legit_vs_rest"] = round(out["huge_prompts_8"]["legit_s"] / max(out["at_rest_s"], 1e-9), 2)
     return out | {"loadavg": os.getloadavg()}
 
@@ -236,7 +240,7 @@ def healthz_under_idle(port: int, n_idle: int = 64) -> float:
     return worst
 
 
-def attack(base: str, port: int, edge_pid: int, health: dict[str, int]) -> dict:
+def attack(base: str, port: int, edge_pid: int, health: dict[str, int], sender_cpus: tuple[int, ...] = ()) -> dict:
     out: dict = {"no_key_status": post(base, "/v1/completions", {"model": MODEL, "prompt": "x"}, key=None)[0]}
     out["at_rest"] = timed_request(base)
     for chunked in (False, True):
@@ -257,7 +261,7 @@ def attack(base: str, port: int, edge_pid: int, health: dict[str, int]) -> dict:
     status, body, _ = post(base, "/v1/completions", {"model": MODEL, "prompt": [5], "max_tokens": 5000})
     out["past_context"] = {"status": status, "seconds": round(time.monotonic() - t0, 3),
                            "message": body.get("error", {}).get("message")}
-    out["huge_prompts_8"] = huge_prompts(base, edge_pid)
+    out["huge_prompts_8"] = huge_prompts(base, edge_pid, sender_cpus=sender_cpus)
     out["at_rest_after"] = timed_request(base)
     out["healthz_64_idle_s"] = {role: round(healthz_under_idle(p), 3) for role, p in health.items()}
     return out
@@ -280,7 +284,9 @@ def run(args) -> dict:
             wait_http(base + "/health", edge, timeout=300)
             health = {"broker": cluster.broker_health_port, "cloud_worker": cluster.health_ports[0],
                       "edge": edge_health}
-            run_attack = huge_only if args.only == "huge" else lambda b, pid: attack(b, http_port, pid, health)
+            senders = cluster.placement.cloud_cpus if cluster.placement.pinned else ()  # not the edge's core
+            run_attack = (lambda b, pid: huge_only(b, pid, senders)) if args.only == "huge" else \
+                lambda b, pid: attack(b, http_port, pid, health, senders)
             return run_attack(base, edge.pid) | {"edge_alive": edge.poll() is None}
         finally:
             edge.terminate()

@@ -300,7 +300,7 @@ class CloudWorker(transport.Service):
                 if reply.seq % P.HINT_EVERY == 1 and started is not None:
                     wait = max(0.0, started - item.arrived)
                     reply.load = P.LoadHint(len(batch), width, int(forward * 1e6), int(wait * 1e6), tokens,
-                                            prefilled, self._utilisation.per_mille())
+                                            prefilled, self._utilisation.per_mille(), self.verifier.token_us)
         self._stats.batches += 1
         self._stats.batch_sizes[len(batch)] += 1
         self._stats.verify_requests += len(batch)

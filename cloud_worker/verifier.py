@@ -34,7 +34,7 @@ import structlog
 import torch
 
 from ..common import protocol as P
-from ..common import resample, verify
+from ..common import resample, selfcheck, verify
 from ..common.constraint import Constraint, TokenVocab, mask_logits
 from ..common.errors import ContextFull, FatalError, InvalidRequest, Overloaded, RequestError, UnknownSession
 from ..common.packing import from_f32
@@ -141,6 +141,37 @@ class Verifier:
         self.bitmaps = BitmapCache(runner.vocab_size, clock)  # shared-vocabulary masks by hash (bitmaps.py)
         self._grammar_vocab: TokenVocab | None = None  # `grammar_vocab`: about 1 s per 100k tokens, built once
         self._grammar_lock = threading.Lock()
+        self.token_us = round(1e6 * self.token_cost_s())  # the load hint's slope (edge_worker/policy)
+
+    def token_cost_s(self, width: int = 5, repeats: int = 3) -> float:
+        """Seconds one more verified token adds to a step: VERIFYs of `width` tokens against VERIFYs of 1 on a
+        scratch session (the packed forward, the output head and the acceptance rule of each row), medians of
+        `repeats`. Measured once, before READY: one session at one width cannot teach the edge this slope."""
+        import statistics
+
+        key, ids = (b"", -1), selfcheck.probe(self.runner.vocab_size)[0]
+        try:
+            self.open(key, P.Open(0, ids[:8]))
+        except RequestError:  # a KV store too small for the scratch session: no slope to send (the edge's is flat)
+            return 0.0
+        seq = 0
+
+        def timed(n: int) -> float:
+            nonlocal seq
+            seq += 1
+            request = P.Verify(0, seq, len(self.sessions[key].tokens), [], ids[:n - 1])
+            t0 = time.perf_counter()
+            self.verify([(key, request)])
+            return time.perf_counter() - t0
+
+        try:
+            timed(1), timed(width)  # the prompt, then the first forward of the wide shape
+            one = statistics.median(timed(1) for _ in range(repeats))
+            wide = statistics.median(timed(width) for _ in range(repeats))
+        finally:
+            self.close(key)
+            self.stats.update(forward_passes=0, prefill_tokens=0, forward_tokens=0)
+        return max(0.0, (wide - one) / (width - 1))
 
     # ------------------------------------------------------------------ session lifecycle
     def open(self, key: SessionKey, msg: P.Open) -> None:

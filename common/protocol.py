@@ -183,7 +183,9 @@ class LoadHint(Base):
     batch = rows in the forward pass, width = the widest row's new tokens, forward_us = its duration, queue_us =
     how long the request waited for it, tokens = all the tokens it ran (every row's uncached context and draft,
     and prompt chunks), prefill = how many were prompt chunks, busy = the worker's recent share of wall time in
-    forward passes, per mille (the price of a cloud call). On every HINT_EVERY-th VERDICT only."""
+    forward passes, per mille (the price of a cloud call), token_us = what one more verified token adds to a
+    forward (measured by the worker at start: a slope the edge cannot learn while its rows keep one width). On
+    every HINT_EVERY-th VERDICT only."""
 
     batch: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
     width: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
@@ -192,6 +194,7 @@ class LoadHint(Base):
     tokens: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
     prefill: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
     busy: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 0
+    token_us: Annotated[int, msgspec.Meta(ge=0, le=2**40)] = 0
 
 
 class Verdict(Base):

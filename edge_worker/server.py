@@ -119,7 +119,7 @@ class EdgeWorker(transport.Service):
     async def _open(self) -> None:
         """Connect to every broker (and bind the client endpoint)."""
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specrelay-draft")
-        self._batcher = DraftBatcher(self.drafter, self._pool, on_timing=self.estimates.observe_steps)
+        self._batcher = DraftBatcher(self.drafter, self._pool, on_timing=self.estimates.observe_draft)
         self.links.open()
         if self.config.listen:
             self.frontend = ClientFrontend(self, self.config.listen)
@@ -246,7 +246,6 @@ class EdgeWorker(transport.Service):
                 self._batcher.cancel(pre)
         new = session.apply(reply)  # an ERROR reply raises its RequestError
         if isinstance(reply, P.Verdict):
-            self.estimates.sessions = len(self._routes)
             session.record_timing(draft_s, latency)
             self.metrics.on_round(len(request.draft), reply.n_accepted, draft_s, latency)
         return new

@@ -112,9 +112,10 @@ class EdgeSession:
         self._job: DraftJob | None = None          # the job that drafted the block in flight
         self._reused = DraftBlock()                # the start of the next block, taken from the chain
         self._chain: DraftChain | None = None      # the block in flight and its pre-drafted continuation
-        self._hint: P.LoadHint | None = None
         self._width = self._steps = 0              # the last block's cloud row width, fresh draft forwards
         self._catchup = False                      # its draft first caught up on a stretch the draft never saw
+        self._prefilled = False                    # the worker ran the prompt before verifying it
+        self._hint: P.LoadHint | None = None
         self._predrafted = False                   # a pre-draft of the verdict in flight was handed out (a try)
         self._tried = False                        # the last verdict was a try: the next block may be its hit
         self._rejection: Rejection | None = None
@@ -195,6 +196,7 @@ class EdgeSession:
         # stretch it has not seen (the prompt, every token the target alone committed): a one-off cost that is
         # not what a block of d costs while drafting goes on, so its steps do not teach s (edge_worker/policy)
         self._catchup = self.prefill_due > 0 or self._block is None or not self._block.ids
+        self._prefilled = self.prefill_due > 0
         self._block, reused = self._reused + block, len(self._reused.ids)
         self._reused, self._steps = DraftBlock(), block.steps  # draft forwards waited for
         self._width = len(self.tokens) - self.cloud_len + len(self._block.ids) + 1  # the row the cloud runs
@@ -243,7 +245,7 @@ class EdgeSession:
         self.stats.draft_s += draft_s or 0.0
         self.stats.verify_s += latency_s
         steps = self._steps if self.trees.block is None and not self.trees.last_steps else 0  # chains only
-        self.policy.observe_round(self._width, latency_s, self._hint, draft_s, steps, self._catchup)
+        self.policy.observe_round(self._width, latency_s, self._hint, draft_s, steps, self._catchup, self._prefilled)
 
     # ---------------------------------------------------------------------------- replies
     def apply(self, reply: P.Base) -> list[int]:

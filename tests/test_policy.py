@@ -20,7 +20,7 @@ def edge(draft_s: float, rtt_s: float, forward_s: float = 0.010, per_token_s: fl
     est = EdgeEstimates(predraft)
     for rows in (1, 2):
         for _ in range(8):
-            est.observe_steps(rows, 4, 4 * draft_s)
+            est.observe_draft(rows, [(rows, draft_s)] * 4)
     for tokens in (2, 9, 17):
         for _ in range(8):
             hint = LoadHint(batch=1, forward_us=int(1e6 * (forward_s + per_token_s * tokens)), tokens=tokens)
@@ -68,7 +68,7 @@ def explored(est: EdgeEstimates, rounds: int, explore_s: float) -> int:
         d = policy.choose(48)
         chosen.append(d)
         policy.observe_block(d, d)  # d = 0 rounds teach nothing
-        policy.observe_round(d + 1, est.wait(d), None, explore_s if d else 0.0)
+        policy.observe_round(d + 1, est.wait(d), None, explore_s if d else None)
     assert chosen.count(1) + chosen.count(0) == rounds
     return chosen.count(1)
 
@@ -108,12 +108,13 @@ def test_a_prompt_prefill_first_does_not_make_a_slow_cross_vocabulary_draft_pay(
     for a row of 1's cost."""
     est = EdgeEstimates(predraft=True)
     policy = DraftPolicy(est, Objective.BALANCED)
-    for tokens, d, forward_ms, accepted in ((14, 4, 354, 1), (3, 2, 159, 0), (5, 4, 267, 2), (3, 2, 175, 0)):
+    for i, (tokens, d, forward_ms, accepted) in enumerate(((14, 4, 354, 1), (3, 2, 159, 0), (5, 4, 267, 2),
+                                                            (3, 2, 175, 0))):
         est.observe_block_steps(d + 1, d)  # a draft forward per target token, one past the block
-        est.observe_steps(1, d + 1, 0.077 * (d + 1))
+        est.observe_draft(1, [(1, 0.077)] * (d + 1))
         policy.observe_block(d, accepted)
-        hint = LoadHint(batch=1, width=d + 1, forward_us=forward_ms * 1000, tokens=tokens)
-        policy.observe_round(d + 1, forward_ms * 1e-3 + 0.002, hint, 0.077 * (d + 1), d + 1)
+        hint = LoadHint(batch=1, width=d + 1, forward_us=forward_ms * 1000, tokens=tokens, token_us=30_000)
+        policy.observe_round(d + 1, forward_ms * 1e-3 + 0.002, hint, 0.077 * (d + 1), d + 1, prefilled=i == 0)
     assert est.wait(0) < 0.2  # measured: 120-160 ms for rows of 1 to 3
     for objective in (Objective.SPEED, Objective.BALANCED):
         assert DraftPolicy(est, objective).choose(32) == 0
@@ -132,3 +133,69 @@ def test_cloud_accepts_a_slower_edge_and_stops_where_a_token_adds_under_min_valu
         reach.append(reach[-1] * a)
     assert d > 0 and reach[d] >= MIN_VALUE > reach[d + 1]
     assert DraftPolicy(est, Objective.BALANCED).choose(48) == 0
+
+
+def test_a_wide_catch_up_forward_is_not_a_dear_draft_step():
+    """A forward that first feeds a session the 40 tokens it had not seen is one wide forward: the draft line
+    prices forwards by their columns, so the next steps' cost is still a narrow forward's."""
+    est = EdgeEstimates()
+    for _ in range(10):
+        est.observe_draft(2, [(80, 0.012), (2, 0.004), (2, 0.004), (2, 0.004)])
+    assert est.step(2) < 0.0045 and est.step(80) > 0.010
+
+
+def test_the_prompt_round_stands_in_for_the_wait_only_until_a_verify_is_measured():
+    """A session's first VERIFY also runs its prompt: its latency anchors the wait only while nothing else is
+    known, and the first round without a prompt replaces it."""
+    est = EdgeEstimates()
+    est.observe_round(5, 0.400, None, prefilled=True)
+    assert abs(est.wait(4) - 0.400) < 1e-9
+    est.observe_round(5, 0.100, None)
+    est.observe_round(5, 0.350, None, prefilled=True)  # another session's prompt round: not a verify's wait
+    assert abs(est.wait(4) - 0.100) < 1e-9
+
+
+def test_one_width_takes_the_workers_slope():
+    """One session drafting d = 4 all along shows the edge one row width: the wait's slope is the worker's own
+    measure of a token (the hint's token_us), so d = 0's wait is that much shorter, not the same."""
+    est = EdgeEstimates()
+    for _ in range(20):
+        hint = LoadHint(batch=1, width=5, forward_us=250_000, tokens=5, token_us=40_000)
+        est.observe_round(5, 0.255, hint)
+    w0, w1 = est.wait_line()
+    assert abs(w1 - 0.040) < 1e-6 and abs(est.wait(0) - (0.255 - 4 * 0.040)) < 1e-6
+    flat = EdgeEstimates()  # a worker that sends no slope: flat, as before it
+    for _ in range(20):
+        flat.observe_round(5, 0.255, LoadHint(batch=1, width=5, forward_us=250_000, tokens=5))
+    assert flat.wait_line()[1] == 0.0
+
+
+def test_a_stall_is_not_the_draft_wait():
+    """A first chain round that waited 250 ms for 2 forwards (start-up, another session's catch-up) counts as at
+    most CLIP forwards' compute: one stall must not price drafting out for the rest of the run."""
+    from specrelay.edge_worker.policy.estimates import CLIP
+
+    est = edge(draft_s=0.004, rtt_s=0.0)
+    policy = DraftPolicy(est, Objective.BALANCED)
+    policy.observe_round(3, 0.03, None, 0.250, steps=2)
+    assert est.waited.value <= CLIP * est.step() + 1e-9
+
+
+def test_sessions_of_an_edge_choose_alike_and_explore_as_one():
+    """Acceptance is the edge's, pooled: two sessions at the same point choose the same length (a session's own
+    few rounds would set it apart from its lockstep batch-mates). Exploring from d = 0 counts every session's
+    rounds: one exploring round per edge when due, not one per session."""
+    est = edge(draft_s=0.002, rtt_s=0.05)
+    a, b = DraftPolicy(est), DraftPolicy(est)
+    for _ in range(5):
+        a.observe_block(4, 0)  # a's rejections are the edge's: they move b's choice as much as a's
+    assert a.choose(48) == b.choose(48)
+    slow = edge(draft_s=0.030, rtt_s=0.0002)
+    sessions = [DraftPolicy(slow) for _ in range(8)]
+    chosen = []
+    for _ in range(60):
+        for p in sessions:
+            d = p.choose(48)
+            chosen.append(d)
+            p.observe_block(d, d)
+    assert 1 <= chosen.count(1) <= len(chosen) // 30

@@ -13,7 +13,6 @@ a time (`chunk`), so a real draft waits for at most one chunk); this module runs
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -50,9 +49,9 @@ class PreDraft:
 
 class DraftBatcher:
     def __init__(self, drafter: Drafter, pool: Executor, max_batch: int = 64, chunk: int = 1,
-                 on_timing: Callable[[int, int, float], None] | None = None) -> None:
+                 on_timing: Callable[[int, list[tuple[int, float]]], None] | None = None) -> None:
         self.drafter, self.pool, self.max_batch, self.chunk = drafter, pool, max_batch, chunk
-        self.on_timing = on_timing  # (rows, draft-model forwards, seconds in the draft thread) of every batch, chunk
+        self.on_timing = on_timing  # (rows: 0 for a pre-draft chunk, its chain forwards' (columns, seconds))
         self._warm = False          # set by the first batch (only the draft thread touches it)
         self._queue: list[tuple[DraftJob, asyncio.Future]] = []
         self._pre: list[PreDraft] = []
@@ -143,7 +142,7 @@ class DraftBatcher:
                 pass
 
         try:
-            blocks = await self._in_thread([j for j, _ in batch], ready)
+            blocks = await self._in_thread([j for j, _ in batch], ready, real=True)
         except asyncio.CancelledError:
             self._queue[:0] = batch  # closing: `close` fails them
             raise
@@ -179,19 +178,20 @@ class DraftBatcher:
         self.predraft_chunks += 1
         await asyncio.gather(asyncio.shield(future), return_exceptions=True)
 
-    def _in_thread(self, jobs: list[DraftJob], ready: Callable[[int, DraftBlock], None] | None = None):
+    def _in_thread(self, jobs: list[DraftJob], ready: Callable[[int, DraftBlock], None] | None = None,
+                   real: bool = False):
         loop = asyncio.get_running_loop()
-        return loop.run_in_executor(self.pool, self._timed, jobs, loop, ready)
+        return loop.run_in_executor(self.pool, self._timed, jobs, loop, ready, real)
 
-    def _timed(self, jobs: list[DraftJob], loop: asyncio.AbstractEventLoop, ready=None) -> list[DraftBlock]:
-        """`draft_batch`, in the draft thread; its forwards and duration go to `on_timing` in the loop."""
-        t0 = time.perf_counter()
-        blocks = self.drafter.draft_batch(jobs, ready)
+    def _timed(self, jobs: list[DraftJob], loop: asyncio.AbstractEventLoop, ready=None,
+               real: bool = False) -> list[DraftBlock]:
+        """`draft_batch`, in the draft thread; its rows (a real draft's) and forwards go to `on_timing` in the loop."""
+        forwards: list[tuple[int, float]] = []
+        blocks = self.drafter.draft_batch(jobs, ready, forwards)
         warm, self._warm = self._warm, True  # the first batch of a process is slow (allocations): not a timing
         if self.on_timing is not None and warm:
-            steps = max((b.steps for b in blocks), default=0)  # draft-model forwards, not target tokens
             try:
-                loop.call_soon_threadsafe(self.on_timing, len(jobs), steps, time.perf_counter() - t0)
+                loop.call_soon_threadsafe(self.on_timing, len(jobs) if real else 0, forwards)
             except RuntimeError:  # the loop closed meanwhile (shutdown): nothing to learn any more
                 pass
         return blocks

@@ -9,6 +9,7 @@ Every draw uses counter-based randomness at the token's absolute position (commo
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -182,15 +183,16 @@ class Drafter:
             workspace = self._workspaces.buffer = Workspace()
         return workspace
 
-    def draft_batch(self, jobs: list[DraftJob | TreeJob], ready: Callable[[int, DraftBlock], None] | None = None
-                    ) -> list[DraftBlock | TreeBlock]:
+    def draft_batch(self, jobs: list[DraftJob | TreeJob], ready: Callable[[int, DraftBlock], None] | None = None,
+                    forwards: list[tuple[int, float]] | None = None) -> list[DraftBlock | TreeBlock]:
         """Draft every job in lockstep: at each step, ONE forward over the sessions still drafting. A job whose
         block is complete leaves the batch at once, and `ready(index, block)` hands it over then (its session
         need not wait for the batch's longest job: a cross-vocabulary block's length in draft tokens varies).
-        Every block records the forwards its session waited for (`steps`). Tree jobs (edge_worker/trees/drafter.py)
-        form a lockstep batch of their own."""
+        Every block records the forwards its session waited for (`steps`); `forwards` gets (columns, seconds) of
+        each chain forward (columns: rows x the widest row's new tokens, what the padded forward runs; a tree
+        block carries its own). Tree jobs (edge_worker/trees/drafter.py) form a lockstep batch of their own."""
         if any(isinstance(j, TreeJob) for j in jobs):
-            return self._draft_mixed(jobs, ready)
+            return self._draft_mixed(jobs, ready, forwards)
         blocks = [DraftBlock() for _ in jobs]
         contexts = [list(j.context) for j in jobs]
         live = [i for i, j in enumerate(jobs) if j.d > 0]
@@ -198,13 +200,13 @@ class Drafter:
         batch = LockstepKV(self.runner, workspace)
         for i in (i for i, j in enumerate(jobs) if j.d <= 0):  # nothing to draft
             self._hand_over(jobs[i], blocks[i], 0, i, ready)
-        forwards = 0
+        steps = 0
         try:
             while live:
-                forwards += self._advance(batch, [jobs[i] for i in live], [contexts[i] for i in live], live)
+                steps += self._advance(batch, [jobs[i] for i in live], [contexts[i] for i in live], live, forwards)
                 going = [i for i in live if self.step(jobs[i], blocks[i], contexts[i])]
                 for i in (i for i in live if i not in going):  # its K/V leaves the batch at the next forward
-                    self._hand_over(jobs[i], blocks[i], forwards, i, ready)
+                    self._hand_over(jobs[i], blocks[i], steps, i, ready)
                 live = going
             batch.close()
         except BaseException:
@@ -213,14 +215,15 @@ class Drafter:
             raise
         return blocks
 
-    def _draft_mixed(self, jobs: list, ready) -> list:
+    def _draft_mixed(self, jobs: list, ready, forwards: list | None) -> list:
         """Tree jobs in one lockstep batch, then the chain jobs in another; blocks in `jobs` order."""
         trees = [i for i, j in enumerate(jobs) if isinstance(j, TreeJob)]
         chains = [i for i, j in enumerate(jobs) if not isinstance(j, TreeJob)]
         out: list = [None] * len(jobs)
         for order, blocks in ((trees, draft_trees(self, [jobs[i] for i in trees], self.workspace(),
                                                   _renumbered(ready, trees))),
-                              (chains, self.draft_batch([jobs[i] for i in chains], _renumbered(ready, chains))
+                              (chains, self.draft_batch([jobs[i] for i in chains], _renumbered(ready, chains),
+                                                        forwards)
                                if chains else [])):
             for i, block in zip(order, blocks):
                 out[i] = block
@@ -244,9 +247,10 @@ class Drafter:
     def finish(self, job: DraftJob, block: DraftBlock) -> None:
         """Turn what `step` drafted into the block that travels (nothing to do with one vocabulary)."""
 
-    def _advance(self, batch: LockstepKV, jobs: list[DraftJob], contexts: list[list[int]], keys: list[int]) -> bool:
-        """Bring each job's state up to its context and refresh last_logits (one batched forward); False when
-        every next token comes from logits already held (no forward ran)."""
+    def _advance(self, batch: LockstepKV, jobs: list[DraftJob], contexts: list[list[int]], keys: list[int],
+                 forwards: list[tuple[int, float]] | None = None) -> bool:
+        """Bring each job's state up to its context and refresh last_logits (one batched forward, timed into
+        `forwards`); False when every next token comes from logits already held (no forward ran)."""
         states = [job.state for job in jobs]
         if batch.buf is None:  # before the batch holds their K/V, states may roll back (rejected drafts)
             for state, ctx in zip(states, contexts):
@@ -257,7 +261,10 @@ class Drafter:
         if batch.buf is None and not any(feeds):  # every next token comes from logits already held
             return False
         room = max(job.d for job in jobs)
+        t0 = time.perf_counter()
         logits = batch.feed(keys, [s.kv for s in states], [len(s.ids) for s in states], feeds, room)
+        if forwards is not None:
+            forwards.append((len(feeds) * max(map(len, feeds)), time.perf_counter() - t0))
         for row, (state, ctx, fed) in enumerate(zip(states, contexts, feeds)):
             if fed:
                 state.ids = list(ctx)

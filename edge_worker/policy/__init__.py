@@ -3,19 +3,20 @@ whether to pre-draft. The whole model (docs/policy.md):
 
     E(d) = sum_{k=0..d} P_k,  P_k = prod_{j<k} a_j        tokens a chain of d commits per cloud call
     E(S) = 1 + sum over the tree's nodes of their reach    the same for a tree (reach from the rank chances P_r)
-    T    = t s (d + lookahead) - pre-drafted start + R + V(d)   seconds a round takes (a tree: one forward a level)
+    T    = t s (d + lookahead) - pre-drafted start + W(d)  seconds a round takes (a tree: one forward a level)
 
-with one set of estimators per edge (estimates.py): acceptance per draft position (and per confidence class and rank
-for trees), pooled over the edge's sessions, each session's own counts pulling lightly; t, the draft's seconds per
-forward against its columns (the draft thread's timings; a chain's: the measured wait per forward); V, the worker's
-forward (fixed + per token, from the VERDICT's load hint, every row of its batch drafting as we do); R, the link
-(latency - the worker's forward). A pre-draft runs on the otherwise idle draft thread during the wait, so a block's start it drafted
-costs nothing. One objective rule picks among chains (d = 0 included) and trees alike (choose.pick): of the
-candidates whose rate E / T is within the objective's tolerance of the best, the most tokens per call (`speed`
-0: the fastest; `balanced` 10 %; `cloud` 30 %). A draft slower than the verify it saves loses by the model.
-Exploring d = 0: a round drafts d = 1 (an acceptance sample) once the rounds at d = 0 since the last sample took
-1 / EXPLORE_SHARE x what the last exploring round's draft cost (its catch-up on the stretch the draft had not
-seen), so exploring costs ~3 % where drafting does not pay.
+with one set of estimators per edge (estimates.py), every session's rounds pooled: acceptance per draft position
+(and per confidence class and rank for trees); t, the draft's seconds per forward against the columns it runs (a
+chain's: the measured wait per forward); W(d), the wait from VERIFY to VERDICT, anchored at the mean wait measured
+at the mean row and growing by c1 B per token (the worker's forward if every row of its batch drafted one more;
+c1 from the load hints, shrunk toward the worker's own measure of a token). A pre-draft runs on the otherwise idle
+draft thread during the wait, so a block's start it drafted costs nothing. One objective rule picks among chains
+(d = 0 included) and trees alike (choose.pick): of the candidates whose rate E / T is within the objective's
+tolerance of the best, the most tokens per call (`speed` 0: the fastest; `balanced` 10 %; `cloud` any). A draft
+slower than the verify it saves loses by the model. Exploring d = 0: a round drafts d = 1 (an acceptance sample)
+once the edge's rounds at d = 0 since the last sample took 1 / EXPLORE_SHARE x what the last exploring round's
+draft cost (its catch-up on the stretch the draft had not seen), so exploring costs ~3 % where drafting does not
+pay.
 """
 
 from .choose import MAX_LEN, TOLERANCE, DraftPolicy, chain_rows, pick, static_tree, tree_rows, tree_time

@@ -10,7 +10,7 @@ from functools import lru_cache
 
 from ...common.protocol import MAX_DRAFT, LoadHint, Objective
 from ..trees.tree import TreeShape
-from .estimates import PREDRAFT_SHARE, AcceptanceCounts, EdgeEstimates
+from .estimates import CLIP, PREDRAFT_SHARE, EdgeEstimates
 
 MAX_LEN = 32           # the longest chain, the deepest tree auto drafts (past it a demo pair's chance of
                        # reaching a position is ~0)
@@ -71,7 +71,7 @@ def tree_time(est: EdgeEstimates, shape: TreeShape) -> float:
     """T(S): the draft forwards a pre-draft did not do (one per level: the root's, then each level's nodes, for
     every session of the lockstep batch), then R + V over the tree's nodes."""
     columns = [1, *shape.widths[:-1]][min(shape.depth, round(est.tree_saved.value)):]
-    return sum(est.step(est.sessions * w) for w in columns) + est.wait(shape.nodes)
+    return sum(est.step(est.rows.value * w) for w in columns) + est.wait(shape.nodes)
 
 
 def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | None,
@@ -93,18 +93,18 @@ def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | Non
 
 
 class DraftPolicy:
-    """One session's draft: its own acceptance shrunk toward the edge's pooled rates, the edge's costs."""
+    """One session's draft: the edge's pooled acceptance and costs (the edge counts the rounds at d = 0 since the
+    last exploring one, over all its sessions), whether this session's round in flight explores."""
 
     def __init__(self, edge: EdgeEstimates | None = None, objective: Objective = Objective.BALANCED,
                  fixed: int | None = None) -> None:
         self.edge, self.objective, self.fixed = edge or EdgeEstimates(), objective, fixed
-        self.own = AcceptanceCounts()
-        self.idle = 0  # rounds at d = 0 since the last acceptance sample
         self.exploring = False  # the round in flight drafts d = 1 to sample acceptance
 
     def rates(self, n: int) -> list[float]:
-        """a_0..a_{n-1}: this session's counts shrunk toward the edge's pooled rates (themselves toward the prior)."""
-        return self.own.rates(n, self.edge.acceptance.rates(n))
+        """a_0..a_{n-1}: the edge's pooled rates (every session's blocks; a session's own few rounds would pull its
+        length away from its lockstep batch-mates' and cost more waiting than they gain)."""
+        return self.edge.acceptance.rates(n)
 
     def choose(self, remaining: int, explore: bool = True) -> int:
         """The chain length d in 0..min(MAX_LEN, remaining - 1): fixed, d = 1 when exploring is due (EXPLORE_SHARE;
@@ -112,9 +112,9 @@ class DraftPolicy:
         top = max(0, min(MAX_LEN, remaining - 1))
         if self.fixed is not None:
             return min(self.fixed, top)
-        round_s = self.edge.wait(0)
-        if explore and top and self.idle * round_s * EXPLORE_SHARE >= max(round_s, self.edge.explore_s.value):
-            self.exploring = True
+        round_s, edge = self.edge.wait(0), self.edge
+        if explore and top and edge.idle * round_s * EXPLORE_SHARE >= max(round_s, edge.explore_s.value):
+            self.exploring, edge.idle = True, 0
             return 1
         return pick(chain_rows(self.edge, self.rates(top + 1), top), self.objective)
 
@@ -137,24 +137,24 @@ class DraftPolicy:
             return None
         e, t = max(((e, t) for _, e, t in rows), key=lambda r: r[0] / r[1])
         c0, c1 = est.cloud.fit() if est.cloud.known else (0.0, 0.0)
-        node_cost = c1 * est.batch.value + est.draft.fit()[1] * est.sessions  # one more node's seconds
+        node_cost = c1 * est.batch.value + est.draft.fit()[1] * est.rows.value  # one more node's seconds
         return replace(shape, min_value=max(MIN_VALUE, node_cost * e / t))
 
     def observe_block(self, d: int, n: int, bonus_match: bool | None = None) -> None:
         """A VERDICT on a block of d drafts (n accepted; the pre-drafted guess's match after a full block)."""
-        sampled = d > 0 or bonus_match is not None
-        if sampled:
-            self.own.observe(d, n, bonus_match)
+        if d > 0 or bonus_match is not None:
             self.edge.acceptance.observe(d, n, bonus_match)
-        self.idle = 0 if sampled else self.idle + 1
+        else:
+            self.edge.idle += 1
 
     def observe_round(self, width: int, latency_s: float, hint: LoadHint | None, draft_s: float | None,
-                      steps: int = 0, catchup: bool = False) -> None:
+                      steps: int = 0, catchup: bool = False, prefilled: bool = False) -> None:
         """The round's timings: `draft_s` the wait for its chain's `steps` fresh forwards (None: not timed),
-        `catchup` whether they first caught the draft up on a stretch it had not seen (exploring's cost)."""
-        self.edge.observe_round(width, latency_s, hint)
+        `catchup` whether they first caught the draft up on a stretch it had not seen (exploring's cost),
+        `prefilled` whether the worker ran the prompt before verifying."""
+        self.edge.observe_round(width, latency_s, hint, prefilled)
         if self.exploring and draft_s is not None:
             self.edge.explore_s.observe(draft_s)
-        elif draft_s is not None and steps > 0 and not catchup:
-            self.edge.waited.observe(draft_s / steps)
+        elif draft_s is not None and steps > 0 and not catchup:  # a wait past CLIP forwards' compute is a stall
+            self.edge.waited.observe(min(draft_s / steps, CLIP * self.edge.step()))
         self.exploring = False

@@ -4,6 +4,7 @@ chains and trees. Pure: numbers in, numbers out; no clocks, no sockets."""
 from __future__ import annotations
 
 from ...common.protocol import LoadHint
+
 from ..trees.tree import BUCKETS, MAX_BRANCH
 
 PRIOR_ACCEPT = 0.7     # acceptance assumed where nothing was measured (a demo pair's typical first-position rate);
@@ -13,8 +14,8 @@ ACCEPT_DECAY = 0.995   # per verdict: acceptance counts (memory ~200 blocks of a
                        # reached rarely, and their rates must not fall back to the prior between two visits)
 DECAY = 0.98           # per observation: timings (memory ~50: follows a load change within seconds)
 CLIP = 3.0             # a timing over CLIP x its estimate counts as CLIP x (one stall is not a trend)
-DRAFT_PRIOR = 0.25     # a draft forward's cost relative to the cloud's fixed cost, until one is timed (a demo
-                       # draft has ~1/4 of its target's layers)
+DRAFT_PRIOR = 0.25     # a draft forward's cost relative to a verify's, until one is timed (a demo draft has
+                       # ~1/4 of its target's layers)
 
 
 class EWMean:
@@ -32,21 +33,18 @@ class EWMean:
 
 
 class EWLine:
-    """y = c + s * x by exponentially weighted least squares, shrunk toward the flat line through the first
-    observation (x1, y1) where it was measured (pseudo-observations at x1 and x1 + 1, not at x = 0: a first
-    observation of a wide row, a prompt's prefill, must not set the cost of a row of 1): a slope is learnt only
-    once x varies."""
+    """y = c + s * x by exponentially weighted least squares, its slope shrunk toward `slope` (a prior worth one
+    unit of x's variance: with x never varying, s is the prior; 0, flat, when none is known). The first
+    observation's y is not clipped; each later one at CLIP x the line's value (one stall is not a trend)."""
 
     def __init__(self) -> None:
-        self.count, self.prior, self.x1 = 0, 0.0, 0.0
+        self.slope = 0.0
+        self.count = 0
         self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
 
     def observe(self, x: float, y: float) -> None:
-        if not self.count:
-            self.prior, self.x1 = y, x
-        elif self.count:
-            c, s = self.fit()
-            y = min(y, CLIP * (c + s * x))
+        if self.count:
+            y = min(y, CLIP * self.at(x))
         self.count += 1
         g = DECAY
         self.sw, self.sx, self.sy = g * self.sw + 1, g * self.sx + x, g * self.sy + y
@@ -57,12 +55,13 @@ class EWLine:
         return self.count > 0
 
     def fit(self) -> tuple[float, float]:
-        """(c, s): the weighted normal equations plus the prior line as pseudo-observations at x1 and x1 + 1."""
-        c0, x0 = self.prior, self.x1
-        a11, a12, a22 = self.sw + 2, self.sx + 2 * x0 + 1, self.sxx + x0 * x0 + (x0 + 1) ** 2
-        b1, b2 = self.sy + 2 * c0, self.sxy + c0 * (2 * x0 + 1)
-        det = a11 * a22 - a12 * a12
-        return max(0.0, (b1 * a22 - a12 * b2) / det), max(0.0, (a11 * b2 - a12 * b1) / det)
+        """(c, s): through the weighted means, s = (S_xy + s0 / 2) / (S_xx + 1 / 2) over the centred sums."""
+        if not self.count:
+            return 0.0, self.slope
+        mx, my = self.sx / self.sw, self.sy / self.sw
+        sxx, sxy = self.sxx - self.sw * mx * mx, self.sxy - self.sw * mx * my
+        s = max(0.0, (sxy + self.slope / 2) / (max(0.0, sxx) + 0.5))
+        return max(0.0, my - s * mx), s
 
     def at(self, x: float) -> float:
         c, s = self.fit()
@@ -152,24 +151,34 @@ class EdgeEstimates:
     def __init__(self, predraft: bool = False) -> None:
         self.predraft = predraft
         self.acceptance, self.ranks = AcceptanceCounts(), RankAcceptance()
-        self.draft = EWLine()              # seconds per draft forward vs its columns (sessions, tree nodes)
-        self.cloud = EWLine()      # the worker's forward, seconds vs its tokens (load hints)
-        self.latency = EWLine()    # without load hints: seconds from VERIFY to VERDICT vs our row
-        self.rtt = EWMean()                   # the link and the worker's queue: latency - the worker's forward
+        self.draft = EWLine()                 # seconds per draft forward vs its columns (rows x new tokens)
+        self.rows = EWMean(1.0)               # sessions per lockstep draft batch (one column each per step)
+        # the worker's forward, seconds vs its tokens (load hints of forwards without a prompt chunk: a prompt's
+        # token skips the output head a verified one pays for); its prior slope is the worker's own measure of a
+        # token (the hint's token_us): one session keeps one row width, which alone teaches no slope
+        self.cloud = EWLine()
         self.batch = EWMean(1.0)              # rows per worker forward
+        self.latency = EWLine()               # seconds from VERIFY to VERDICT vs our row (its slope: no hints)
+        self.waits, self.widths = EWMean(), EWMean()  # that latency and the row's tokens, means: the wait line's
+                                              # anchor (the link, the worker's queue and forward as they are now)
+        self.provisional = False              # the anchor is a round that also ran its prompt (nothing else yet)
         self.steps_per_token = EWMean(1.0)    # draft forwards per target token (a cross-vocabulary draft: > 1)
         self.waited = EWMean()                # a chain round's wait for its draft per fresh forward (the critical
                                               # path: the loop, queueing behind other sessions' batches included)
         self.explore_s = EWMean()             # the draft wait of a round exploring from d = 0 (its catch-up)
+        self.idle = 0                         # rounds at d = 0 (any session's) since the last exploring one
         self.tree_saved = EWMean()            # tree levels a pre-draft had drafted when the VERDICT came
         self.lookahead = 0                    # target tokens drafted past a block (1 across vocabularies)
-        self.sessions = 1                     # sessions in flight (set by the edge shell)
 
     # ---------------------------------------------------------------- what the shell measured
-    def observe_steps(self, rows: int, steps: int, seconds: float) -> None:
-        """The draft thread ran a lockstep batch of `rows` jobs, `steps` forwards, in `seconds`."""
-        if steps > 0:
-            self.draft.observe(rows, seconds / steps)
+    def observe_draft(self, rows: int, forwards: list[tuple[int, float]]) -> None:
+        """The draft thread ran a lockstep batch of `rows` sessions (0: a pre-draft chunk) and its forwards, each
+        (columns, seconds): a forward that first caught a session up on a long stretch is a wide one, not a
+        dear step."""
+        if rows:
+            self.rows.observe(rows)
+        for columns, seconds in forwards:
+            self.draft.observe(columns, seconds)
 
     def observe_forward(self, columns: int, seconds: float) -> None:
         """One draft forward of a tree job over `columns` fed tokens."""
@@ -182,24 +191,35 @@ class EdgeEstimates:
         if timed:
             self.steps_per_token.observe(steps / (tokens + 1))
 
-    def observe_round(self, width: int, latency_s: float, hint: LoadHint | None) -> None:
-        """One VERIFY round: `width` = our row's tokens, `latency_s` from sending it to its VERDICT, the hint."""
-        if hint is None or hint.batch < 1:
-            self.latency.observe(width, latency_s)
-            return
-        forward = hint.forward_us * 1e-6
-        self.cloud.observe(hint.tokens or hint.batch * (hint.width or width), forward)
-        self.batch.observe(hint.batch)
-        self.rtt.observe(max(0.0, latency_s - forward))
+    def observe_round(self, width: int, latency_s: float, hint: LoadHint | None, prefilled: bool = False) -> None:
+        """One VERIFY round: `width` = our row's tokens, `latency_s` from sending it to its VERDICT, the worker's
+        hint; `prefilled`: the worker ran the session's prompt first (its time is not a verify's: it stands in for
+        one only until a round without a prompt is measured)."""
+        if hint is not None and hint.token_us:
+            self.cloud.slope = hint.token_us * 1e-6
+        if prefilled or self.provisional:
+            if self.waits.count and not self.provisional:
+                return
+            self.waits, self.widths, self.provisional = EWMean(), EWMean(), prefilled
+            if prefilled:
+                self.waits.observe(latency_s)
+                self.widths.observe(width)
+                return
+        self.latency.observe(width, latency_s)
+        self.waits.observe(latency_s)
+        self.widths.observe(width)
+        if hint is not None and hint.batch >= 1:
+            if not hint.prefill:
+                self.cloud.observe(hint.tokens or hint.batch * (hint.width or width), hint.forward_us * 1e-6)
+            self.batch.observe(hint.batch)
 
     # ---------------------------------------------------------------- the cost model
     def step(self, columns: float | None = None) -> float:
-        """t: seconds per draft forward at `columns` (default: one per session in flight); before any timing a
-        guess from the cloud's cost (1 unit in-process)."""
+        """t: seconds per draft forward at `columns` (default: one per session of a lockstep batch); before any
+        timing a guess from the verify's cost (1 unit in-process)."""
         if self.draft.known:
-            return self.draft.at(self.sessions if columns is None else columns)
-        base = self.cloud.fit()[0] if self.cloud.known else self.latency.fit()[0] if self.latency.known else 0.0
-        return DRAFT_PRIOR * base if base > 0 else 1.0
+            return self.draft.at(self.rows.value if columns is None else columns)
+        return DRAFT_PRIOR * self.wait(0) if self.waits.count else 1.0
 
     def per_token(self) -> float:
         """A chain's draft token on the critical path: the measured wait per forward (else t) x forwards per token."""
@@ -207,13 +227,13 @@ class EdgeEstimates:
 
     def wait_line(self) -> tuple[float, float]:
         """(w0, w1): R + V = w0 + w1 (tokens + 1), seconds from sending a row of `tokens` draft tokens to its
-        VERDICT. V = c0 + c1 B (tokens + 1): the worker's forward if every row of its batch drafted as we do."""
-        if self.cloud.known:
-            c0, c1 = self.cloud.fit()
-            return self.rtt.value + c0, c1 * self.batch.value
-        if self.latency.known:
-            return self.latency.fit()
-        return 1.0 / DRAFT_PRIOR, 0.0  # in-process: in units of one draft forward
+        VERDICT: the measured mean wait at the mean row, and per token more c1 B, the worker's forward growing as
+        every row of its batch drafts one more (the cloud line's slope; without hints, the latency line's)."""
+        if not self.waits.count:  # 1 / DRAFT_PRIOR draft forwards (in-process: in units of one)
+            return (self.step() if self.draft.known else 1.0) / DRAFT_PRIOR, 0.0
+        slope = self.cloud.fit()[1] * self.batch.value if self.cloud.known or self.cloud.slope else \
+            self.latency.fit()[1]
+        return max(0.0, self.waits.value - slope * self.widths.value), slope
 
     def wait(self, tokens: int) -> float:
         w0, w1 = self.wait_line()

@@ -82,6 +82,7 @@ class TreeRounds:
         self.chain = all(p == i - 1 for i, p in enumerate(block.parents))
         s._block, s._chain, s._reused = DraftBlock(list(block.ids)), None, DraftBlock()
         s._width = len(s.tokens) - s.cloud_len + len(block.ids) + 1
+        s._prefilled = s.prefill_due > 0
         s.seq += 1
         st = s.stats
         st.draft_tokens += len(block.ids)
@@ -172,8 +173,8 @@ class TreeRounds:
         if chunks <= 0:
             return None
         c = s.config
-        width = max(4, min(PREDRAFT_WIDTH, PREDRAFT_COLUMNS // max(1, self.edge().sessions)))  # all sessions share
-        plan = OutcomePlan(block.nodes, shape, chunks, width)                                      # a chunk's forward
+        width = max(4, min(PREDRAFT_WIDTH, PREDRAFT_COLUMNS // max(1, round(self.edge().rows.value))))  # a batch's
+        plan = OutcomePlan(block.nodes, shape, chunks, width)                                      # sessions share a chunk's forward
         wait = self._wait()
         return TreePreDraft(TreeJob(s.state, list(s.tokens), self.shape, s.mode, c.params, c.seed,
                                     self.edge().ranks, plan, self._rows_left()),

@@ -59,6 +59,19 @@ def test_calls_records_its_placement_and_load_and_no_pin_shares(tiny_pair, tmp_p
         assert result["outputs_identical_to_draft_len_0"]
 
 
+def test_calls_repeats_interleaves_and_reports_medians_and_spread(tiny_pair, tmp_path):
+    target, draft = tiny_pair
+    run = bench("calls", "--target", str(target), "--draft", str(draft), "--num-prompts", "2", "--max-new-tokens",
+                "8", "--concurrency", "2", "--no-plots", "--out", str(tmp_path), "--repeats", "3")
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((tmp_path / "calls.json").read_text())
+    runs = result["runs"]
+    assert len(runs) == 3 and all(r["outputs_identical_to_draft_len_0"] for r in runs)
+    calls = sorted(r["cloud_calls_per_token"] for r in runs)
+    assert result["cloud_calls_per_token"] == calls[1] and result["spread"]["cloud_calls_per_token"] == round(
+        calls[-1] - calls[0], 4)
+
+
 def test_legacy_benches_run_as_a_module_into_the_working_directory(tmp_path):
     run = subprocess.run([sys.executable, "-m", "specrelay.bench", "wire"], capture_output=True, text=True,
                          timeout=60, cwd=tmp_path)

@@ -116,7 +116,11 @@ class DraftPolicy:
         if explore and top and edge.idle * round_s * EXPLORE_SHARE >= max(round_s, edge.explore_s.value):
             self.exploring, edge.idle = True, 0
             return 1
-        return pick(chain_rows(self.edge, self.rates(top + 1), top), self.objective)
+        d = pick(chain_rows(self.edge, self.rates(top + 1), top), self.objective)
+        if d and explore and edge.drafting * EXPLORE_SHARE >= 1 and edge.cloud.spread < 0.5:
+            edge.drafting = 0  # the rows verified have kept one width: a row of 1 shows what d = 0 waits
+            return 0
+        return d
 
     def shape(self, remaining: int, trees: str, depth: int | None, nodes: int | None) -> TreeShape | None:
         """The tree to draft (`--trees on|auto`): the objective's pick over the trees and, with `auto`, the chains
@@ -146,6 +150,7 @@ class DraftPolicy:
             self.edge.acceptance.observe(d, n, bonus_match)
         else:
             self.edge.idle += 1
+        self.edge.drafting = self.edge.drafting + 1 if d > 0 else 0
 
     def observe_round(self, width: int, latency_s: float, hint: LoadHint | None, draft_s: float | None,
                       steps: int = 0, catchup: bool = False, prefilled: bool = False) -> None:

@@ -54,13 +54,17 @@ class EWLine:
     def known(self) -> bool:
         return self.count > 0
 
+    @property
+    def spread(self) -> float:
+        """S_xx, the weighted sum of x's squared deviations: below the prior's 1 / 2, the slope is mostly the prior."""
+        return max(0.0, self.sxx - self.sx * self.sx / self.sw) if self.count else 0.0
+
     def fit(self) -> tuple[float, float]:
         """(c, s): through the weighted means, s = (S_xy + s0 / 2) / (S_xx + 1 / 2) over the centred sums."""
         if not self.count:
             return 0.0, self.slope
         mx, my = self.sx / self.sw, self.sy / self.sw
-        sxx, sxy = self.sxx - self.sw * mx * mx, self.sxy - self.sw * mx * my
-        s = max(0.0, (sxy + self.slope / 2) / (max(0.0, sxx) + 0.5))
+        s = max(0.0, (self.sxy - self.sw * mx * my + self.slope / 2) / (self.spread + 0.5))
         return max(0.0, my - s * mx), s
 
     def at(self, x: float) -> float:
@@ -162,11 +166,13 @@ class EdgeEstimates:
         self.waits, self.widths = EWMean(), EWMean()  # that latency and the row's tokens, means: the wait line's
                                               # anchor (the link, the worker's queue and forward as they are now)
         self.provisional = False              # the anchor is a round that also ran its prompt (nothing else yet)
+        self.single = EWMean()                # the wait of a row of 1 (a round at d = 0): the line's low end
         self.steps_per_token = EWMean(1.0)    # draft forwards per target token (a cross-vocabulary draft: > 1)
         self.waited = EWMean()                # a chain round's wait for its draft per fresh forward (the critical
                                               # path: the loop, queueing behind other sessions' batches included)
         self.explore_s = EWMean()             # the draft wait of a round exploring from d = 0 (its catch-up)
         self.idle = 0                         # rounds at d = 0 (any session's) since the last exploring one
+        self.drafting = 0                     # rounds at d > 0 (any session's) since the last one at d = 0
         self.tree_saved = EWMean()            # tree levels a pre-draft had drafted when the VERDICT came
         self.lookahead = 0                    # target tokens drafted past a block (1 across vocabularies)
 
@@ -208,6 +214,8 @@ class EdgeEstimates:
         self.latency.observe(width, latency_s)
         self.waits.observe(latency_s)
         self.widths.observe(width)
+        if width == 1:
+            self.single.observe(latency_s)
         if hint is not None and hint.batch >= 1:
             if not hint.prefill:
                 self.cloud.observe(hint.tokens or hint.batch * (hint.width or width), hint.forward_us * 1e-6)
@@ -228,11 +236,14 @@ class EdgeEstimates:
     def wait_line(self) -> tuple[float, float]:
         """(w0, w1): R + V = w0 + w1 (tokens + 1), seconds from sending a row of `tokens` draft tokens to its
         VERDICT: the measured mean wait at the mean row, and per token more c1 B, the worker's forward growing as
-        every row of its batch drafts one more (the cloud line's slope; without hints, the latency line's)."""
+        every row of its batch drafts one more (the cloud line's slope; without hints, the latency line's), or
+        what the measured wait of a row of 1 implies if that is more (a cost line's slope seen at one width only)."""
         if not self.waits.count:  # 1 / DRAFT_PRIOR draft forwards (in-process: in units of one)
             return (self.step() if self.draft.known else 1.0) / DRAFT_PRIOR, 0.0
         slope = self.cloud.fit()[1] * self.batch.value if self.cloud.known or self.cloud.slope else \
             self.latency.fit()[1]
+        if self.single.count and self.widths.value > 1.5:
+            slope = max(slope, (self.waits.value - self.single.value) / (self.widths.value - 1))
         return max(0.0, self.waits.value - slope * self.widths.value), slope
 
     def wait(self, tokens: int) -> float:

@@ -176,6 +176,9 @@ def _legacy_parsers(add) -> None:
             p.add_argument("--concurrency", type=int, default=8, help="sessions in flight at once")
             p.add_argument("--xv", action="store_true", help="the cross-vocabulary pair (demo-draft-xv)")
             p.add_argument("--link", default="0", metavar="RTT", help="emulated edge<->broker link (default 0)")
+            p.add_argument("--repeats", type=int, default=1, help="run the pair of runs (the setting, then "
+                           "--draft-len 0) this many times, interleaved, each with a fresh edge: every run's "
+                           "figures, their medians and spread (one run's speed on a shared machine varies ~30 %%)")
 
 
 def main(argv: list[str] | None = None) -> int:

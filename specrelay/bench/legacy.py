@@ -14,6 +14,9 @@ process) and the cloud side on separate cores unless --no-pin (specrelay/placeme
 from __future__ import annotations
 
 import asyncio
+import os
+import statistics
+import sys
 import time
 
 from ..common.protocol import Mode, Strategy
@@ -23,34 +26,55 @@ from .runs import load_prompts, run_edge, totals
 
 def bench_calls(args) -> dict:
     """Cloud calls per token through the broker, greedy, under --draft-len (auto: under --objective) against
-    --draft-len 0 (whose output is the target alone's); per-position acceptance and the lengths auto chose."""
+    --draft-len 0 (whose output is the target alone's); per-position acceptance and the lengths auto chose.
+    --repeats N: N interleaved pairs of runs, each edge fresh; the top-level figures are the medians, `runs` every
+    pair's, `spread` the largest minus the smallest."""
     from .link import LinkRelay, LinkSpec
 
     texts = load_prompts(args.prompts, args.num_prompts)
     draft_len = None if args.draft_len == "auto" else int(args.draft_len)
     run = dict(target_tok=args.target_tokenizer, max_new_tokens=args.max_new_tokens)
+    pairs = []
     with cluster(args) as c, LinkRelay(LinkSpec.parse(args.link), c.frontend, rate_by="relay") as link:
         if link.proc is not None:
             c.place_cloud(link.proc.pid)
-        spec, wall = asyncio.run(run_edge(link.endpoint, args.draft, texts, args.concurrency, draft_len=draft_len,
-                                          objective=args.objective, **run))
-        base, base_wall = asyncio.run(run_edge(link.endpoint, args.draft, texts, args.concurrency, draft_len=0,
-                                               **run))
-    s, b = totals(spec), totals(base)
-    per_tok = s["cloud_calls"] / s["generated_tokens"]
+        for i in range(max(1, getattr(args, "repeats", 1))):
+            spec, wall = asyncio.run(run_edge(link.endpoint, args.draft, texts, args.concurrency, draft_len=draft_len,
+                                              objective=args.objective, **run))
+            base, base_wall = asyncio.run(run_edge(link.endpoint, args.draft, texts, args.concurrency, draft_len=0,
+                                                   **run))
+            pairs.append(_calls_row(spec, wall, base, base_wall))
+            if len(pairs) > 1 or getattr(args, "repeats", 1) > 1:
+                print(f"run {i + 1}: {pairs[-1]['cloud_calls_per_token']} calls/token, "
+                      f"{pairs[-1]['speed_vs_target_alone']}x the target alone's tokens/s", file=sys.stderr)
+    out = pairs[0] if len(pairs) == 1 else _medians(pairs)
     return stamp({"prompts": len(texts), "max_new_tokens": args.max_new_tokens, "draft": args.draft,
-            "cross_vocab": bool(args.target_tokenizer), "concurrency": args.concurrency, "link": link.described,
-            "draft_len": args.draft_len, "objective": args.objective,
-            "generated_tokens": s["generated_tokens"], "cloud_calls": s["cloud_calls"],
-            "cloud_calls_per_token": round(per_tok, 4),
+                  "cross_vocab": bool(args.target_tokenizer), "concurrency": args.concurrency,
+                  "link": link.described, "draft_len": args.draft_len, "objective": args.objective, **out}, c.placement)
+
+
+def _calls_row(spec, wall: float, base, base_wall: float) -> dict:
+    s, b = totals(spec), totals(base)
+    tokens_per_s, alone = s["generated_tokens"] / wall, b["generated_tokens"] / base_wall
+    return {"generated_tokens": s["generated_tokens"], "cloud_calls": s["cloud_calls"],
+            "cloud_calls_per_token": round(s["cloud_calls"] / s["generated_tokens"], 4),
             "baseline_cloud_calls_per_token": round(b["cloud_calls"] / b["generated_tokens"], 4),
             "reduction_vs_target_alone": round(1 - s["cloud_calls"] / b["cloud_calls"], 4),
             "acceptance_rate": round(s["accepted_tokens"] / max(1, s["draft_tokens"]), 4),
             "acceptance_per_position": position_acceptance(spec),
             "rounds_by_draft_len": rounds_by_length(spec),
-            "tokens_per_s": round(s["generated_tokens"] / wall, 2),
-            "target_alone_tokens_per_s": round(b["generated_tokens"] / base_wall, 2),
-            "outputs_identical_to_draft_len_0": all(x[0] == z[0] for x, z in zip(spec, base))}, c.placement)
+            "tokens_per_s": round(tokens_per_s, 2), "target_alone_tokens_per_s": round(alone, 2),
+            "speed_vs_target_alone": round(tokens_per_s / alone, 3),
+            "outputs_identical_to_draft_len_0": all(x[0] == z[0] for x, z in zip(spec, base)),
+            "load_average": [round(x, 2) for x in os.getloadavg()]}
+
+
+def _medians(pairs: list[dict]) -> dict:
+    """The runs' medians of each figure, every run, and the spread (max - min) of calls per token and speed."""
+    keys = ("cloud_calls_per_token", "tokens_per_s", "target_alone_tokens_per_s", "speed_vs_target_alone")
+    spread = {k: round(max(p[k] for p in pairs) - min(p[k] for p in pairs), 4) for k in keys}
+    return {**{k: statistics.median(p[k] for p in pairs) for k in keys}, "runs": pairs, "spread": spread,
+            "outputs_identical_to_draft_len_0": all(p["outputs_identical_to_draft_len_0"] for p in pairs)}
 
 
 def cluster(args, **options):

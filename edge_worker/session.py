@@ -295,7 +295,7 @@ class EdgeSession:
         self.prefill_due = 0
         self.stats.record_block(len(block.ids), n)
         self._hint = v.load
-        self.policy.observe_block(len(block.ids), n, self._bonus_match(n, v.next_token))
+        self.policy.observe_block(len(block.ids), n, self._bonus_match(n, v.next_token), opening=self._prefilled)
         start = len(self.generated)
         self._commit(block.ids[:n])
         if v.next_token >= 0:

@@ -199,3 +199,26 @@ def test_sessions_of_an_edge_choose_alike_and_explore_as_one():
             chosen.append(d)
             p.observe_block(d, d)
     assert 1 <= chosen.count(1) <= len(chosen) // 30
+
+
+def test_the_block_after_the_prompt_is_not_an_acceptance_sample():
+    """The first block of a session starts where the prompt ends, where a draft of another tokenizer is almost
+    never accepted: counted, a wave of fresh sessions took the edge to d = 0 before anything else was measured."""
+    est = EdgeEstimates()
+    policy = DraftPolicy(est)
+    before = est.acceptance.rates(3)
+    for _ in range(8):
+        policy.observe_block(4, 0, opening=True)
+    assert est.acceptance.rates(3) == before
+    policy.observe_block(4, 0)
+    assert est.acceptance.rates(1)[0] < before[0]
+
+
+def test_a_first_wide_forward_prices_a_narrow_one_in_proportion():
+    """An edge's first draft forward is often a prompt's catch-up (many columns): until widths vary, a narrow
+    forward is priced in proportion to it, not at the wide one's cost (which sent fresh edges to d = 0)."""
+    est = EdgeEstimates()
+    est.observe_draft(8, [(160, 0.020)])
+    assert est.step(8) < 0.005
+    est.observe_draft(8, [(8, 0.004)] * 6)
+    assert 0.003 < est.step(8) < 0.005

@@ -93,8 +93,8 @@ def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | Non
 
 
 class DraftPolicy:
-    """One session's draft: the edge's pooled acceptance and costs (the edge counts the rounds at d = 0 since the
-    last exploring one, over all its sessions), whether this session's round in flight explores."""
+    """One session's draft: the edge's pooled acceptance and costs (the edge counts its sessions' rounds at d = 0
+    since the last exploring one, and at d > 0 since the last at d = 0), whether this session's round explores."""
 
     def __init__(self, edge: EdgeEstimates | None = None, objective: Objective = Objective.BALANCED,
                  fixed: int | None = None) -> None:
@@ -108,7 +108,9 @@ class DraftPolicy:
 
     def choose(self, remaining: int, explore: bool = True) -> int:
         """The chain length d in 0..min(MAX_LEN, remaining - 1): fixed, d = 1 when exploring is due (EXPLORE_SHARE;
-        `explore` False: a pre-draft asking, which must not start a catch-up), else the objective's pick."""
+        `explore` False: a pre-draft asking, which must not start a catch-up), else the objective's pick, but d = 0
+        once in 1 / EXPLORE_SHARE drafting rounds while the worker's cost line has seen one width only (the wait of a
+        row of 1 is then measured, not extrapolated)."""
         top = max(0, min(MAX_LEN, remaining - 1))
         if self.fixed is not None:
             return min(self.fixed, top)
@@ -144,8 +146,14 @@ class DraftPolicy:
         node_cost = c1 * est.batch.value + est.draft.fit()[1] * est.rows.value  # one more node's seconds
         return replace(shape, min_value=max(MIN_VALUE, node_cost * e / t))
 
-    def observe_block(self, d: int, n: int, bonus_match: bool | None = None) -> None:
-        """A VERDICT on a block of d drafts (n accepted; the pre-drafted guess's match after a full block)."""
+    def observe_block(self, d: int, n: int, bonus_match: bool | None = None, opening: bool = False) -> None:
+        """A VERDICT on a block of d drafts (n accepted; the pre-drafted guess's match after a full block).
+        `opening`: the block right after the prompt, not an acceptance sample: where a prompt ends the target's
+        tokenizer may never stop (a prompt ending in a newline the target writes together with the next line's
+        indentation), so a draft of another tokenizer is almost never accepted there (demo pair: 3 %, 65 % later);
+        counted, a wave of fresh sessions took the edge to d = 0 with nothing else measured."""
+        if opening:
+            return
         if d > 0 or bonus_match is not None:
             self.edge.acceptance.observe(d, n, bonus_match)
         else:

@@ -183,6 +183,9 @@ class EdgeEstimates:
         dear step."""
         if rows:
             self.rows.observe(rows)
+        if forwards and not self.draft.known:  # the first forward (often a prompt's catch-up) sets no flat price:
+            columns, seconds = forwards[0]    # until widths vary, a forward costs in proportion to its columns
+            self.draft.slope = seconds / max(1, columns)
         for columns, seconds in forwards:
             self.draft.observe(columns, seconds)
 

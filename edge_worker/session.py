@@ -115,6 +115,7 @@ class EdgeSession:
         self._width = self._steps = 0              # the last block's cloud row width, fresh draft forwards
         self._catchup = False                      # its draft first caught up on a stretch the draft never saw
         self._prefilled = False                    # the worker ran the prompt before verifying it
+        self._seen = 0                             # committed tokens the draft had when it last drafted
         self._hint: P.LoadHint | None = None
         self._predrafted = False                   # a pre-draft of the verdict in flight was handed out (a try)
         self._tried = False                        # the last verdict was a try: the next block may be its hit
@@ -166,10 +167,12 @@ class EdgeSession:
             return None
         if self.trees.on and (job := self.trees.job()) is not None:
             return job
-        d = self.policy.choose(self.config.max_new_tokens - len(self.generated))
+        d = self.policy.choose(self.config.max_new_tokens - len(self.generated), stretch=len(self.tokens) - self._seen)
         c = self.config
         if c.constraint is not None and self.grammar is None:
             d = 0  # a drafter that cannot apply the grammar drafts nothing
+        if d:
+            self._seen = len(self.tokens)
         context = list(self.drafter.draft_context(self.state, self.tokens))
         chain, self._chain, last = self._chain, None, self._job  # `last` drafted the chain's block
         after = partial(self.drafter.extend_context, last)

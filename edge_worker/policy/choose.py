@@ -106,18 +106,22 @@ class DraftPolicy:
         length away from its lockstep batch-mates' and cost more waiting than they gain)."""
         return self.edge.acceptance.rates(n)
 
-    def choose(self, remaining: int, explore: bool = True) -> int:
+    def choose(self, remaining: int, explore: bool = True, stretch: int = 0) -> int:
         """The chain length d in 0..min(MAX_LEN, remaining - 1): fixed, d = 1 when exploring is due (EXPLORE_SHARE;
         `explore` False: a pre-draft asking, which must not start a catch-up), else the objective's pick, but d = 0
         once in 1 / EXPLORE_SHARE drafting rounds while the worker's cost line has seen one width only (the wait of a
-        row of 1 is then measured, not extrapolated)."""
+        row of 1 is then measured, not extrapolated). `stretch`: target tokens the session's draft has not seen (what
+        an exploring round catches up on: its cost, until one was measured)."""
         top = max(0, min(MAX_LEN, remaining - 1))
         if self.fixed is not None:
             return min(self.fixed, top)
         round_s, edge = self.edge.wait(0), self.edge
-        if explore and top and edge.idle * round_s * EXPLORE_SHARE >= max(round_s, edge.explore_s.value):
+        cost = edge.explore_s.value if edge.explore_s.count else edge.step(stretch * edge.steps_per_token.value)
+        if explore and top and edge.idle * round_s * EXPLORE_SHARE >= max(round_s, cost):
             self.exploring, edge.idle = True, 0
             return 1
+        if edge.provisional:  # the only wait measured also ran a prompt: measure a verify (a row of 1) first
+            return 0
         d = pick(chain_rows(self.edge, self.rates(top + 1), top), self.objective)
         if d and explore and edge.drafting * EXPLORE_SHARE >= 1 and edge.cloud.spread < 0.5:
             edge.drafting = 0  # the rows verified have kept one width: a row of 1 shows what d = 0 waits

@@ -222,3 +222,16 @@ def test_a_first_wide_forward_prices_a_narrow_one_in_proportion():
     assert est.step(8) < 0.005
     est.observe_draft(8, [(8, 0.004)] * 6)
     assert 0.003 < est.step(8) < 0.005
+
+
+def test_a_drafting_session_resets_the_edges_exploring_count():
+    """Rounds at d = 0 scattered between other sessions' drafting rounds are no stretch without acceptance
+    samples: they must not add up to an exploring round (d = 1) that cuts a drafting session's length."""
+    est = edge(draft_s=0.002, rtt_s=0.05)
+    policy = DraftPolicy(est)
+    d = policy.choose(48)
+    assert d > 1
+    for _ in range(200):
+        policy.observe_block(0, 0)  # a session's round at d = 0 ...
+        policy.observe_block(d, d)  # ... between drafting ones
+    assert policy.choose(48) > 1 and not policy.exploring

@@ -158,8 +158,9 @@ class DraftPolicy:
         counted, a wave of fresh sessions took the edge to d = 0 with nothing else measured."""
         if opening:
             return
-        if d > 0 or bonus_match is not None:
+        if d > 0 or bonus_match is not None:  # an acceptance sample, whichever session's: nothing to explore
             self.edge.acceptance.observe(d, n, bonus_match)
+            self.edge.idle = 0
         else:
             self.edge.idle += 1
         self.edge.drafting = self.edge.drafting + 1 if d > 0 else 0

@@ -171,7 +171,7 @@ class EdgeEstimates:
         self.waited = EWMean()                # a chain round's wait for its draft per fresh forward (the critical
                                               # path: the loop, queueing behind other sessions' batches included)
         self.explore_s = EWMean()             # the draft wait of a round exploring from d = 0 (its catch-up)
-        self.idle = 0                         # rounds at d = 0 (any session's) since the last exploring one
+        self.idle = 0                         # rounds at d = 0 (any session's) since the last acceptance sample
         self.drafting = 0                     # rounds at d > 0 (any session's) since the last one at d = 0
         self.tree_saved = EWMean()            # tree levels a pre-draft had drafted when the VERDICT came
         self.lookahead = 0                    # target tokens drafted past a block (1 across vocabularies)

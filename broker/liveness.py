@@ -13,7 +13,7 @@ from __future__ import annotations
 import structlog
 
 from specrelay.common import protocol
-from specrelay.common.errors import ErrorCode
+from specrelay.common.errors import ErrorCode, SettingError
 from specrelay.common.protocol import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, MsgType
 from specrelay.common.ratelimit import LogLimiter
 
@@ -31,7 +31,7 @@ class Liveness(Tables):
     def __init__(self, *, heartbeat_interval: float = HEARTBEAT_INTERVAL, liveness: int = HEARTBEAT_LIVENESS,
                  limits: Limits | None = None) -> None:
         if heartbeat_interval <= 0 or liveness < 1:
-            raise ValueError("heartbeat_interval must be > 0 and liveness >= 1")
+            raise SettingError("heartbeat_interval must be > 0 and liveness >= 1")
         super().__init__(limits)
         self.heartbeat_interval = heartbeat_interval
         self.ttl = heartbeat_interval * liveness

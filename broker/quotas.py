@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specrelay.common.errors import SettingError
+
 
 # a client's prompt tokens, at most this share of its live workers' KV slots: the workers' own per-client share
 # (cloud_worker VerifierConfig.client_kv_share), so the broker refuses what the workers would refuse anyway
@@ -30,7 +32,7 @@ class Limits:
     def __post_init__(self) -> None:
         if min(self.max_sessions_per_client, self.max_in_flight_per_client, self.max_prompt_tokens_per_client,
                self.max_in_flight_per_session) < 1 or self.edge_ttl <= 0 or self.bad_replies_per_s < 0:
-            raise ValueError("broker limits must be >= 1, edge_ttl > 0 and bad_replies_per_s >= 0")
+            raise SettingError("broker limits must be >= 1, edge_ttl > 0 and bad_replies_per_s >= 0")
 
 
 @dataclass

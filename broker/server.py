@@ -21,7 +21,7 @@ import zmq.asyncio
 
 from specrelay.common import auth, health, transport
 from specrelay.common.pump import Pump, wake_sent
-from specrelay.common.errors import FatalError
+from specrelay.common.errors import FatalError, SettingError
 from specrelay.common.membudget import MemoryBudget
 from specrelay.common.protocol import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS
 
@@ -59,7 +59,7 @@ class Broker(transport.Service):
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
         if not 0 <= linger_ms <= 5000:
-            raise ValueError(f"linger_ms must be in [0, 5000] so shutdown cannot hang, got {linger_ms}")
+            raise SettingError(f"linger_ms must be in [0, 5000] so shutdown cannot hang, got {linger_ms}")
         if curve_secret is not None and (edge_keys is None or worker_keys is None):
             raise FatalError("--curve-secret needs both --edge-keys DIR and --worker-keys DIR")
         if curve_secret is None and (edge_keys is not None or worker_keys is not None):

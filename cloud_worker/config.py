@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from ..common.errors import SettingError
 from ..common.metrics import Histogram, SpecDecodeCounters
 from ..common.protocol import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, MAX_DRAFT, MAX_TAIL
 
@@ -16,7 +17,7 @@ ATTENTION_PATHS = ("auto", "batched", "per-session")
 def _check(checks: list[tuple[bool, str]]) -> None:
     for ok, message in checks:
         if not ok:
-            raise ValueError(message)
+            raise SettingError(message)
 
 
 @dataclass

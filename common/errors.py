@@ -15,7 +15,8 @@
     └── FatalError              the component cannot go on (model failed to load, socket gone)
         ├── AuthenticationFailed  the broker refused this process's CURVE key
         └── ConfigError           a setting names something that is not there (model directory, CUDA): the
-                                  CLI prints its one line and exits 2, like a bad flag
+            │                     CLI prints its one line and exits 2, like a bad flag
+            └── SettingError      a setting's value is out of its range (also a ValueError)
 
 A bad request fails that request, never the process. asyncio.CancelledError is never caught here.
 """
@@ -116,6 +117,10 @@ class AuthenticationFailed(FatalError):
 class ConfigError(FatalError):
     """A setting is wrong for this machine: a model directory that does not exist, no tokenizer files, CUDA
     asked for where there is none. The message names the setting and the fix."""
+
+
+class SettingError(ConfigError, ValueError):
+    """A setting's value is out of its range (a config dataclass refused it): the CLI says so and exits 2."""
 
 
 class ContextFull(RequestError, code=ErrorCode.CONTEXT_FULL):

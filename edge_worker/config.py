@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..common import protocol as P
 from ..common.constraint import ConstraintSpec
-from ..common.errors import InvalidRequest
+from ..common.errors import InvalidRequest, SettingError
 from ..common.logprobs import MAX_TOP
 from ..common.packing import enum_value
 from ..common.penalties import Penalties
@@ -127,11 +127,11 @@ class EdgeConfig:
 
     def __post_init__(self) -> None:
         if not self.request_timeout_s > 0 or self.prefill_s_per_token < 0:
-            raise ValueError("request_timeout_s must be > 0, prefill_s_per_token >= 0")
+            raise SettingError("request_timeout_s must be > 0, prefill_s_per_token >= 0")
         if self.retry_budget_s < 0 or self.retry_backoff_s < 0:
-            raise ValueError("retry_budget_s and retry_backoff_s must be >= 0")
+            raise SettingError("retry_budget_s and retry_backoff_s must be >= 0")
         if not 0 <= self.linger_ms <= 5000:
-            raise ValueError("linger_ms must be in [0, 5000] so shutdown cannot hang")
+            raise SettingError("linger_ms must be in [0, 5000] so shutdown cannot hang")
         check = SessionConfig(objective=self.default_objective, trees=self.default_trees)  # validates both
         self.default_objective = check.objective  # a name -> its member
 
@@ -176,9 +176,9 @@ class HttpLimits:
 
     def __post_init__(self) -> None:
         if any(not key or key != key.strip() for key in self.api_keys):
-            raise ValueError("an API key must be non-empty, without surrounding whitespace")
+            raise SettingError("an API key must be non-empty, without surrounding whitespace")
         if min(self.max_body_bytes, self.max_body_bytes_in_flight, self.max_connections, self.max_concurrent,
                self.max_prompt_tokens) < 1:
-            raise ValueError("HTTP limits must be >= 1")
+            raise SettingError("HTTP limits must be >= 1")
         if not (self.header_timeout_s > 0 and self.body_timeout_s > 0):
-            raise ValueError("HTTP timeouts must be > 0")
+            raise SettingError("HTTP timeouts must be > 0")

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from specrelay import cliargs
-from specrelay.cli import parser
+from specrelay.cli import describe, parser
+from specrelay.common.errors import SettingError
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -197,3 +198,15 @@ def test_every_argument_parser_in_the_project_refuses_prefixes():
 
     with contextlib.redirect_stderr(io.StringIO()), pytest.raises(SystemExit):  # --sess is not --sessions
         bench_parser().parse_args(["sweep", "--sess", "3"])
+
+
+def test_a_setting_out_of_its_range_exits_2_in_one_line_not_as_an_internal_error():
+    """A value the config dataclass refuses (before: "internal error: ValueError ... run with --debug")."""
+    out = subprocess.run([sys.executable, "-m", "specrelay.cli", "cloud-worker", "--model", "models/demo-target",
+                          "--broker", "tcp://127.0.0.1:1", "--max-step-tokens", "100"], capture_output=True, text=True,
+                         timeout=60)
+    err = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(err) == 1, err
+    assert "max_step_tokens must be >= 129" in err[0] and "internal error" not in err[0]
+    code, line = describe(SettingError("request_timeout_s must be > 0"))
+    assert code == 2 and line == "request_timeout_s must be > 0"

@@ -16,9 +16,8 @@ MAX_LEN = 32           # the longest chain, the deepest tree auto drafts (past i
                        # reaching a position is ~0)
 TREE_FILL = (1.5, 2, 3, 4)  # tree candidates per depth D: ceil(f x D) nodes (up to MAX_BRANCH per level on average)
 TOLERANCE = {Objective.SPEED: 0.0, Objective.BALANCED: 0.10, Objective.CLOUD: 1.0}  # share of the best modelled
-                       # rate an objective gives up for more tokens per call (balanced's promise: within 10 %, and
-                       # never slower than not drafting; cloud: any, the fewest calls whatever the edge's time, to
-                       # MIN_VALUE's limit)
+                       # rate an objective gives up for more tokens per call (balanced's promise: within 10 %;
+                       # cloud: any, the fewest calls whatever the edge's time, to MIN_VALUE's limit)
 EXPLORE_SHARE = 0.03   # at d = 0, a round drafts d = 1 (an acceptance sample) once the rounds since the last
                        # sample took 1 / EXPLORE_SHARE x what the last such round's draft cost (its catch-up on the
                        # stretch the draft has not seen): where drafting does not pay, exploring costs ~3 %
@@ -26,17 +25,12 @@ MIN_VALUE = 0.01       # a draft token (a chain's, a tree node) less likely than
                        # drafted: it adds under 1 % of a token per call
 
 
-def pick(rows: list[tuple[float, float]], objective: Objective, plain: float = 0.0) -> int:
+def pick(rows: list[tuple[float, float]], objective: Objective) -> int:
     """The one objective rule, for chains and trees: of the candidates (E, T) whose rate E / T is within the
     objective's tolerance of the best, the one with the most tokens per call E (ties: the first, so order the
-    candidates cheapest first). speed's tolerance is 0: its argmax. `plain`: the rate of not drafting (d = 0),
-    below which balanced never goes: where drafting does not pay, giving up 10 % for fewer calls would make
-    the edge slower than the target alone (cloud's choice)."""
+    candidates cheapest first). speed's tolerance is 0: its argmax."""
     rates = [e / max(t, 1e-12) for e, t in rows]
-    floor = (1 - TOLERANCE[objective]) * max(rates)
-    if objective is Objective.BALANCED:
-        floor = max(floor, plain)
-    floor *= 1 - 1e-9
+    floor = (1 - TOLERANCE[objective]) * max(rates) * (1 - 1e-9)
     return max((i for i, r in enumerate(rates) if r >= floor), key=lambda i: (rows[i][0], -i))
 
 
@@ -128,8 +122,7 @@ class DraftPolicy:
             return 1
         if edge.provisional:  # the only wait measured also ran a prompt: measure a verify (a row of 1) first
             return 0
-        rows = chain_rows(self.edge, self.rates(top + 1), top)
-        d = pick(rows, self.objective, rows[0][0] / max(rows[0][1], 1e-12))
+        d = pick(chain_rows(self.edge, self.rates(top + 1), top), self.objective)
         if d and explore and edge.drafting * EXPLORE_SHARE >= 1 and edge.cloud.spread < 0.5:
             edge.drafting = 0  # the rows verified have kept one width: a row of 1 shows what d = 0 waits
             return 0
@@ -148,8 +141,7 @@ class DraftPolicy:
             rows = [(None, e, t) for e, t in chains] + rows
         if not rows:
             return None if trees == "auto" else TreeShape()
-        plain = chains[0][0] / max(chains[0][1], 1e-12) if trees == "auto" and depth is None else 0.0  # d = 0's
-        best = pick([(e, t) for _, e, t in rows], self.objective, plain)
+        best = pick([(e, t) for _, e, t in rows], self.objective)
         shape = rows[best][0]
         if shape is None:
             return None

@@ -146,19 +146,37 @@ def loop_lag(base: str, stop) -> list[float]:
     return lags
 
 
-def _legit_beside(base: str, key: str, model: str, stop, out) -> None:
-    """In a child process (so the senders' threads cannot delay it): legit requests one after another and the
-    event loop's stall (loop_lag) beside them, until `stop` is set; puts (statuses, seconds, longest stall)."""
+def _legit_beside(base: str, key: str, model: str, stop, out, at_least: int = 1) -> None:
+    """In a child process (so the senders' threads cannot delay it): legit requests one after another (at least
+    `at_least`, then until `stop` is set) and the event loop's stall (loop_lag) polled beside them; puts
+    (statuses, seconds, longest stall)."""
     import threading
 
     stalls: list[float] = []
-    poller = threading.Thread(target=lambda: stalls.extend(loop_lag(base, stop)))
+    done = threading.Event()
+    poller = threading.Thread(target=lambda: stalls.extend(loop_lag(base, done)))
     poller.start()
-    answers = [timed_request(base, key, model)]
+    answers = [timed_request(base, key, model) for _ in range(at_least)]
     while not stop.is_set():
         answers.append(timed_request(base, key, model))
+    done.set()
     poller.join()
     out.put(([a[0] for a in answers], [a[1] for a in answers], max(stalls, default=0.0)))
+
+
+def legit_at_rest(base: str, key: str = KEY, model: str = MODEL, n: int = 5) -> float:
+    """The median of n legit requests made as under attack (the same child process, /health polled beside)."""
+    import multiprocessing
+    import statistics
+
+    ctx = multiprocessing.get_context("fork")
+    stop, results = ctx.Event(), ctx.Queue()
+    stop.set()
+    child = ctx.Process(target=_legit_beside, args=(base, key, model, stop, results, n))
+    child.start()
+    _, seconds, _ = results.get(timeout=120)
+    child.join()
+    return round(statistics.median(seconds), 3)
 
 
 def huge_prompts(base: str, edge_pid: int, n: int = 8, key: str = KEY, legit_key: str = KEY,
@@ -180,12 +198,12 @@ def huge_prompts(base: str, edge_pid: int, n: int = 8, key: str = KEY, legit_key
         while not done.wait(0.02):
             peak[0] = max(peak[0], rss_kib(edge_pid))
 
-    def one(_) -> tuple[int, str | None, float]:
+    def one(_) -> tuple[int, str | None, float, float]:
         if sender_cpus:
             os.sched_setaffinity(threading.get_native_id(), sender_cpus)
-        t0 = time.monotonic()
+        t0, cpu = time.monotonic(), time.thread_time()
         status, answer, _ = post(base, "/v1/completions", body, key, timeout=300)
-        return status, answer.get("error", {}).get("param"), time.monotonic() - t0
+        return status, answer.get("error", {}).get("param"), time.monotonic() - t0, time.thread_time() - cpu
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -207,17 +225,16 @@ def huge_prompts(base: str, edge_pid: int, n: int = 8, key: str = KEY, legit_key
             "slowest_refusal_s": round(max(a[2] for a in answers), 3),
             "rss_growth_mib": round((max(peak[0], rss_kib(edge_pid)) - before) / 1024, 1),
             "edge_cpu_s": round(cpu_s(edge_pid) - cpu0, 2), "loop_stall_max_s": round(lag, 3),
+            "senders_cpu_s": round(sum(a[3] for a in answers), 2),  # on sender_cpus (the cloud's, when pinned)
             "legit_statuses": legit_statuses, "legit_s": round(max(legit_s), 3),
             "legit_each_s": [round(t, 3) for t in legit_s]}
 
 
 def huge_only(base: str, edge_pid: int, sender_cpus: tuple[int, ...] = ()) -> dict:
-    """`--only huge`: the legit request at rest (median of 5), then huge_prompts, then at rest again."""
-    import statistics
-
-    rest = lambda: round(statistics.median(timed_request(base)[1] for _ in range(5)), 3)  # noqa: E731
-    out = {"at_rest_s": rest(), "huge_prompts_8": huge_prompts(base, edge_pid, sender_cpus=sender_cpus),
-           "at_rest_after_s": rest()}
+    """`--only huge`: the legit request at rest (median of 5, made and polled as under attack), then huge_prompts,
+    then at rest again."""
+    out = {"at_rest_s": legit_at_rest(base), "huge_prompts_8": huge_prompts(base, edge_pid, sender_cpus=sender_cpus),
+           "at_rest_after_s": legit_at_rest(base)}
     out["legit_vs_rest"] = round(out["huge_prompts_8"]["legit_s"] / max(out["at_rest_s"], 1e-9), 2)
     return out | {"loadavg": os.getloadavg()}
 

@@ -148,8 +148,9 @@ def test_many_large_bodies_at_once_are_bounded_together(stack):
 def test_a_large_body_waits_unread_while_another_is_read_and_small_requests_go_on(stack):
     """Bodies past LARGE_BODY_BYTES are read one at a time (before: 8 bodies of 7.5 MB were read and decoded at
     once on the event loop, a legit request beside them 2.5-3x slower): a second one waits unread (counted) while
-    the first is held half sent, a small request is served meanwhile, and the second is answered once the first
-    is gone."""
+    the first is held half sent, a small request is served meanwhile, a third is drained and answered 429 at once
+    (before: it waited too, and 8 at once still cost the loop 0.3 s), and the second is answered once the first is
+    gone."""
     def large(declared: int, sent: bytes) -> socket.socket:
         sock = socket.create_connection(("127.0.0.1", stack["port"]), timeout=60)
         sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEYS[0]}\r\n"
@@ -167,6 +168,12 @@ def test_a_large_body_waits_unread_while_another_is_read_and_small_requests_go_o
             time.sleep(0.05)
         assert waits() == before + 1
         assert post(stack["base"], "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2})[0] == 200
+        third = large(len(body), body)  # one large body read and one waiting: a third is drained and refused
+        try:
+            assert httpfuzz.first_line(third).startswith("HTTP/1.1 429")
+        finally:
+            third.close()
+        assert waits() == before + 1
         first.close()
         assert httpfuzz.first_line(second).startswith("HTTP/1.1 400")  # its prompt, read and refused in its turn
     finally:
@@ -319,10 +326,11 @@ def test_idle_connections_do_not_starve_the_health_port(stack, role):
 
 def test_huge_prompts_are_refused_before_tokenising_beside_a_legit_request(stack):
     """8 prompts of 7.5 MB at once (under the 8 MiB body limit; each took 21 s of tokenising and the 8 took the
-    edge from 500 to 5,766 MiB): each a 400 on `prompt`, the edge's RSS grows by far less, a legit request alongside
-    is served."""
+    edge from 500 to 5,766 MiB): each a 400 on `prompt` or, past one read and one waiting, a 429 (drained, not
+    decoded), the edge's RSS grows by far less, a legit request alongside is served."""
     out = httpfuzz.huge_prompts(stack["base"], stack["edge"].pid, n=8, key=KEYS[1], legit_key=KEYS[0], model=MODEL)
-    assert out["statuses"] == [400] * 8 and out["params"] == ["prompt"] * 8, out
+    refused = [(status, param) for status, param in zip(out["statuses"], out["params"])]
+    assert set(refused) <= {(400, "prompt"), (429, None)} and (400, "prompt") in refused, out
     assert out["rss_growth_mib"] <= 100, out
     assert set(out["legit_statuses"]) == {200} and out["slowest_refusal_s"] < 10, out  # 21 s each before
     assert stack["edge"].poll() is None

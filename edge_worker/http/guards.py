@@ -9,8 +9,9 @@
     body             read as it arrives, at most max_body_bytes (413 at once past it, never read whole first),
                      complete within body_timeout_s (408); all bodies being read together hold at most
                      max_body_bytes_in_flight (429 past it), so many large bodies at once cannot exhaust memory;
-                     a body past LARGE_BODY_BYTES is read only while no other large one is (it waits unread), so
-                     large bodies cannot fill the event loop with reading and decoding beside everyone else's
+                     a body past LARGE_BODY_BYTES is read only while no other large one is (one waits unread; a
+                     third is drained, not kept nor decoded, and answered 429), so large bodies cannot fill the
+                     event loop with reading and decoding beside everyone else's
     concurrency      at most max_concurrent generations in flight (429 with Retry-After)
     fair share       with N API keys, one key holds at most 1/N of the edge's budget of requests and prompt tokens
                      in flight (the edge's share of its broker quota), so one key cannot exhaust it for everyone;
@@ -38,6 +39,10 @@ RETRY_AFTER_S = 1
 # no prompt that fits protocol.MAX_CONTEXT (32,768 tokens) needs more unless its tokens average 32 JSON bytes, so
 # large bodies are attacks or refusals, and reading and decoding each costs the event loop ~25 ms per 8 MiB
 LARGE_BODY_BYTES = 1 << 20
+# large bodies that may wait while one is read; past them a large body is drained (read, not kept nor decoded) and
+# answered 429: 8 bodies of 7.5 MB at once cost the edge's loop 0.3 s of reading and decoding when all were kept,
+# a legit request beside them 2.1-2.35x slower; one waiting keeps a second large prompt from a client served
+LARGE_BODIES_WAITING = 1
 OPEN = ""  # the key of every request when no API keys are configured
 
 
@@ -84,29 +89,41 @@ class BodyBudget:
     limit: int
     used: int = 0
     large: asyncio.Lock = field(default_factory=asyncio.Lock)  # held while a large body is read
+    large_waiting: int = 0  # large bodies waiting, unread, for the lock
+
+
+class _LargeQueueFull(Exception):
+    """A large body found LARGE_BODIES_WAITING others waiting: it is drained and refused."""
 
 
 async def read_body(request, limits: HttpLimits, budget: BodyBudget, stats=None) -> bytes:
     """The body as it arrives: 413 past max_body_bytes (a larger Content-Length is refused before reading),
     429 while the bodies being read hold the whole budget, 408 if it is not complete within body_timeout_s. A body
     past LARGE_BODY_BYTES (declared, or once it grows past it) waits, unread, while another large one is read
-    (counted in `stats.http_large_body_waits`)."""
+    (counted in `stats.http_large_body_waits`); past LARGE_BODIES_WAITING such waits it is drained and 429."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limits.max_body_bytes:
         raise _too_large(limits)
-    chunks, size, large = [], 0, [False]
+    chunks, size, large, stream = [], 0, [False], request.stream()
 
     async def take_large() -> None:
-        if budget.large.locked() and stats is not None:
-            stats.http_large_body_waits += 1
-        await budget.large.acquire()
+        if budget.large.locked():
+            if budget.large_waiting >= LARGE_BODIES_WAITING:
+                raise _LargeQueueFull
+            if stats is not None:
+                stats.http_large_body_waits += 1
+        budget.large_waiting += 1
+        try:
+            await budget.large.acquire()
+        finally:
+            budget.large_waiting -= 1
         large[0] = True
 
     async def pull() -> None:
         nonlocal size
         if declared.isdigit() and int(declared) > LARGE_BODY_BYTES:
             await take_large()
-        async for chunk in request.stream():
+        async for chunk in stream:
             if size + len(chunk) > limits.max_body_bytes:
                 raise _too_large(limits)
             if budget.used + len(chunk) > budget.limit:
@@ -117,9 +134,20 @@ async def read_body(request, limits: HttpLimits, budget: BodyBudget, stats=None)
             budget.used += len(chunk)
             chunks.append(chunk)
 
+    async def drain(seen: int) -> None:  # the rest of a refused large body, so its client reads the 429
+        async for chunk in stream:
+            seen += len(chunk)
+            if seen > limits.max_body_bytes:
+                raise _too_large(limits)
+
     try:
-        await asyncio.wait_for(pull(), limits.body_timeout_s)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(limits.body_timeout_s):
+            try:
+                await pull()
+            except _LargeQueueFull:
+                await drain(size)
+                raise _busy("other large request bodies are being read") from None
+    except TimeoutError:
         raise APIError(408, f"the request body did not arrive within {limits.body_timeout_s:g} s",
                        code="request_timeout") from None
     finally:

@@ -170,6 +170,27 @@ def test_one_width_takes_the_workers_slope():
     assert flat.wait_line()[1] == 0.0
 
 
+def test_a_row_of_1_sets_the_slope_only_where_our_rows_are_the_workers_only_ones():
+    """A row of 1 timed at 10 ms, then rows of 8 waiting 40 ms. One session alone in the worker's forwards (hints:
+    1 row): the row of 1 bounds the slope from below ((40 - 10) / 7 a token), as a slow real target needs. Beside
+    other sessions (4 rows a forward) the row of 1 was timed under another load (a fresh edge's first rounds,
+    before the others joined: the demo pair's 8 sessions drafted d = 2-3 for a third of a run on that slope), so
+    the worker's line stands; and a round that ran a prompt already says how many rows the worker runs."""
+    def measured(rows: int) -> EdgeEstimates:
+        est = EdgeEstimates()
+        est.observe_round(3, 0.050, LoadHint(batch=rows, tokens=3 * rows, prefill=2 * rows), prefilled=True)
+        est.observe_round(1, 0.010, None)
+        for _ in range(30):
+            est.observe_round(8, 0.040, LoadHint(batch=rows, width=8, forward_us=20_000, tokens=8 * rows,
+                                                 token_us=500))
+        return est
+
+    alone, beside = measured(1), measured(4)
+    assert abs(alone.wait_line()[1] - 0.030 / 7) < 0.05 * 0.030 / 7
+    assert beside.batch.count and beside.wait_line()[1] < 0.030 / 7 / 2
+    assert abs(beside.wait_line()[1] - beside.cloud.fit()[1] * beside.batch.value) < 1e-12
+
+
 def test_a_stall_is_not_the_draft_wait():
     """A first chain round that waited 250 ms for 2 forwards (start-up, another session's catch-up) counts as at
     most CLIP forwards' compute: one stall must not price drafting out for the rest of the run."""

@@ -206,6 +206,8 @@ class EdgeEstimates:
         one only until a round without a prompt is measured)."""
         if hint is not None and hint.token_us:
             self.cloud.slope = hint.token_us * 1e-6
+        if hint is not None and hint.batch >= 1:  # rows per worker forward: a round that ran its prompt shows it too
+            self.batch.observe(hint.batch)
         if prefilled or self.provisional:
             if self.waits.count and not self.provisional:
                 return
@@ -219,10 +221,8 @@ class EdgeEstimates:
         self.widths.observe(width)
         if width == 1:
             self.single.observe(latency_s)
-        if hint is not None and hint.batch >= 1:
-            if not hint.prefill:
-                self.cloud.observe(hint.tokens or hint.batch * (hint.width or width), hint.forward_us * 1e-6)
-            self.batch.observe(hint.batch)
+        if hint is not None and hint.batch >= 1 and not hint.prefill:
+            self.cloud.observe(hint.tokens or hint.batch * (hint.width or width), hint.forward_us * 1e-6)
 
     # ---------------------------------------------------------------- the cost model
     def step(self, columns: float | None = None) -> float:
@@ -240,12 +240,16 @@ class EdgeEstimates:
         """(w0, w1): R + V = w0 + w1 (tokens + 1), seconds from sending a row of `tokens` draft tokens to its
         VERDICT: the measured mean wait at the mean row, and per token more c1 B, the worker's forward growing as
         every row of its batch drafts one more (the cloud line's slope; without hints, the latency line's), or
-        what the measured wait of a row of 1 implies if that is more (a cost line's slope seen at one width only)."""
+        what the measured wait of a row of 1 implies if that is more (a cost line's slope seen at one width only),
+        while our rows are the worker's only ones (about one row a forward, as the hints say: one session's rows of
+        1 and of d are timed under the same load). Beside other rows the line's slope stands: there rows of 1 were
+        timed under other loads (a fresh edge's first rounds, before the others joined) and implied a slope 3-4x
+        too steep (demo pair, 8 sessions: d = 2-3 for a third of a run)."""
         if not self.waits.count:  # 1 / DRAFT_PRIOR draft forwards (in-process: in units of one)
             return (self.step() if self.draft.known else 1.0) / DRAFT_PRIOR, 0.0
         slope = self.cloud.fit()[1] * self.batch.value if self.cloud.known or self.cloud.slope else \
             self.latency.fit()[1]
-        if self.single.count and self.widths.value > 1.5:
+        if self.single.count and self.widths.value > 1.5 and self.batch.count and self.batch.value < 1.5:
             slope = max(slope, (self.waits.value - self.single.value) / (self.widths.value - 1))
         return max(0.0, self.waits.value - slope * self.widths.value), slope
 

@@ -21,7 +21,12 @@ Rules:
   the rest wait for the next step, even if the others leave their part unused. So a step under one client's
   flood of trees holds its part only (one 64-node tree beside one other client), and another client's VERIFY
   waits at most for such a step to end before its own goes: on a CPU, where a step's time grows with its tokens,
-  that bounds its round trip; a client alone gets the whole step.
+  that bounds its round trip; a client alone gets the whole step. A step of clients past their share only is
+  held back (at most as long as the last step took, or `max_wait_ms`) for a session of another client answered in
+  the last step, while that client has run fewer tokens lately (`_ran`, differences only): its next VERIFY, drafted
+  meanwhile, then goes alone first instead of arriving just after a flood's step began and waiting all of it (a
+  legit chain beside a tree flood: about one short step a round, not a tree's step and its own; the flood still
+  gets its part of the tokens).
 - Chunked prefill: a session is ready when what of its context the KV store does not hold fits in
   `prefill_tokens`. Each step carries up to `prefill_tokens` of the contexts not ready: an equal part per
   client with a context pending (its oldest session first), the rest oldest first; each chunk leaves one token
@@ -167,6 +172,10 @@ class Scheduler:
         self._client_tokens: dict[bytes, int] = defaultdict(int)  # ... per client (Item.client)
         self._capped_now: set[bytes] = set()   # clients with VERIFYs held by their share from the forming step
         self._capped_last: set[bytes] = set()  # ... from the last step: they sit out a step another client wants
+        self._answered: set[SessionKey] = set()  # the sessions of the last step's VERIFYs
+        self._since: float | None = None         # the first plan after the last step (about when it ended)
+        self._step_at = 0.0                      # when the last step was handed over
+        self._ran: dict[bytes, int] = {}         # tokens each active client's VERIFYs ran, less the least of them
 
     def __len__(self) -> int:
         """Requests waiting: queued, or in the step being formed."""
@@ -182,17 +191,20 @@ class Scheduler:
 
     def plan(self, now: float, control: Callable[[Item], None]) -> Plan:
         """Take queued messages (control ones to `control`), then: the step, a turn for the loop, or a wait."""
+        if self._since is None:
+            self._since = now
         waits_for_step, flooded = self._take(control)
-        if waits_for_step:
-            return self._step()  # the next message depends on this step's outcome
+        if waits_for_step:  # the next message depends on this step's outcome, or is held by its client's share
+            hold = self._hold_for_others(now)
+            return Plan(wait=hold) if hold > 0 else self._step(now)
         if flooded:
             return Plan(yield_first=True)
         if self.prefill.pending:
-            return self._step()  # a prompt is being prefilled: a step now, with the VERIFYs that are ready
+            return self._step(now)  # a prompt is being prefilled: a step now, with the VERIFYs that are ready
         if not self.batch:
             return Plan()
         budget = self._wait_budget(now)
-        return Plan(wait=budget) if budget > 0 else self._step()
+        return Plan(wait=budget) if budget > 0 else self._step(now)
 
     def drop(self, conns: Collection[Hashable]) -> list[Item]:
         """Remove (and return) the requests, queued or in the forming step, that came in on `conns`: broker
@@ -211,10 +223,17 @@ class Scheduler:
             self.queued.pop(conn, None)
         return stale
 
-    def _step(self) -> Plan:
+    def _step(self, now: float) -> Plan:
         batch, self.batch = self.batch, []
+        for client, tokens in self._client_tokens.items():
+            self._ran[client] = self._ran.get(client, 0) + tokens
+        active = {P.client_of(key[0]) for key in self.last_seen}
+        self._ran = {client: ran for client, ran in self._ran.items() if client in active}
+        least = min((self._ran.get(client, 0) for client in active), default=0)
+        self._ran = {client: ran - least for client, ran in self._ran.items()}
         self._step_tokens, self._client_tokens = 0, defaultdict(int)
         self._capped_last, self._capped_now = self._capped_now, set()
+        self._answered, self._since, self._step_at = {item.key for item in batch}, None, now
         for item in batch:
             self.queued[item.conn] -= 1
         return Plan(Step(batch, self.prefill.rows(exclude={item.key for item in batch})))
@@ -309,6 +328,27 @@ class Scheduler:
         # sessions that could plausibly send a VERIFY soon: open here, recently active, not already batched
         others = sum(1 for key in self.last_seen if key not in in_batch)
         return left if others else 0.0
+
+    def _hold_for_others(self, now: float) -> float:
+        """Seconds to hold back a forming step whose clients all have VERIFYs held by their share, for a session
+        of another client answered in the last step, not back yet, whose client has run fewer tokens lately than
+        each of them (0: run the step now). Held: the step's VERIFYs go back to the queue and their clients sit
+        out the step the coming VERIFY forms."""
+        clients = {item.client for item in self.batch}
+        if not self.batch or not clients <= self._capped_now:
+            return 0.0
+        left = self._since + max(self.max_wait_s, self._since - self._step_at) - now
+        if left <= 0:
+            return 0.0
+        back = {item.key for item in self.batch} | {item.key for item in self.queue}
+        fewest = min(self._ran.get(client, 0) for client in clients)
+        if not any(key not in back and key in self.contexts.sessions and P.client_of(key[0]) not in clients
+                   and self._ran.get(P.client_of(key[0]), 0) < fewest for key in self._answered):
+            return 0.0
+        self.queue.extendleft(reversed(self.batch))
+        self.batch, self._step_tokens, self._client_tokens = [], 0, defaultdict(int)
+        self._capped_last |= clients
+        return left
 
     def _prune(self, now: float) -> None:
         is_open = self.contexts.sessions

@@ -74,6 +74,42 @@ def test_a_client_past_its_share_waits_while_another_is_active_and_alone_gets_th
     assert len(s.plan(100.0, lambda it: None).step.verifies) == 3  # held by the budget alone: it never sits out
 
 
+def test_a_flood_step_waits_for_a_legit_session_just_answered_while_the_legit_client_ran_fewer_tokens():
+    """Beside a flood of trees the legit chain's next VERIFY used to arrive just after a flood step began and wait
+    all of it, then run alone (a round: a tree's step and its own; 256 flooding sessions: 2.2-3.6x its round trip
+    at rest). Now a step of the capped flood only is held back, at most as long as the last step took, for the
+    session answered in the last step while its client has run fewer tokens lately: the legit VERIFY goes alone,
+    and the flood gets its step once the legit client has run as many tokens (or the legit does not come back)."""
+    legit, flood = (b"legit", 1), [(b"flood", sid) for sid in range(8)]
+    s = Scheduler(SchedulerConfig(max_batch=32, max_wait_ms=2.0, max_step_tokens=256),
+                  Contexts({legit: 10, **{key: 10 for key in flood}}))
+    s.last_seen[legit] = 0.0
+    for sid in range(8):
+        s.push(tree(b"flood", sid))
+    assert [it.peer for it in s.plan(0.0, lambda it: None).step.verifies] == [b"flood"]
+    now, rounds, flood_steps = 0.0, 0, 0
+    s.push(chain(b"legit", 1, now))
+    while flood_steps == 0:
+        step = s.plan(now + 0.010, lambda it: None).step  # the flood's step ran 10 ms: the legit's goes alone
+        assert [it.peer for it in step.verifies] == [b"legit"]
+        rounds += 1
+        hold = s.plan(now + 0.020, lambda it: None)  # its next VERIFY is being drafted: the flood is held ...
+        if hold.step is not None:
+            assert [it.peer for it in hold.step.verifies] == [b"flood"]  # ... until the legit ran its tokens
+            flood_steps += 1
+            now += 0.030
+        else:
+            assert 0 < hold.wait <= 0.010 + 1e-9 and not s.batch  # at most the last step's 10 ms
+            now += 0.021
+        s.push(chain(b"legit", 1, now))  # back within the hold: it goes alone, the flood sits out
+    tree_cost, chain_cost = s._cost(tree(b"flood", 0)), s._cost(chain(b"legit", 1))  # 74 and 14: contexts carried
+    assert rounds == -(-tree_cost // chain_cost)  # the legit client ran as many tokens as the flood's step, no more
+    assert [it.peer for it in s.plan(now + 0.010, lambda it: None).step.verifies] == [b"legit"]
+    assert s.plan(now + 0.020, lambda it: None).wait > 0  # right after it (the worker plans at once): held ...
+    late = s.plan(now + 1.0, lambda it: None)  # ... but the legit does not come back: not past the window
+    assert late.step is not None and [it.peer for it in late.step.verifies] == [b"flood"]
+
+
 def test_a_verify_counts_the_context_its_row_still_carries():
     contexts = Contexts({(b"flood", sid): 64 for sid in range(8)})  # nothing cached: 63 context tokens a row
     s = Scheduler(SchedulerConfig(max_batch=32, max_wait_ms=2.0, max_step_tokens=256, prefill_tokens=64), contexts)

@@ -171,6 +171,8 @@ def test_a_large_body_waits_unread_while_another_is_read_and_small_requests_go_o
         third = large(len(body), body)  # one large body read and one waiting: a third is drained and refused
         try:
             assert httpfuzz.first_line(third).startswith("HTTP/1.1 429")
+            third.settimeout(1)
+            assert httpfuzz.closed_by_peer(third)  # dropped unparsed: what follows it is not read as a request
         finally:
             third.close()
         assert waits() == before + 1

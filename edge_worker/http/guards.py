@@ -42,7 +42,9 @@ LARGE_BODY_BYTES = 1 << 20
 # large bodies that may wait while one is read; past them a large body is drained (read, not kept nor decoded) and
 # answered 429: 8 bodies of 7.5 MB at once cost the edge's loop 0.3 s of reading and decoding when all were kept,
 # a legit request beside them 2.1-2.35x slower; one waiting keeps a second large prompt from a client served.
-# Drained below HTTP parsing (GuardedH11Protocol.discard_body): through h11 the 6 drained cost 0.12 s more
+# Drained below HTTP parsing (GuardedH11Protocol.discard_body): through h11 and ASGI the 6 drained cost 0.12 s more.
+# A large body is read through h11 and holds its turn until decoded: each costs the loop ~25 ms (copying, joining,
+# decoding: read below the parser, ~20 ms, the 8 came in one by one and were all decoded, 0.26-0.36 s)
 LARGE_BODIES_WAITING = 1
 OPEN = ""  # the key of every request when no API keys are configured
 DISCARD_BODY = "specrelay.discard_body"  # scope extension: GuardedH11Protocol.discard_body
@@ -98,11 +100,12 @@ class _LargeQueueFull(Exception):
     """A large body found LARGE_BODIES_WAITING others waiting: it is drained and refused."""
 
 
-async def read_body(request, limits: HttpLimits, budget: BodyBudget, stats=None) -> bytes:
-    """The body as it arrives: 413 past max_body_bytes (a larger Content-Length is refused before reading),
-    429 while the bodies being read hold the whole budget, 408 if it is not complete within body_timeout_s. A body
-    past LARGE_BODY_BYTES (declared, or once it grows past it) waits, unread, while another large one is read
-    (counted in `stats.http_large_body_waits`); past LARGE_BODIES_WAITING such waits it is drained and 429."""
+async def read_body(request, limits: HttpLimits, budget: BodyBudget, stats=None, parse=bytes):
+    """`parse` of the body as it arrives: 413 past max_body_bytes (a larger Content-Length is refused before
+    reading), 429 while the bodies being read hold the whole budget, 408 if it is not complete within body_timeout_s.
+    A body past LARGE_BODY_BYTES (declared, or once it grows past it) waits, unread, while another large one is read
+    and parsed (counted in `stats.http_large_body_waits`); past LARGE_BODIES_WAITING such waits it is drained and
+    429."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limits.max_body_bytes:
         raise _too_large(limits)
@@ -137,8 +140,8 @@ async def read_body(request, limits: HttpLimits, budget: BodyBudget, stats=None)
             chunks.append(chunk)
 
     async def drain(seen: int) -> None:  # the rest of a refused large body, so its client reads the 429
-        discard = request.scope.get("extensions", {}).get(DISCARD_BODY)
-        if discard is not None and await discard(seen):  # below HTTP parsing (GuardedH11Protocol), then closed
+        discard = request.scope.get("extensions", {}).get(DISCARD_BODY)  # None outside GuardedH11Protocol
+        if discard is not None and await discard(seen):  # below HTTP parsing, then the connection is closed
             return
         async for chunk in stream:
             seen += len(chunk)
@@ -151,7 +154,8 @@ async def read_body(request, limits: HttpLimits, budget: BodyBudget, stats=None)
                 await pull()
             except _LargeQueueFull:
                 await drain(size)
-                raise _busy("other large request bodies are being read", close=True) from None
+                raise _busy("other large request bodies are being read") from None
+        return parse(b"".join(chunks))  # under a large body's turn: decoding 7.5 MB costs about what reading it does
     except TimeoutError:
         raise APIError(408, f"the request body did not arrive within {limits.body_timeout_s:g} s",
                        code="request_timeout") from None
@@ -159,7 +163,6 @@ async def read_body(request, limits: HttpLimits, budget: BodyBudget, stats=None)
         budget.used -= size
         if large[0]:
             budget.large.release()
-    return b"".join(chunks)
 
 
 def _too_large(limits: HttpLimits) -> APIError:
@@ -220,10 +223,9 @@ class FairShare:
         self.tokens[ticket.key] -= ticket.tokens
 
 
-def _busy(message: str, close: bool = False) -> APIError:
-    headers = {"retry-after": str(RETRY_AFTER_S)} | ({"connection": "close"} if close else {})
+def _busy(message: str) -> APIError:
     return APIError(429, message + "; retry later", kind="rate_limit_error", code="rate_limit_exceeded",
-                    headers=headers)
+                    headers={"retry-after": str(RETRY_AFTER_S)})
 
 
 # ------------------------------------------------------------------------------------------ per connection
@@ -243,8 +245,8 @@ def guarded_protocol(limits: HttpLimits, stats) -> type[H11Protocol]:
 
     class GuardedH11Protocol(H11Protocol):
         head_timer: asyncio.TimerHandle | None = None
-        discard_left: int | None = None  # bytes of a refused body still to drop (discard_body)
-        discarded: asyncio.Future | None = None
+        body_left: int | None = None  # bytes of a refused body still to drop (None: h11 reads what comes)
+        body_done: asyncio.Future | None = None
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -275,38 +277,40 @@ def guarded_protocol(limits: HttpLimits, stats) -> type[H11Protocol]:
                 self.cycle.scope.setdefault("extensions", {})[DISCARD_BODY] = self.discard_body
 
         async def discard_body(self, seen: int) -> bool:
-            """Read the rest of this request's body (`seen` bytes of it came through ASGI) and drop it unparsed;
-            the connection is closed after the response. Through h11 and ASGI, 8 bodies of 7.5 MB cost the loop
-            0.155 s of copying, dropped as they arrive 0.022 s. False for a body of no declared length."""
-            declared = dict(self.cycle.scope["headers"]).get(b"content-length", b"")
+            """Read the rest of this request's body (`seen` bytes of it came through ASGI) and drop it as it
+            arrives, below the HTTP parser; the connection is closed after the response. Through h11 and ASGI 8
+            bodies of 7.5 MB cost the loop 0.155 s of copying, dropped 0.022 s. False for a body of no declared
+            length (chunked: only h11 knows where it ends)."""
+            cycle = self.cycle
+            declared = dict(cycle.scope["headers"]).get(b"content-length", b"")
             if not declared.isdigit():
                 return False
-            buffered, _ = self.conn.trailing_data
-            self.discard_left = int(declared) - seen - len(self.cycle.body) - len(buffered)
-            self.discarded = self.loop.create_future()
-            if self.discard_left > 0:
+            left = int(declared) - seen - len(cycle.body) if self.conn.their_state is h11.SEND_BODY else 0
+            cycle.body, cycle.keep_alive = bytearray(), False
+            cycle.scope["headers"].append((b"connection", b"close"))  # uvicorn says so in the response
+            self.body_left = left
+            if left > 0:
+                self.body_done = self.loop.create_future()
                 self.flow.resume_reading()
-                await self.discarded
+                await self.body_done
             return True
 
         def data_received(self, data: bytes) -> None:
-            if self.discard_left is None:
+            if self.body_left is None:
                 super().data_received(data)
                 return
-            self.discard_left -= len(data)  # anything past the body (a pipelined request) goes too: we close
-            if self.discard_left <= 0 and not self.discarded.done():
-                self.discarded.set_result(None)
+            self.body_left -= len(data)  # anything past the body (a pipelined request) is dropped too: we close
+            if self.body_left <= 0 and self.body_done is not None and not self.body_done.done():
+                self.body_done.set_result(None)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if self.discard_left is not None:  # what follows a discarded body is not parsed: close
-                self.transport.close()
             self._arm_head_deadline()  # the next request on a kept-alive connection gets the same deadline
 
         def connection_lost(self, exc) -> None:
             open_conns.pop(self, None)
-            if self.discarded is not None and not self.discarded.done():
-                self.discarded.set_result(None)  # the client left: the response goes nowhere
+            if self.body_done is not None and not self.body_done.done():
+                self.body_done.set_result(None)  # the client left: the response goes nowhere
             if self.head_timer is not None:
                 self.head_timer.cancel()
             super().connection_lost(exc)

@@ -216,7 +216,7 @@ class OpenAIApp:
         request_id = "req-" + uuid.uuid4().hex[:16]
         try:
             key = guards.authorize(self.limits, request.headers.get("authorization"))
-            req = api.parse(await guards.read_body(request, self.limits, self.bodies, self.stats), kind)
+            req = await guards.read_body(request, self.limits, self.bodies, self.stats, lambda b: api.parse(b, kind))
             api.check(req, self.served_model)
             ticket = self.share.admit(key)  # the concurrency limit and the key's share, before any tokenising
         except Exception as exc:

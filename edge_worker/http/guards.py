@@ -139,21 +139,12 @@ async def read_body(request, limits: HttpLimits, budget: BodyBudget, stats=None,
             budget.used += len(chunk)
             chunks.append(chunk)
 
-    async def drain(seen: int) -> None:  # the rest of a refused large body, so its client reads the 429
-        discard = request.scope.get("extensions", {}).get(DISCARD_BODY)  # None outside GuardedH11Protocol
-        if discard is not None and await discard(seen):  # below HTTP parsing, then the connection is closed
-            return
-        async for chunk in stream:
-            seen += len(chunk)
-            if seen > limits.max_body_bytes:
-                raise _too_large(limits)
-
     try:
         async with asyncio.timeout(limits.body_timeout_s):
             try:
                 await pull()
             except _LargeQueueFull:
-                await drain(size)
+                await _drain(request, stream, size, limits)
                 raise _busy("other large request bodies are being read") from None
         return parse(b"".join(chunks))  # under a large body's turn: decoding 7.5 MB costs about what reading it does
     except TimeoutError:
@@ -163,6 +154,17 @@ async def read_body(request, limits: HttpLimits, budget: BodyBudget, stats=None,
         budget.used -= size
         if large[0]:
             budget.large.release()
+
+
+async def _drain(request, stream, seen: int, limits: HttpLimits) -> None:
+    """The rest of a refused large body (`seen` bytes of it read), so that its client reads the 429."""
+    discard = request.scope.get("extensions", {}).get(DISCARD_BODY)  # None outside GuardedH11Protocol
+    if discard is not None and await discard(seen):  # below HTTP parsing, then the connection is closed
+        return
+    async for chunk in stream:
+        seen += len(chunk)
+        if seen > limits.max_body_bytes:
+            raise _too_large(limits)
 
 
 def _too_large(limits: HttpLimits) -> APIError:
@@ -240,79 +242,84 @@ def connection_cap(limits: HttpLimits) -> int:
 def guarded_protocol(limits: HttpLimits, stats) -> type[H11Protocol]:
     """uvicorn's h11 protocol with the connection cap and the request-head deadline (one class per server:
     `open_conns` is that server's, oldest first)."""
-    open_conns: dict[GuardedH11Protocol, None] = {}
-    cap = connection_cap(limits)
+    return type("GuardedH11Protocol", (GuardedH11Protocol,),
+                {"limits": limits, "stats": stats, "open_conns": {}, "cap": connection_cap(limits)})
 
-    class GuardedH11Protocol(H11Protocol):
-        head_timer: asyncio.TimerHandle | None = None
-        body_left: int | None = None  # bytes of a refused body still to drop (None: h11 reads what comes)
-        body_done: asyncio.Future | None = None
 
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            if len(open_conns) >= cap:
-                idle = next((c for c in open_conns if c.cycle is None or c.cycle.response_complete), None)
-                stats.http_connections_dropped += 1
-                if idle is None:  # every connection is serving a request: the newcomer waits its turn elsewhere
-                    transport.abort()
-                    return
-                open_conns.pop(idle)
-                idle.transport.abort()
-            open_conns[self] = None
-            self._arm_head_deadline()
+class GuardedH11Protocol(H11Protocol):
+    """guarded_protocol's base: its subclass per server holds the server's limits, stats and connections."""
 
-        def _arm_head_deadline(self) -> None:
-            if self.head_timer is not None:
-                self.head_timer.cancel()
-            self.head_timer = self.loop.call_later(limits.header_timeout_s, self._head_deadline)
+    limits: HttpLimits
+    stats: object
+    open_conns: dict[GuardedH11Protocol, None]
+    cap: int
+    head_timer: asyncio.TimerHandle | None = None
+    body_left: int | None = None  # bytes of a refused body still to drop (None: h11 reads what comes)
+    body_done: asyncio.Future | None = None
 
-        def _head_deadline(self) -> None:
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():  # head still incomplete
-                stats.http_timeouts += 1
-                self.transport.abort()
-
-        def handle_events(self) -> None:
-            super().handle_events()
-            if self.cycle is not None:  # a new request's task has not started yet: it finds the hook
-                self.cycle.scope.setdefault("extensions", {})[DISCARD_BODY] = self.discard_body
-
-        async def discard_body(self, seen: int) -> bool:
-            """Read the rest of this request's body (`seen` bytes of it came through ASGI) and drop it as it
-            arrives, below the HTTP parser; the connection is closed after the response. Through h11 and ASGI 8
-            bodies of 7.5 MB cost the loop 0.155 s of copying, dropped 0.022 s. False for a body of no declared
-            length (chunked: only h11 knows where it ends)."""
-            cycle = self.cycle
-            declared = dict(cycle.scope["headers"]).get(b"content-length", b"")
-            if not declared.isdigit():
-                return False
-            left = int(declared) - seen - len(cycle.body) if self.conn.their_state is h11.SEND_BODY else 0
-            cycle.body, cycle.keep_alive = bytearray(), False
-            cycle.scope["headers"].append((b"connection", b"close"))  # uvicorn says so in the response
-            self.body_left = left
-            if left > 0:
-                self.body_done = self.loop.create_future()
-                self.flow.resume_reading()
-                await self.body_done
-            return True
-
-        def data_received(self, data: bytes) -> None:
-            if self.body_left is None:
-                super().data_received(data)
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        if len(self.open_conns) >= self.cap:
+            idle = next((c for c in self.open_conns if c.cycle is None or c.cycle.response_complete), None)
+            self.stats.http_connections_dropped += 1
+            if idle is None:  # every connection is serving a request: the newcomer waits its turn elsewhere
+                transport.abort()
                 return
-            self.body_left -= len(data)  # anything past the body (a pipelined request) is dropped too: we close
-            if self.body_left <= 0 and self.body_done is not None and not self.body_done.done():
-                self.body_done.set_result(None)
+            self.open_conns.pop(idle)
+            idle.transport.abort()
+        self.open_conns[self] = None
+        self._arm_head_deadline()
 
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._arm_head_deadline()  # the next request on a kept-alive connection gets the same deadline
+    def _arm_head_deadline(self) -> None:
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+        self.head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_deadline)
 
-        def connection_lost(self, exc) -> None:
-            open_conns.pop(self, None)
-            if self.body_done is not None and not self.body_done.done():
-                self.body_done.set_result(None)  # the client left: the response goes nowhere
-            if self.head_timer is not None:
-                self.head_timer.cancel()
-            super().connection_lost(exc)
+    def _head_deadline(self) -> None:
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():  # head still incomplete
+            self.stats.http_timeouts += 1
+            self.transport.abort()
 
-    return GuardedH11Protocol
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.cycle is not None:  # a new request's task has not started yet: it finds the hook
+            self.cycle.scope.setdefault("extensions", {})[DISCARD_BODY] = self.discard_body
+
+    async def discard_body(self, seen: int) -> bool:
+        """Read the rest of this request's body (`seen` bytes of it came through ASGI) and drop it as it
+        arrives, below the HTTP parser; the connection is closed after the response. Through h11 and ASGI 8
+        bodies of 7.5 MB cost the loop 0.155 s of copying, dropped 0.022 s. False for a body of no declared
+        length (chunked: only h11 knows where it ends)."""
+        cycle = self.cycle
+        declared = dict(cycle.scope["headers"]).get(b"content-length", b"")
+        if not declared.isdigit():
+            return False
+        left = int(declared) - seen - len(cycle.body) if self.conn.their_state is h11.SEND_BODY else 0
+        cycle.body, cycle.keep_alive = bytearray(), False
+        cycle.scope["headers"].append((b"connection", b"close"))  # uvicorn says so in the response
+        self.body_left = left
+        if left > 0:
+            self.body_done = self.loop.create_future()
+            self.flow.resume_reading()
+            await self.body_done
+        return True
+
+    def data_received(self, data: bytes) -> None:
+        if self.body_left is None:
+            super().data_received(data)
+            return
+        self.body_left -= len(data)  # anything past the body (a pipelined request) is dropped too: we close
+        if self.body_left <= 0 and self.body_done is not None and not self.body_done.done():
+            self.body_done.set_result(None)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_head_deadline()  # the next request on a kept-alive connection gets the same deadline
+
+    def connection_lost(self, exc) -> None:
+        self.open_conns.pop(self, None)
+        if self.body_done is not None and not self.body_done.done():
+            self.body_done.set_result(None)  # the client left: the response goes nowhere
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+        super().connection_lost(exc)

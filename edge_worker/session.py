@@ -192,7 +192,7 @@ class EdgeSession:
     def request_for(self, block: DraftBlock | TreeBlock) -> P.Verify:
         """The VERIFY for the freshly drafted `block` (after whatever the chain provided)."""
         if isinstance(block, TreeBlock):
-            self._catchup = False  # a tree round is timed as before (edge_worker/trees/rounds.py)
+            self._catchup, self._steps = False, 0  # a tree round is timed by its own steps (trees.last_steps)
             return self.trees.request(block)
         self.trees.block, self.trees.last_steps = None, 0
         # a block drafted after the session's OPEN or after a round at d = 0 first feeds the draft model the whole
@@ -247,8 +247,10 @@ class EdgeSession:
         and from sending it to its VERDICT. Feeds the auto draft length."""
         self.stats.draft_s += draft_s or 0.0
         self.stats.verify_s += latency_s
-        steps = self._steps if self.trees.block is None and not self.trees.last_steps else 0  # chains only
-        self.policy.observe_round(self._width, latency_s, self._hint, draft_s, steps, self._catchup, self._prefilled)
+        tree = self.trees.shape if self.trees.last_steps else None  # a tree engine's round (its forwards waited)
+        steps = self.trees.last_steps if tree is not None else self._steps
+        self.policy.observe_round(self._width, latency_s, self._hint, draft_s, steps, self._catchup, self._prefilled,
+                                  tree=tree)
 
     # ---------------------------------------------------------------------------- replies
     def apply(self, reply: P.Base) -> list[int]:

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 from specrelay.common.protocol import LoadHint, Objective
-from specrelay.edge_worker.policy import TOLERANCE, DraftPolicy, EdgeEstimates, chain_rows, pick
+from specrelay.edge_worker.policy import TOLERANCE, DraftPolicy, EdgeEstimates, chain_rows, pick, tree_time
+from specrelay.edge_worker.policy.choose import tree_compute
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,6 +92,27 @@ def test_trees_pay_over_a_link_and_auto_keeps_chains_when_nodes_cost():
     assert DraftPolicy(slow, Objective.SPEED).shape(48, "on", None, None).nodes > 1
     dear = edge(draft_s=0.030, rtt_s=0.0002)
     assert DraftPolicy(dear, Objective.SPEED).shape(48, "auto", None, None) is None  # d = 0 wins: a chain's
+
+
+def test_tree_rounds_that_wait_more_than_their_compute_price_trees_not_chains():
+    """Trees were priced at their forwards' compute, chains at their measured wait: on loopback with 16 sessions
+    `--trees auto` drafted 10-12 deep trees, 151 ms a round waiting for them against the chains' 41 ms (0.60x the
+    chain policy's tokens/s). A tree round's wait over its forwards' compute now prices trees; chains' rounds do
+    not move it, nor trees' rounds the chains' price."""
+    est = edge(draft_s=0.002, rtt_s=0.05)
+    policy = DraftPolicy(est, Objective.SPEED)
+    shape = policy.shape(48, "auto", None, None)
+    assert shape is not None and not shape.is_chain  # a tree beats chains at the compute price
+    per_token, compute, before = est.per_token(), tree_compute(est, shape, shape.depth), tree_time(est, shape)
+    for _ in range(30):  # the tree engine's rounds wait 4x their forwards' compute (their wait line unchanged)
+        policy.observe_round(est.widths.value, est.waits.value, None, 4 * compute, shape.depth, tree=shape)
+    assert est.per_token() == per_token  # the chains' draft price
+    assert tree_time(est, shape) > before + 2 * compute
+    assert policy.shape(48, "auto", None, None) is None  # a chain wins
+    price = est.tree_wait.value
+    for _ in range(5):  # a chain round does not move the trees' price
+        policy.observe_round(est.widths.value, est.waits.value, None, 0.004, 8)
+    assert est.tree_wait.value == price
 
 
 def test_the_policy_stays_small():

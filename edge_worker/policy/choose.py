@@ -69,9 +69,16 @@ def static_tree(p: tuple[float, ...], depth: int, nodes: int) -> tuple[tuple[flo
 
 def tree_time(est: EdgeEstimates, shape: TreeShape) -> float:
     """T(S): the draft forwards a pre-draft did not do (one per level: the root's, then each level's nodes, for
-    every session of the lockstep batch), then R + V over the tree's nodes."""
+    every session of the lockstep batch) at the wait tree rounds measured per second of their compute, then R + V
+    over the tree's nodes."""
     columns = [1, *shape.widths[:-1]][min(shape.depth, round(est.tree_saved.value)):]
-    return sum(est.step(est.rows.value * w) for w in columns) + est.wait(shape.nodes)
+    return est.tree_wait.value * tree_compute(est, shape, len(columns)) + est.wait(shape.nodes)
+
+
+def tree_compute(est: EdgeEstimates, shape: TreeShape, steps: int) -> float:
+    """Seconds of draft compute in a tree's last `steps` level forwards (the ones a round waits for)."""
+    columns = [1, *shape.widths[:-1]]
+    return sum(est.step(est.rows.value * w) for w in columns[len(columns) - steps:]) if steps > 0 else 0.0
 
 
 def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | None,
@@ -166,13 +173,17 @@ class DraftPolicy:
         self.edge.drafting = self.edge.drafting + 1 if d > 0 else 0
 
     def observe_round(self, width: int, latency_s: float, hint: LoadHint | None, draft_s: float | None,
-                      steps: int = 0, catchup: bool = False, prefilled: bool = False) -> None:
-        """The round's timings: `draft_s` the wait for its chain's `steps` fresh forwards (None: not timed),
-        `catchup` whether they first caught the draft up on a stretch it had not seen (exploring's cost),
+                      steps: int = 0, catchup: bool = False, prefilled: bool = False,
+                      tree: TreeShape | None = None) -> None:
+        """The round's timings: `draft_s` the wait for its chain's (or `tree`'s) `steps` fresh forwards (None: not
+        timed), `catchup` whether they first caught the draft up on a stretch it had not seen (exploring's cost),
         `prefilled` whether the worker ran the prompt before verifying."""
         self.edge.observe_round(width, latency_s, hint, prefilled)
         if self.exploring and draft_s is not None:
             self.edge.explore_s.observe(draft_s)
+        elif tree is not None:  # the tree engine's rounds (paths too) price trees, as chains' rounds price chains
+            if draft_s is not None and steps > 0:
+                self.edge.tree_wait.observe(draft_s / max(tree_compute(self.edge, tree, steps), 1e-9))
         elif draft_s is not None and steps > 0 and not catchup:  # a wait past CLIP forwards' compute is a stall
             self.edge.waited.observe(min(draft_s / steps, CLIP * self.edge.step()))
         self.exploring = False

@@ -174,6 +174,8 @@ class EdgeEstimates:
         self.idle = 0                         # rounds at d = 0 (any session's) since the last acceptance sample
         self.drafting = 0                     # rounds at d > 0 (any session's) since the last one at d = 0
         self.tree_saved = EWMean()            # tree levels a pre-draft had drafted when the VERDICT came
+        self.tree_wait = EWMean(1.0)          # a tree round's wait for its draft over its forwards' compute (the
+                                              # loop, the tree engine's work per level: as a chain's, measured)
         self.lookahead = 0                    # target tokens drafted past a block (1 across vocabularies)
 
     # ---------------------------------------------------------------- what the shell measured

@@ -71,8 +71,8 @@ def tree_time(est: EdgeEstimates, shape: TreeShape) -> float:
     """T(S): the draft forwards a pre-draft did not do (one per level: the root's, then each level's nodes, for
     every session of the lockstep batch) at the wait tree rounds measured per second of their compute, then R + V
     over the tree's nodes."""
-    columns = [1, *shape.widths[:-1]][min(shape.depth, round(est.tree_saved.value)):]
-    return est.tree_wait.value * tree_compute(est, shape, len(columns)) + est.wait(shape.nodes)
+    steps = shape.depth - min(shape.depth, round(est.tree_saved.value))
+    return est.tree_wait.value * tree_compute(est, shape, steps) + est.wait(shape.nodes)
 
 
 def tree_compute(est: EdgeEstimates, shape: TreeShape, steps: int) -> float:

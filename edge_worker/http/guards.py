@@ -9,9 +9,9 @@
     body             read as it arrives, at most max_body_bytes (413 at once past it, never read whole first),
                      complete within body_timeout_s (408); all bodies being read together hold at most
                      max_body_bytes_in_flight (429 past it), so many large bodies at once cannot exhaust memory;
-                     a body past LARGE_BODY_BYTES is read only while no other large one is (one waits unread; a
-                     third is dropped unparsed as it arrives, answered 429 and its connection closed), so large
-                     bodies cannot fill the event loop with parsing and decoding beside everyone else's
+                     a body past LARGE_BODY_BYTES is read only while no other large one is (one that comes
+                     meanwhile is dropped unparsed as it arrives, answered 429 and its connection closed), so
+                     large bodies cannot fill the event loop with parsing and decoding beside everyone else's
     concurrency      at most max_concurrent generations in flight (429 with Retry-After)
     fair share       with N API keys, one key holds at most 1/N of the edge's budget of requests and prompt tokens
                      in flight (the edge's share of its broker quota), so one key cannot exhaust it for everyone;
@@ -35,16 +35,13 @@ from .api import APIError
 from ..config import HttpLimits
 
 RETRY_AFTER_S = 1
-# a body past this is "large" and read only while no other large one is (one at a time, the others wait unread):
-# no prompt that fits protocol.MAX_CONTEXT (32,768 tokens) needs more unless its tokens average 32 JSON bytes, so
-# large bodies are attacks or refusals, and reading and decoding each costs the event loop ~25 ms per 8 MiB
+# a body past this is "large" and read only while no other large one is (one at a time): no prompt that fits
+# protocol.MAX_CONTEXT (32,768 tokens) needs more unless its tokens average 32 JSON bytes, so large bodies are attacks
+# or refusals, and reading and decoding each costs the event loop ~25 ms per 8 MiB. A large body that comes while
+# another is read is dropped below HTTP parsing as it arrives (GuardedH11Protocol.discard_body: through h11 and ASGI
+# 7.5 MB costs the loop ~20 ms of copying, dropped ~3 ms) and answered 429. One more waiting its turn doubled what 8
+# bodies of 7.5 MB at once cost a legit request beside them (1.25-2.05x its latency at rest, against 1.26-1.67x)
 LARGE_BODY_BYTES = 1 << 20
-# large bodies that may wait while one is read; past them a large body is drained (read, not kept nor decoded) and
-# answered 429: 8 bodies of 7.5 MB at once cost the edge's loop 0.3 s of reading and decoding when all were kept,
-# a legit request beside them 2.1-2.35x slower; one waiting keeps a second large prompt from a client served.
-# Drained below HTTP parsing (GuardedH11Protocol.discard_body): through h11 and ASGI 7.5 MB costs the loop ~20 ms of
-# copying, dropped ~3 ms. A kept one holds its turn until decoded (decoding costs about what reading does)
-LARGE_BODIES_WAITING = 1
 OPEN = ""  # the key of every request when no API keys are configured
 DISCARD_BODY = "specrelay.discard_body"  # scope extension: GuardedH11Protocol.discard_body
 
@@ -91,48 +88,40 @@ class BodyBudget:
 
     limit: int
     used: int = 0
-    large: asyncio.Lock = field(default_factory=asyncio.Lock)  # held while a large body is read
-    large_waiting: int = 0  # large bodies waiting, unread, for the lock
+    large: bool = False  # a large body is being read and decoded
 
 
-class _LargeQueueFull(Exception):
-    """A large body found LARGE_BODIES_WAITING others waiting: it is drained and refused."""
+class _LargeBusy(Exception):
+    """A large body came while another was read: it is drained and refused."""
 
 
 async def read_body(request, limits: HttpLimits, budget: BodyBudget, stats, parse):
     """`parse` of the body as it arrives: 413 past max_body_bytes (a larger Content-Length is refused before
     reading), 429 while the bodies being read hold the whole budget, 408 if it is not complete within body_timeout_s.
-    A body past LARGE_BODY_BYTES (declared, or once it grows past it) waits, unread, while another large one is read
-    and parsed (counted in `stats.http_large_body_waits`); past LARGE_BODIES_WAITING such waits it is drained and
-    429."""
+    A body past LARGE_BODY_BYTES (declared, or once it grows past it) is read and parsed only while no other large
+    one is: else it is drained and 429 (counted in `stats.http_large_body_refusals`)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limits.max_body_bytes:
         raise _too_large(limits)
     chunks, size, large, stream = [], 0, [False], request.stream()
 
-    async def take_large() -> None:
-        if budget.large.locked():
-            if budget.large_waiting >= LARGE_BODIES_WAITING:
-                raise _LargeQueueFull
-            stats.http_large_body_waits += 1
-        budget.large_waiting += 1
-        try:
-            await budget.large.acquire()
-        finally:
-            budget.large_waiting -= 1
-        large[0] = True
+    def take_large() -> None:
+        if budget.large:
+            stats.http_large_body_refusals += 1
+            raise _LargeBusy
+        budget.large = large[0] = True
 
     async def pull() -> None:
         nonlocal size
         if declared.isdigit() and int(declared) > LARGE_BODY_BYTES:
-            await take_large()
+            take_large()
         async for chunk in stream:
             if size + len(chunk) > limits.max_body_bytes:
                 raise _too_large(limits)
             if budget.used + len(chunk) > budget.limit:
                 raise _busy("too many request bodies are being read at once")
             if size + len(chunk) > LARGE_BODY_BYTES and not large[0]:
-                await take_large()
+                take_large()
             size += len(chunk)
             budget.used += len(chunk)
             chunks.append(chunk)
@@ -141,7 +130,7 @@ async def read_body(request, limits: HttpLimits, budget: BodyBudget, stats, pars
         async with asyncio.timeout(limits.body_timeout_s):
             try:
                 await pull()
-            except _LargeQueueFull:
+            except _LargeBusy:
                 await _drain(request, stream, size, limits)
                 raise _busy("other large request bodies are being read") from None
         return parse(b"".join(chunks))  # under a large body's turn: decoding 7.5 MB costs about what reading it does
@@ -151,7 +140,7 @@ async def read_body(request, limits: HttpLimits, budget: BodyBudget, stats, pars
     finally:
         budget.used -= size
         if large[0]:
-            budget.large.release()
+            budget.large = False
 
 
 async def _drain(request, stream, seen: int, limits: HttpLimits) -> None:

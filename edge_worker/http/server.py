@@ -62,7 +62,7 @@ class HttpStats:
     http_too_large: int = 0        # 413: a body past the limit (refused while it arrived)
     http_timeouts: int = 0         # request heads or bodies not complete in time (closed, or 408)
     http_connections_dropped: int = 0  # connections closed to stay under the connection cap
-    http_large_body_waits: int = 0  # bodies past guards.LARGE_BODY_BYTES that waited, unread, for another one
+    http_large_body_refusals: int = 0  # bodies past guards.LARGE_BODY_BYTES refused (429) while another was read
     prompt_tokens: int = 0
     completion_tokens: int = 0
 

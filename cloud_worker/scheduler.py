@@ -225,12 +225,10 @@ class Scheduler:
 
     def _step(self, now: float) -> Plan:
         batch, self.batch = self.batch, []
-        for client, tokens in self._client_tokens.items():
-            self._ran[client] = self._ran.get(client, 0) + tokens
         active = {P.client_of(key[0]) for key in self.last_seen}
-        self._ran = {client: ran for client, ran in self._ran.items() if client in active}
-        least = min((self._ran.get(client, 0) for client in active), default=0)
-        self._ran = {client: ran - least for client, ran in self._ran.items()}
+        ran = {client: self._ran.get(client, 0) + self._client_tokens.get(client, 0) for client in active}
+        least = min(ran.values(), default=0)
+        self._ran = {client: tokens - least for client, tokens in ran.items()}
         self._step_tokens, self._client_tokens = 0, defaultdict(int)
         self._capped_last, self._capped_now = self._capped_now, set()
         self._answered, self._since, self._step_at = {item.key for item in batch}, None, now

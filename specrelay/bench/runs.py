@@ -144,6 +144,39 @@ async def run_edge(frontend: str, draft: str, texts: list[str], concurrency: int
     return [(r.ids, r.stats) for r in runs], wall
 
 
+async def run_edges(frontend: str, draft: str, texts: list[str], concurrency: int, configs: list[dict],
+                    target_tok: str | None = None, **common) -> list[tuple[list[tuple[list[int], dict]], float]]:
+    """Generate `texts` under each of `configs` (SessionConfig fields, `common` added to each) on a fresh edge of
+    its own, interleaved `concurrency` prompts at a time, the order alternating, so that a slow spell of a shared
+    machine hits them alike (runs of a minute each, one after the other, differed by up to 15 % in the same
+    configuration); returns per config its per-prompt (ids, stats) and its wall, summed over its slices."""
+    from contextlib import AsyncExitStack
+
+    from ..common.sampling import SamplingParams
+    from ..edge_worker.config import SessionConfig
+    from ..edge_worker.server import load_edge
+
+    sessions = []
+    for config in configs:
+        fields = common | config
+        sessions.append(SessionConfig(params=SamplingParams(fields.pop("temperature", 0.0)), **fields))
+    runs: list[list[SessionRun]] = [[] for _ in configs]
+    walls = [0.0] * len(configs)
+    async with AsyncExitStack() as stack:
+        edges = [await stack.enter_async_context(await load_edge(frontend, draft, target_tok)) for _ in configs]
+        for edge, config in zip(edges, sessions):
+            await run_sessions(edge, texts[:1], config, 1)  # warm-up: first forward passes allocate
+        for n, i in enumerate(range(0, len(texts), concurrency)):
+            for k in (range(len(configs)) if n % 2 == 0 else reversed(range(len(configs)))):
+                part, wall = await run_sessions(edges[k], texts[i:i + concurrency], sessions[k], concurrency)
+                runs[k] += part
+                walls[k] += wall
+    for run in (r for part in runs for r in part):
+        if run.error:
+            raise RuntimeError(run.error)
+    return [([(r.ids, r.stats) for r in part], wall) for part, wall in zip(runs, walls)]
+
+
 def totals(out: list[tuple[list[int], dict]]) -> dict:
     keys = ("generated_tokens", "draft_tokens", "accepted_tokens", "cloud_calls", "uplink_bytes", "downlink_bytes")
     return {k: sum(s[k] for _, s in out) for k in keys}

@@ -179,6 +179,11 @@ def _legacy_parsers(add) -> None:
             p.add_argument("--repeats", type=int, default=1, help="run the pair of runs (the setting, then "
                            "--draft-len 0) this many times, interleaved, each with a fresh edge: every run's "
                            "figures, their medians and spread (one run's speed on a shared machine varies ~30 %%)")
+            p.add_argument("--slice", type=int, default=0, metavar="N",
+                           help="run the setting and --draft-len 0 N prompts at a time, taking turns, so that a "
+                           "slow spell of a shared machine hits both alike (0: all the prompts, one run after the "
+                           "other). Each turn ends with its last sessions running with fewer beside them: with "
+                           "--concurrency above 1 that changes what is measured")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,7 @@ from .runs import load_prompts, run_edge, run_edges, totals
 def bench_calls(args) -> dict:
     """Cloud calls per token through the broker, greedy, under --draft-len (auto: under --objective) against
     --draft-len 0 (whose output is the target alone's); per-position acceptance and the lengths auto chose.
-    The two run on fresh edges of their own, interleaved --concurrency prompts at a time (bench/runs.py run_edges).
+    The two run on fresh edges of their own, --slice prompts at a time, taking turns (bench/runs.py run_edges).
     --repeats N: N such pairs of runs; the top-level figures are the medians, `runs` every pair's, `spread` the
     largest minus the smallest."""
     from .link import LinkRelay, LinkSpec
@@ -40,9 +40,10 @@ def bench_calls(args) -> dict:
         if link.proc is not None:
             c.place_cloud(link.proc.pid)
         for i in range(max(1, getattr(args, "repeats", 1))):
+            setting = {"draft_len": draft_len, "objective": args.objective}
             (spec, wall), (base, base_wall) = asyncio.run(run_edges(
-                link.endpoint, args.draft, texts, args.concurrency,
-                [{"draft_len": draft_len, "objective": args.objective}, {"draft_len": 0}], **run))
+                link.endpoint, args.draft, texts, args.concurrency, [setting, {"draft_len": 0}],
+                slice_=getattr(args, "slice", 0), **run))
             pairs.append(_calls_row(spec, wall, base, base_wall))
             if len(pairs) > 1 or getattr(args, "repeats", 1) > 1:
                 print(f"run {i + 1}: {pairs[-1]['cloud_calls_per_token']} calls/token, "

@@ -145,11 +145,13 @@ async def run_edge(frontend: str, draft: str, texts: list[str], concurrency: int
 
 
 async def run_edges(frontend: str, draft: str, texts: list[str], concurrency: int, configs: list[dict],
-                    target_tok: str | None = None, **common) -> list[tuple[list[tuple[list[int], dict]], float]]:
+                    target_tok: str | None = None, slice_: int = 0,
+                    **common) -> list[tuple[list[tuple[list[int], dict]], float]]:
     """Generate `texts` under each of `configs` (SessionConfig fields, `common` added to each) on a fresh edge of
-    its own, interleaved `concurrency` prompts at a time, the order alternating, so that a slow spell of a shared
-    machine hits them alike (runs of a minute each, one after the other, differed by up to 15 % in the same
-    configuration); returns per config its per-prompt (ids, stats) and its wall, summed over its slices."""
+    its own, `slice_` prompts at a time (0: all of them), taking turns, the order alternating: with short turns a
+    slow spell of a shared machine hits them alike (real pair, one session: runs of a minute each, one after the
+    other, differed by up to 15 % in the same configuration). Returns per config its per-prompt (ids, stats) and
+    its wall, summed over its turns."""
     from contextlib import AsyncExitStack
 
     from ..common.sampling import SamplingParams
@@ -166,9 +168,10 @@ async def run_edges(frontend: str, draft: str, texts: list[str], concurrency: in
         edges = [await stack.enter_async_context(await load_edge(frontend, draft, target_tok)) for _ in configs]
         for edge, config in zip(edges, sessions):
             await run_sessions(edge, texts[:1], config, 1)  # warm-up: first forward passes allocate
-        for n, i in enumerate(range(0, len(texts), concurrency)):
+        step = slice_ or len(texts)
+        for n, i in enumerate(range(0, len(texts), step)):
             for k in (range(len(configs)) if n % 2 == 0 else reversed(range(len(configs)))):
-                part, wall = await run_sessions(edges[k], texts[i:i + concurrency], sessions[k], concurrency)
+                part, wall = await run_sessions(edges[k], texts[i:i + step], sessions[k], concurrency)
                 runs[k] += part
                 walls[k] += wall
     for run in (r for part in runs for r in part):

@@ -39,8 +39,8 @@ RETRY_AFTER_S = 1
 # protocol.MAX_CONTEXT (32,768 tokens) needs more unless its tokens average 32 JSON bytes, so large bodies are attacks
 # or refusals, and reading and decoding each costs the event loop ~25 ms per 8 MiB. A large body that comes while
 # another is read is dropped below HTTP parsing as it arrives (GuardedH11Protocol.discard_body: through h11 and ASGI
-# 7.5 MB costs the loop ~20 ms of copying, dropped ~3 ms) and answered 429. One more waiting its turn doubled what 8
-# bodies of 7.5 MB at once cost a legit request beside them (1.25-2.05x its latency at rest, against 1.26-1.67x)
+# 7.5 MB costs the loop ~20 ms of copying, dropped ~3 ms) and answered 429. With one more waiting its turn (read and
+# decoded next), a legit request beside 8 such bodies took 1.25-2.05x its latency at rest; without, 1.26-1.90x
 LARGE_BODY_BYTES = 1 << 20
 OPEN = ""  # the key of every request when no API keys are configured
 DISCARD_BODY = "specrelay.discard_body"  # scope extension: GuardedH11Protocol.discard_body

@@ -130,18 +130,7 @@ def wall_split(slices: list[tuple[list[SessionRun], float]]) -> dict:
 async def run_edge(frontend: str, draft: str, texts: list[str], concurrency: int, target_tok: str | None = None,
                    **cfg) -> tuple[list[tuple[list[int], dict]], float]:
     """Generate `texts` through the broker with an in-process edge; returns per-prompt (ids, stats), wall."""
-    from ..common.sampling import SamplingParams
-    from ..edge_worker.config import SessionConfig
-    from ..edge_worker.server import load_edge
-
-    config = SessionConfig(params=SamplingParams(cfg.pop("temperature", 0.0)), **cfg)
-    async with await load_edge(frontend, draft, target_tok) as edge:
-        await run_sessions(edge, texts[:1], config, 1)  # warm-up: first forward passes allocate
-        runs, wall = await run_sessions(edge, texts, config, concurrency)
-    for run in runs:
-        if run.error:
-            raise RuntimeError(run.error)
-    return [(r.ids, r.stats) for r in runs], wall
+    return (await run_edges(frontend, draft, texts, concurrency, [cfg], target_tok))[0]
 
 
 async def run_edges(frontend: str, draft: str, texts: list[str], concurrency: int, configs: list[dict],
@@ -168,7 +157,7 @@ async def run_edges(frontend: str, draft: str, texts: list[str], concurrency: in
         edges = [await stack.enter_async_context(await load_edge(frontend, draft, target_tok)) for _ in configs]
         for edge, config in zip(edges, sessions):
             await run_sessions(edge, texts[:1], config, 1)  # warm-up: first forward passes allocate
-        step = slice_ or len(texts)
+        step = slice_ or max(1, len(texts))
         for n, i in enumerate(range(0, len(texts), step)):
             for k in (range(len(configs)) if n % 2 == 0 else reversed(range(len(configs)))):
                 part, wall = await run_sessions(edges[k], texts[i:i + step], sessions[k], concurrency)

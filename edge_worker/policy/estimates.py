@@ -19,14 +19,14 @@ DRAFT_PRIOR = 0.25     # a draft forward's cost relative to a verify's, until on
 
 
 class EWMean:
-    """Exponentially weighted mean; from the second observation on, one over CLIP x the mean counts as that."""
+    """Exponentially weighted mean; from the second observation on, one over `clip` x the mean counts as that."""
 
-    def __init__(self, default: float = 0.0, decay: float = DECAY) -> None:
-        self.decay, self.value, self.weight, self.count = decay, default, 0.0, 0
+    def __init__(self, default: float = 0.0, decay: float = DECAY, clip: float = CLIP) -> None:
+        self.decay, self.value, self.weight, self.count, self.clip = decay, default, 0.0, 0, clip
 
     def observe(self, x: float) -> None:
         if self.count:
-            x = min(x, CLIP * self.value)
+            x = min(x, self.clip * self.value)
         self.count += 1
         self.weight = self.decay * self.weight + 1
         self.value += (x - self.value) / self.weight
@@ -162,14 +162,21 @@ class EdgeEstimates:
         # token (the hint's token_us): one session keeps one row width, which alone teaches no slope
         self.cloud = EWLine()
         self.batch = EWMean(1.0)              # rows per worker forward
+        self.queue_share = EWMean(clip=float("inf"))  # a VERIFY's wait at the worker over the worker's forward
+                                              # (each at most CLIP: a backlog of forwards is not a trend)
         self.latency = EWLine()               # seconds from VERIFY to VERDICT vs our row (its slope: no hints)
         self.waits, self.widths = EWMean(), EWMean()  # that latency and the row's tokens, means: the wait line's
                                               # anchor (the link, the worker's queue and forward as they are now)
         self.provisional = False              # the anchor is a round that also ran its prompt (nothing else yet)
         self.single = EWMean()                # the wait of a row of 1 (a round at d = 0): the line's low end
         self.steps_per_token = EWMean(1.0)    # draft forwards per target token (a cross-vocabulary draft: > 1)
-        self.waited = EWMean()                # a chain round's wait for its draft per fresh forward (the critical
-                                              # path: the loop, queueing behind other sessions' batches included)
+        # a chain round's wait for its draft (the critical path), F + (m + j) x its fresh forwards, each measured:
+        # m the seconds of each of its batch's forwards past the first (one more draft token: a forward at the
+        # batch's rows), j its wait for the batch under way to end, per forward of its own (the sessions of an
+        # edge draft alike, so the batch ahead is as long as its own), F the rest (the hand-over through the
+        # event loop, the first forward's catch-up on what the VERDICT committed)
+        self.marginal, self.joined = EWMean(), EWMean(clip=float("inf"))
+        self.fixed = EWMean(clip=float("inf"))  # these two clipped by observe_chain_wait (0 is a fair mean)
         self.explore_s = EWMean()             # the draft wait of a round exploring from d = 0 (its catch-up)
         self.idle = 0                         # rounds at d = 0 (any session's) since the last acceptance sample
         self.drafting = 0                     # rounds at d > 0 (any session's) since the last one at d = 0
@@ -225,6 +232,8 @@ class EdgeEstimates:
             self.single.observe(latency_s)
         if hint is not None and hint.batch >= 1 and not hint.prefill:
             self.cloud.observe(hint.tokens or hint.batch * (hint.width or width), hint.forward_us * 1e-6)
+            if hint.forward_us:
+                self.queue_share.observe(min(CLIP, hint.queue_us / hint.forward_us))
 
     # ---------------------------------------------------------------- the cost model
     def step(self, columns: float | None = None) -> float:
@@ -234,14 +243,30 @@ class EdgeEstimates:
             return self.draft.at(self.rows.value if columns is None else columns)
         return DRAFT_PRIOR * self.wait(0) if self.waits.count else 1.0
 
-    def per_token(self) -> float:
-        """A chain's draft token on the critical path: the measured wait per forward (else t) x forwards per token."""
-        return (self.waited.value if self.waited.count else self.step()) * self.steps_per_token.value
+    def per_token(self, queued: bool = True) -> float:
+        """(m + j) s: a chain's draft token on the critical path, its forward's marginal seconds (t until measured)
+        and its share of the wait for the batch ahead, x forwards per token; `queued` False: m s alone (the idle
+        draft thread's, pre-drafting)."""
+        m = self.marginal.value if self.marginal.count else self.step()
+        return (m + self.joined.value * queued) * self.steps_per_token.value
+
+    def observe_chain_wait(self, draft_s: float, steps: int, later_s: float | None, queued_s: float | None) -> None:
+        """A chain round waited `draft_s` for its `steps` fresh forwards: `queued_s` of it for its lockstep batch
+        to begin, `later_s` in its forwards past the first (None: not timed). A part past CLIP x its mean plus one
+        forward counts as that (one stall is not a trend)."""
+        if steps > 1 and later_s is not None:
+            self.marginal.observe(later_s / (steps - 1))
+        m = self.marginal.value if self.marginal.count else self.step()
+        if queued_s is not None:
+            self.joined.observe(min(queued_s / steps, CLIP * (self.joined.value + m)))
+        rest = draft_s - (queued_s or 0.0) - m * steps
+        self.fixed.observe(min(max(0.0, rest), CLIP * (self.fixed.value + m)))
 
     def wait_line(self) -> tuple[float, float]:
         """(w0, w1): R + V = w0 + w1 (tokens + 1), seconds from sending a row of `tokens` draft tokens to its
-        VERDICT: the measured mean wait at the mean row, and per token more c1 B, the worker's forward growing as
-        every row of its batch drafts one more (the cloud line's slope; without hints, the latency line's), or
+        VERDICT: the measured mean wait at the mean row, and per token more (1 + q) c1 B, the worker's forward
+        growing as every row of its batch drafts one more, and the wait for the forward ahead (q of a forward, as
+        the hints measured) growing alike (the cloud line's slope; without hints, the latency line's), or
         what the measured wait of a row of 1 implies if that is more (a cost line's slope seen at one width only),
         while our rows are the worker's only ones (about one row a forward, as the hints say: one session's rows of
         1 and of d are timed under the same load). Beside other rows the line's slope stands: there rows of 1 were
@@ -249,8 +274,8 @@ class EdgeEstimates:
         too steep (demo pair, 8 sessions: d = 2-3 for a third of a run)."""
         if not self.waits.count:  # 1 / DRAFT_PRIOR draft forwards (in-process: in units of one)
             return (self.step() if self.draft.known else 1.0) / DRAFT_PRIOR, 0.0
-        slope = self.cloud.fit()[1] * self.batch.value if self.cloud.known or self.cloud.slope else \
-            self.latency.fit()[1]
+        slope = (1 + self.queue_share.value) * self.cloud.fit()[1] * self.batch.value \
+            if self.cloud.known or self.cloud.slope else self.latency.fit()[1]
         if self.single.count and self.widths.value > 1.5 and self.batch.count and self.batch.value < 1.5:
             slope = max(slope, (self.waits.value - self.single.value) / (self.widths.value - 1))
         return max(0.0, self.waits.value - slope * self.widths.value), slope
@@ -264,7 +289,7 @@ class EdgeEstimates:
         --predraft, or before the draft is timed: a guess must not delay the VERDICT's handling)."""
         if not (self.predraft and self.draft.known):
             return 0
-        return int(PREDRAFT_SHARE * self.wait(tokens) / max(self.per_token(), 1e-9))
+        return int(PREDRAFT_SHARE * self.wait(tokens) / max(self.per_token(queued=False), 1e-9))
 
 
 PREDRAFT_SHARE = 0.8   # pre-drafting stops this far into the expected wait, so the draft thread is idle (and the

@@ -68,18 +68,23 @@ def static_tree(p: tuple[float, ...], depth: int, nodes: int) -> tuple[tuple[flo
     return tuple(out)
 
 
-def tree_time(est: EdgeEstimates, shape: TreeShape) -> float:
+def tree_time(est: EdgeEstimates, shape: TreeShape, lines: tuple[tuple[float, float], ...] | None = None) -> float:
     """T(S): the draft forwards a pre-draft did not do (one per level: the root's, then each level's nodes, for
     every session of the lockstep batch) at the wait tree rounds measured per second of their compute, then R + V
-    over the tree's nodes."""
+    over the tree's nodes. `lines`: (est.step_line(), est.wait_line()), fitted once for many shapes."""
+    (c, s), (w0, w1) = lines or (est.step_line(), est.wait_line())
     steps = shape.depth - min(shape.depth, round(est.tree_saved.value))
-    return est.tree_wait.value * tree_compute(est, shape, steps) + est.wait(shape.nodes)
+    return est.tree_wait.value * tree_compute(est, shape, steps, (c, s)) + w0 + w1 * (shape.nodes + 1)
 
 
-def tree_compute(est: EdgeEstimates, shape: TreeShape, steps: int) -> float:
-    """Seconds of draft compute in a tree's last `steps` level forwards (the ones a round waits for)."""
-    columns = [1, *shape.widths[:-1]]
-    return sum(est.step(est.rows.value * w) for w in columns[len(columns) - steps:]) if steps > 0 else 0.0
+def tree_compute(est: EdgeEstimates, shape: TreeShape, steps: int, line: tuple[float, float] | None = None) -> float:
+    """Seconds of draft compute in a tree's last `steps` level forwards (the ones a round waits for): each at
+    t(rows x the level's columns), t = c + s x columns (`line`, else est.step_line())."""
+    if steps <= 0:
+        return 0.0
+    c, s = line or est.step_line()
+    columns = [1, *shape.widths[:-1]][-steps:]
+    return steps * c + s * est.rows.value * sum(columns)
 
 
 def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | None,
@@ -92,10 +97,10 @@ def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | Non
         if d < 1:
             continue
         grown = static_tree(p, d, min(MAX_DRAFT, nodes or 4 * d))
+        spine = sum(p[0] ** k for k in range(1, d + 1))  # a path's value: what the chain's E(d) - 1 scales
         for n in sorted({min(nodes, len(grown))} if nodes else {math.ceil(f * d) for f in TREE_FILL}):
             if d < n <= len(grown) or nodes:
                 value, widths = grown[n - 1]
-                spine = sum(p[0] ** k for k in range(1, d + 1))
                 out.append((TreeShape(widths), 1.0 + value * (chain[d] - 1.0) / max(spine, 1e-9)))
     return out
 
@@ -143,7 +148,9 @@ class DraftPolicy:
         est = self.edge
         chains = chain_rows(est, self.rates(top + 1), top, cut=depth is None)  # a depth given: kept
         top = len(chains) - 1  # no deeper than the longest chain worth drafting (MIN_VALUE)
-        rows = [(s, e, tree_time(est, s)) for s, e in tree_rows(est, [e for e, _ in chains], top, depth, nodes)]
+        lines = est.step_line(), est.wait_line()
+        rows = [(s, e, tree_time(est, s, lines))
+                for s, e in tree_rows(est, [e for e, _ in chains], top, depth, nodes)]
         if trees == "auto":
             chains = chains if depth is None else chains[min(depth, top):min(depth, top) + 1]
             rows = [(None, e, t) for e, t in chains] + rows

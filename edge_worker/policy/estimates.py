@@ -243,6 +243,10 @@ class EdgeEstimates:
             return self.draft.at(self.rows.value if columns is None else columns)
         return DRAFT_PRIOR * self.wait(0) if self.waits.count else 1.0
 
+    def step_line(self) -> tuple[float, float]:
+        """(c, s): t(columns) = c + s x columns (before any timing, step()'s guess for every width)."""
+        return self.draft.fit() if self.draft.known else (self.step(), 0.0)
+
     def per_token(self, queued: bool = True) -> float:
         """(m + j) s: a chain's draft token on the critical path, its forward's marginal seconds (t until measured)
         and its share of the wait for the batch ahead, x forwards per token; `queued` False: m s alone (the idle

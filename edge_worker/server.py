@@ -223,14 +223,11 @@ class EdgeWorker(transport.Service):
     async def _step(self, session: EdgeSession, route: Route) -> list[int]:
         """Draft (in the draft thread) or take the pending RESAMPLE, send it (pre-drafting on while it is in
         flight), apply the reply, and report the round's timings to the session's draft-length policy."""
-        request, draft_s, queued_s = session.resample_request(), None, None  # a pending RESAMPLE goes first
+        request, draft_s = session.resample_request(), None  # a pending RESAMPLE goes before any draft
         if request is None:  # the job waits in the draft thread's queue until the edge scheduler batches it
             t0 = time.perf_counter()
-            block = await self._batcher.draft(session.draft_job())
-            request = session.request_for(block)
-            if self._batcher.batches > 1:  # the first: warm-up
-                draft_s = time.perf_counter() - t0
-                queued_s = max(0.0, block.started - t0) if getattr(block, "started", 0.0) else None
+            request = session.request_for(await self._batcher.draft(session.draft_job()))
+            draft_s = time.perf_counter() - t0 if self._batcher.batches > 1 else None  # the first: warm-up
         if route.stash is not None:  # the OPEN already failed: do not send on top of it
             reply, route.stash = route.stash, None
             return session.apply(reply)
@@ -249,7 +246,7 @@ class EdgeWorker(transport.Service):
                 self._batcher.cancel(pre)
         new = session.apply(reply)  # an ERROR reply raises its RequestError
         if isinstance(reply, P.Verdict):
-            session.record_timing(draft_s, latency, queued_s)
+            session.record_timing(draft_s, latency)
             self.metrics.on_round(len(request.draft), reply.n_accepted, draft_s, latency)
         return new
 

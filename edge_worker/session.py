@@ -113,7 +113,6 @@ class EdgeSession:
         self._reused = DraftBlock()                # the start of the next block, taken from the chain
         self._chain: DraftChain | None = None      # the block in flight and its pre-drafted continuation
         self._width = self._steps = 0              # the last block's cloud row width, fresh draft forwards
-        self._later_s = 0.0                        # their seconds past the first (edge_worker/draft/drafter.py)
         self._catchup = False                      # its draft first caught up on a stretch the draft never saw
         self._prefilled = False                    # the worker ran the prompt before verifying it
         self._seen = 0                             # committed tokens the draft had when it last drafted
@@ -193,7 +192,7 @@ class EdgeSession:
     def request_for(self, block: DraftBlock | TreeBlock) -> P.Verify:
         """The VERIFY for the freshly drafted `block` (after whatever the chain provided)."""
         if isinstance(block, TreeBlock):
-            self._catchup, self._steps, self._later_s = False, 0, 0.0  # timed by its own steps (trees.last_steps)
+            self._catchup, self._steps = False, 0  # a tree round is timed by its own steps (trees.last_steps)
             return self.trees.request(block)
         self.trees.block, self.trees.last_steps = None, 0
         # a block drafted after the session's OPEN or after a round at d = 0 first feeds the draft model the whole
@@ -202,7 +201,7 @@ class EdgeSession:
         self._catchup = self.prefill_due > 0 or self._block is None or not self._block.ids
         self._prefilled = self.prefill_due > 0
         self._block, reused = self._reused + block, len(self._reused.ids)
-        self._reused, self._steps, self._later_s = DraftBlock(), block.steps, block.later_s  # forwards waited for
+        self._reused, self._steps = DraftBlock(), block.steps  # draft forwards waited for
         self._width = len(self.tokens) - self.cloud_len + len(self._block.ids) + 1  # the row the cloud runs
         self.seq += 1
         self.stats.draft_tokens += len(self._block.ids)
@@ -243,16 +242,15 @@ class EdgeSession:
         if self._chain is not None and isinstance(more, DraftBlock):
             self._chain.extend(more)
 
-    def record_timing(self, draft_s: float | None, latency_s: float, queued_s: float | None = None) -> None:
-        """What the shell measured for the last VERIFY round: seconds waited for its draft (None: not timed), of
-        them `queued_s` before its lockstep batch began, and from sending it to its VERDICT. Feeds the policy."""
+    def record_timing(self, draft_s: float | None, latency_s: float) -> None:
+        """What the shell measured for the last VERIFY round: seconds waited for its draft (None: not timed)
+        and from sending it to its VERDICT. Feeds the auto draft length."""
         self.stats.draft_s += draft_s or 0.0
         self.stats.verify_s += latency_s
         tree = self.trees.shape if self.trees.last_steps else None  # a tree engine's round (its forwards waited)
         steps = self.trees.last_steps if tree is not None else self._steps
         self.policy.observe_round(self._width, latency_s, self._hint, draft_s, steps, self._catchup, self._prefilled,
-                                  tree=tree, later_s=None if tree is not None else self._later_s,
-                                  queued_s=queued_s)
+                                  tree=tree)
 
     # ---------------------------------------------------------------------------- replies
     def apply(self, reply: P.Base) -> list[int]:

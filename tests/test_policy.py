@@ -136,8 +136,7 @@ def test_a_prompt_prefill_first_does_not_make_a_slow_cross_vocabulary_draft_pay(
         est.observe_draft(1, [(1, 0.077)] * (d + 1))
         policy.observe_block(d, accepted)
         hint = LoadHint(batch=1, width=d + 1, forward_us=forward_ms * 1000, tokens=tokens, token_us=30_000)
-        policy.observe_round(d + 1, forward_ms * 1e-3 + 0.002, hint, 0.077 * (d + 1), d + 1, prefilled=i == 0,
-                             later_s=0.077 * d)
+        policy.observe_round(d + 1, forward_ms * 1e-3 + 0.002, hint, 0.077 * (d + 1), d + 1, prefilled=i == 0)
     assert est.wait(0) < 0.2  # measured: 120-160 ms for rows of 1 to 3
     for objective in (Objective.SPEED, Objective.BALANCED):
         assert DraftPolicy(est, objective).choose(32) == 0
@@ -216,30 +215,13 @@ def test_a_row_of_1_sets_the_slope_only_where_our_rows_are_the_workers_only_ones
 
 def test_a_stall_is_not_the_draft_wait():
     """A first chain round that waited 250 ms for 2 forwards (start-up, another session's catch-up) counts as at
-    most CLIP x its forwards' compute: one stall must not price drafting out for the rest of the run."""
+    most CLIP forwards' compute: one stall must not price drafting out for the rest of the run."""
     from specrelay.edge_worker.policy.estimates import CLIP
 
     est = edge(draft_s=0.004, rtt_s=0.0)
     policy = DraftPolicy(est, Objective.BALANCED)
-    policy.observe_round(3, 0.03, None, 0.250, steps=2, later_s=0.004)
-    assert est.marginal.value == 0.004 and est.fixed.value <= CLIP * 2 * est.marginal.value + 1e-9
-
-
-def test_a_chain_is_priced_at_its_fixed_wait_plus_its_forwards_and_its_share_of_the_batch_ahead():
-    """Rounds of 2 and of 8 forwards, 5 ms each past the first, that waited 2 ms a forward of their own for the
-    batch under way to end and 10 ms more (the hand-over, the first forward's catch-up): F = 10 ms, m = 5 ms,
-    j = 2 ms, so a chain of 8 is priced 10 + 7 x 8 = 66 ms, not at the 2-forward rounds' mean per forward (12 ms:
-    96 ms); pre-drafting fits the wait at m alone (the idle draft thread queues behind nothing)."""
-    est = edge(draft_s=0.004, rtt_s=0.05)
-    policy = DraftPolicy(est, Objective.BALANCED)
-    for steps in (2, 2, 2, 8) * 30:
-        policy.observe_round(steps + 1, est.wait(steps), None, 0.010 + 0.007 * steps, steps,
-                             later_s=0.005 * (steps - 1), queued_s=0.002 * steps)
-    assert abs(est.marginal.value - 0.005) < 1e-9 and abs(est.joined.value - 0.002) < 1e-9
-    assert abs(est.fixed.value - 0.010) < 1e-6
-    assert abs(est.per_token() - 0.007) < 1e-6 and abs(est.per_token(queued=False) - 0.005) < 1e-9
-    rows, (w0, w1) = chain_rows(est, policy.rates(9), 8, cut=False), est.wait_line()
-    assert abs(rows[8][1] - (0.010 + 0.007 * 8 + w0 + w1 * 9)) < 1e-6 and rows[0][1] == w0 + w1
+    policy.observe_round(3, 0.03, None, 0.250, steps=2)
+    assert est.waited.value <= CLIP * est.step() + 1e-9
 
 
 def test_the_workers_queue_grows_the_wait_as_its_forward_does():

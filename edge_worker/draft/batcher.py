@@ -13,7 +13,6 @@ a time (`chunk`), so a real draft waits for at most one chunk); this module runs
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -136,10 +135,7 @@ class DraftBatcher:
         self.jobs += len(batch)
         self.batch_sizes[len(batch)] += 1
 
-        start = time.perf_counter()
-
         def ready(i: int, block: DraftBlock) -> None:  # in the draft thread: a job left the lockstep batch
-            block.started = start
             try:
                 loop.call_soon_threadsafe(_settle, batch[i][1], block)
             except RuntimeError:  # the loop closed meanwhile (shutdown)

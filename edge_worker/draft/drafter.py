@@ -80,8 +80,6 @@ class DraftBlock:
     q_rows: list[torch.Tensor] = field(default_factory=list)   # q' over the target vocabulary, [V_target] each
     drafted: list[int] = field(default_factory=list)          # draft-vocabulary ids, when `finish` converts them
     steps: int = 0  # draft-model forwards of the lockstep batch that drafted it (what its session waited for)
-    later_s: float = 0.0  # seconds of its batch's steps after its first: what each more token cost its session
-    started: float = 0.0  # perf_counter() when its lockstep batch began (the batcher's: its wait to join one)
 
     def part(self, start: int, stop: int | None = None) -> "DraftBlock":
         """Tokens start..stop-1 with their q' (q lists are empty outside sample mode)."""
@@ -190,10 +188,9 @@ class Drafter:
         """Draft every job in lockstep: at each step, ONE forward over the sessions still drafting. A job whose
         block is complete leaves the batch at once, and `ready(index, block)` hands it over then (its session
         need not wait for the batch's longest job: a cross-vocabulary block's length in draft tokens varies).
-        Every block records the forwards its session waited for (`steps`) and the seconds of those past the
-        first (`later_s`: what one more token costs, apart from the first forward's catch-up); `forwards` gets
-        (columns, seconds) of each chain forward (columns: rows x the widest row's new tokens, what the padded
-        forward runs; a tree block carries its own). Tree jobs (edge_worker/trees/drafter.py) form a lockstep batch of their own."""
+        Every block records the forwards its session waited for (`steps`); `forwards` gets (columns, seconds) of
+        each chain forward (columns: rows x the widest row's new tokens, what the padded forward runs; a tree
+        block carries its own). Tree jobs (edge_worker/trees/drafter.py) form a lockstep batch of their own."""
         if any(isinstance(j, TreeJob) for j in jobs):
             return self._draft_mixed(jobs, ready, forwards)
         blocks = [DraftBlock() for _ in jobs]
@@ -206,13 +203,8 @@ class Drafter:
         steps = 0
         try:
             while live:
-                t0 = time.perf_counter()
-                ran = self._advance(batch, [jobs[i] for i in live], [contexts[i] for i in live], live, forwards)
-                steps += ran
+                steps += self._advance(batch, [jobs[i] for i in live], [contexts[i] for i in live], live, forwards)
                 going = [i for i in live if self.step(jobs[i], blocks[i], contexts[i])]
-                if ran and steps > 1:  # the first forward also caught each job up on what its VERDICT committed
-                    for i in live:
-                        blocks[i].later_s += time.perf_counter() - t0
                 for i in (i for i in live if i not in going):  # its K/V leaves the batch at the next forward
                     self._hand_over(jobs[i], blocks[i], steps, i, ready)
                 live = going

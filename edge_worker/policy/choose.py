@@ -10,7 +10,7 @@ from functools import lru_cache
 
 from ...common.protocol import MAX_DRAFT, LoadHint, Objective
 from ..trees.tree import TreeShape
-from .estimates import PREDRAFT_SHARE, EdgeEstimates
+from .estimates import CLIP, PREDRAFT_SHARE, EdgeEstimates
 
 MAX_LEN = 32           # the longest chain, the deepest tree auto drafts (past it a demo pair's chance of
                        # reaching a position is ~0)
@@ -36,10 +36,9 @@ def pick(rows: list[tuple[float, float]], objective: Objective) -> int:
 
 def chain_rows(est: EdgeEstimates, a: list[float], top: int, cut: bool = True) -> list[tuple[float, float]]:
     """(E(d), T(d)) for d = 0..top at acceptance a_0..a_top: E(d) = sum_{k<=d} P_k with P_k = prod_{j<k} a_j;
-    T(d) = F + (m + j) s (d + lookahead) less the pre-drafted start (P_{d+1} x what fits the wait) + R + V(d)."""
+    T(d) = t s (d + lookahead) less the pre-drafted start (P_{d+1} x what fits the wait) + R + V(d)."""
     rows, e, p, t = [], 0.0, 1.0, est.per_token()
-    (w0, w1), m = est.wait_line(), est.per_token(queued=False)
-    share = PREDRAFT_SHARE / max(m, 1e-12) if est.predraft and est.draft.known else 0.0
+    (w0, w1), share = est.wait_line(), PREDRAFT_SHARE / max(t, 1e-12) if est.predraft and est.draft.known else 0.0
     for d in range(top + 1):
         if cut and d and p < MIN_VALUE:  # the d-th token's chance to be accepted (P_d) under MIN_VALUE: no longer
             break
@@ -47,7 +46,7 @@ def chain_rows(est: EdgeEstimates, a: list[float], top: int, cut: bool = True) -
         p *= a[d]
         wait = w0 + w1 * (d + 1)
         saved = p * min(d, max(0, int(share * wait) - 1))  # the guess, then the next block's start (predraft_budget)
-        rows.append((e, (est.fixed.value + t * (d + est.lookahead - saved)) * (d > 0) + wait))
+        rows.append((e, t * (d + est.lookahead - saved) * (d > 0) + wait))
     return rows
 
 
@@ -182,18 +181,16 @@ class DraftPolicy:
 
     def observe_round(self, width: int, latency_s: float, hint: LoadHint | None, draft_s: float | None,
                       steps: int = 0, catchup: bool = False, prefilled: bool = False,
-                      tree: TreeShape | None = None, later_s: float | None = None,
-                      queued_s: float | None = None) -> None:
+                      tree: TreeShape | None = None) -> None:
         """The round's timings: `draft_s` the wait for its chain's (or `tree`'s) `steps` fresh forwards (None: not
-        timed), `later_s` the seconds of a chain's forwards past the first, `queued_s` its wait for its lockstep
-        batch to begin (None: not timed), `catchup` whether they first caught the draft up on a stretch it had not
-        seen (exploring's cost), `prefilled` whether the worker ran the prompt before verifying."""
+        timed), `catchup` whether they first caught the draft up on a stretch it had not seen (exploring's cost),
+        `prefilled` whether the worker ran the prompt before verifying."""
         self.edge.observe_round(width, latency_s, hint, prefilled)
         if self.exploring and draft_s is not None:
             self.edge.explore_s.observe(draft_s)
         elif tree is not None:  # the tree engine's rounds (paths too) price trees, as chains' rounds price chains
             if draft_s is not None and steps > 0:
                 self.edge.tree_wait.observe(draft_s / max(tree_compute(self.edge, tree, steps), 1e-9))
-        elif draft_s is not None and steps > 0 and not catchup:
-            self.edge.observe_chain_wait(draft_s, steps, later_s, queued_s)
+        elif draft_s is not None and steps > 0 and not catchup:  # a wait past CLIP forwards' compute is a stall
+            self.edge.waited.observe(min(draft_s / steps, CLIP * self.edge.step()))
         self.exploring = False

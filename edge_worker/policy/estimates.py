@@ -170,13 +170,8 @@ class EdgeEstimates:
         self.provisional = False              # the anchor is a round that also ran its prompt (nothing else yet)
         self.single = EWMean()                # the wait of a row of 1 (a round at d = 0): the line's low end
         self.steps_per_token = EWMean(1.0)    # draft forwards per target token (a cross-vocabulary draft: > 1)
-        # a chain round's wait for its draft (the critical path), F + (m + j) x its fresh forwards, each measured:
-        # m the seconds of each of its batch's forwards past the first (one more draft token: a forward at the
-        # batch's rows), j its wait for the batch under way to end, per forward of its own (the sessions of an
-        # edge draft alike, so the batch ahead is as long as its own), F the rest (the hand-over through the
-        # event loop, the first forward's catch-up on what the VERDICT committed)
-        self.marginal, self.joined = EWMean(), EWMean(clip=float("inf"))
-        self.fixed = EWMean(clip=float("inf"))  # these two clipped by observe_chain_wait (0 is a fair mean)
+        self.waited = EWMean()                # a chain round's wait for its draft per fresh forward (the critical
+                                              # path: the loop, queueing behind other sessions' batches included)
         self.explore_s = EWMean()             # the draft wait of a round exploring from d = 0 (its catch-up)
         self.idle = 0                         # rounds at d = 0 (any session's) since the last acceptance sample
         self.drafting = 0                     # rounds at d > 0 (any session's) since the last one at d = 0
@@ -247,24 +242,9 @@ class EdgeEstimates:
         """(c, s): t(columns) = c + s x columns (before any timing, step()'s guess for every width)."""
         return self.draft.fit() if self.draft.known else (self.step(), 0.0)
 
-    def per_token(self, queued: bool = True) -> float:
-        """(m + j) s: a chain's draft token on the critical path, its forward's marginal seconds (t until measured)
-        and its share of the wait for the batch ahead, x forwards per token; `queued` False: m s alone (the idle
-        draft thread's, pre-drafting)."""
-        m = self.marginal.value if self.marginal.count else self.step()
-        return (m + self.joined.value * queued) * self.steps_per_token.value
-
-    def observe_chain_wait(self, draft_s: float, steps: int, later_s: float | None, queued_s: float | None) -> None:
-        """A chain round waited `draft_s` for its `steps` fresh forwards: `queued_s` of it for its lockstep batch
-        to begin, `later_s` in its forwards past the first (None: not timed). A part past CLIP x its mean plus one
-        forward counts as that (one stall is not a trend)."""
-        if steps > 1 and later_s is not None:
-            self.marginal.observe(later_s / (steps - 1))
-        m = self.marginal.value if self.marginal.count else self.step()
-        if queued_s is not None:
-            self.joined.observe(min(queued_s / steps, CLIP * (self.joined.value + m)))
-        rest = draft_s - (queued_s or 0.0) - m * steps
-        self.fixed.observe(min(max(0.0, rest), CLIP * (self.fixed.value + m)))
+    def per_token(self) -> float:
+        """A chain's draft token on the critical path: the measured wait per forward (else t) x forwards per token."""
+        return (self.waited.value if self.waited.count else self.step()) * self.steps_per_token.value
 
     def wait_line(self) -> tuple[float, float]:
         """(w0, w1): R + V = w0 + w1 (tokens + 1), seconds from sending a row of `tokens` draft tokens to its
@@ -293,7 +273,7 @@ class EdgeEstimates:
         --predraft, or before the draft is timed: a guess must not delay the VERDICT's handling)."""
         if not (self.predraft and self.draft.known):
             return 0
-        return int(PREDRAFT_SHARE * self.wait(tokens) / max(self.per_token(queued=False), 1e-9))
+        return int(PREDRAFT_SHARE * self.wait(tokens) / max(self.per_token(), 1e-9))
 
 
 PREDRAFT_SHARE = 0.8   # pre-drafting stops this far into the expected wait, so the draft thread is idle (and the

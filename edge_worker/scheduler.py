@@ -15,6 +15,10 @@ Rules:
   at most `max_batch` of them, so a real draft waits for at most one chunk.
 - A session in flight is never drafted (only its pre-draft advances, if it has one); done sessions are dropped
   (a finished pre-draft is shown as DONE).
+- While a chain batch drafts, a session that becomes ready joins it at its next step (`join`), up to `max_batch`
+  rows, if it can: its draft K/V are already held (not a prompt's first catch-up, which would widen every row's
+  step to the prompt) and it drafts a chain. None joins while a ready session that cannot join waits: joins keep
+  a batch going, and that session waits for the batch to end.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class SessionView:
     key: Hashable            # the caller's handle for the session (or for its queued job)
     phase: Phase
     predraft: bool = False   # IN_FLIGHT only: a pre-draft that may go on (budget left, not stopped)
+    joinable: bool = False   # READY only: its job may join a chain batch under way (see `EdgeScheduler.join`)
 
 
 @dataclass
@@ -69,3 +74,11 @@ class EdgeScheduler:
             out.predraft, flying = flying[:limit], flying[limit:]
         out.wait += late + flying
         return out
+
+    def join(self, views: Sequence[SessionView], running: int) -> list:
+        """Keys of the READY sessions that join a chain batch of `running` rows at its next step (the rules)."""
+        ready = [v for v in views if v.phase is Phase.READY]
+        if any(not v.joinable for v in ready):
+            return []
+        room = len(ready) if self.max_batch is None else self.max_batch - running
+        return [v.key for v in ready[:max(0, room)]]

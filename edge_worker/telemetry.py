@@ -66,6 +66,7 @@ class EdgeMetrics:
             "retries": self.retries, "failovers": self.failovers, "uplink_bytes": self.uplink_bytes, "downlink_bytes": self.downlink_bytes,
             "draft_queue_depth": batcher.queued if batcher else 0,
             "draft_batches": batcher.batches if batcher else 0,
+            "draft_joins": batcher.joins if batcher else 0,
             "draft_batch_sizes": Histogram.of(batcher.batch_sizes if batcher else {}, SIZE_BUCKETS),
             "verify_latency_seconds": self.verify_latency_seconds, "draft_wait_seconds": self.draft_wait_seconds,
             "draft_len": self.draft_len, "errors": dict(self.errors),

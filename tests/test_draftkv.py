@@ -152,3 +152,101 @@ def test_edges_sharing_a_drafter_draft_in_parallel_threads(tiny_runners):
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(edge, [0, 1]))
     assert all(all(r) for r in results) and sum(map(len, results)) == 120
+
+
+def test_jobs_that_join_a_batch_under_way_draft_what_they_would_alone(tiny_runners):
+    """Jobs arriving while a chain batch drafts join it at its next step (`admit`): one with a longer past than
+    the batch's columns (they shift right), one after a rejection (its cache rolls back first), one after every
+    row the batch started with has left (its K/V are gathered again). Every block is the draft alone's, counts
+    the forwards since it joined, and every cache holds exactly the ids it says."""
+    target, draft = tiny_runners
+    drafter = Drafter(draft, target.vocab_size)
+    texts = ["def add(a, b):\n", "class Point:\n", "for i in range(10):\n" * 4, "x = 1\n", "import os\n" * 2]
+    contexts = [draft.tokenizer(t).input_ids for t in texts]
+    states = [drafter.new_state(c) for c in contexts]
+    drafter.draft_batch([DraftJob(s, c, len(c), 2, Mode.GREEDY, SamplingParams(), 0)
+                         for s, c in zip(states, contexts)])  # every state holds K/V, as a joiner's must
+    contexts = [c + [17] if i != 3 else c + [23] for i, c in enumerate(contexts)]  # 3: its draft rejected
+    lengths = [2, 4, 5, 3, 4]
+    job = [DraftJob(s, c, len(c), d, Mode.GREEDY, SamplingParams(), 0) for s, c, d in zip(states, contexts, lengths)]
+    joins = {1: [job[2]], 3: [job[3]], 5: [job[4]]}  # step -> jobs joining before it
+    asked, handed = [], []
+
+    def admit(rows: int) -> list[DraftJob]:
+        asked.append(rows)
+        return joins.get(len(asked) - 1, [])
+
+    jobs = job[:2]
+    blocks = drafter.draft_batch(jobs, lambda i, b: handed.append(i), admit=admit)
+    assert jobs == job and len(blocks) == 5  # the joiners were appended, in order
+    assert sorted(handed) == [0, 1, 2, 3, 4]
+    for i, (context, d, block) in enumerate(zip(contexts, lengths, blocks)):
+        assert block.ids == alone(draft, context, d), i
+        assert block.steps == d, i  # the forwards since it joined
+    for state, context in zip(states, contexts):
+        assert state.kv.length == len(state.ids) and state.ids[:len(context)] == context
+    assert asked[:2] == [2, 2] and asked[5] == 2  # rows at each step: job 4 joined once rows 0 and 1 had left
+
+
+def test_the_scheduler_lets_a_job_join_only_when_none_that_cannot_waits():
+    from specrelay.edge_worker.scheduler import EdgeScheduler, Phase, SessionView
+
+    def view(key, joinable=True, phase=Phase.READY):
+        return SessionView(key, phase, joinable=joinable)
+
+    scheduler = EdgeScheduler(max_batch=4)
+    assert scheduler.join([view("a"), view("b"), view("c", phase=Phase.DONE)], running=1) == ["a", "b"]
+    assert scheduler.join([view("a"), view("b")], running=3) == ["a"]  # up to max_batch rows
+    assert scheduler.join([view("a"), view("b")], running=4) == []
+    assert scheduler.join([view("a"), view("p", joinable=False)], running=1) == []  # p would wait behind joins
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_a_draft_that_arrives_while_a_batch_drafts_joins_it_unless_it_has_no_kv_yet(tiny_runners, fresh):
+    """The edge's batcher: a job queued while a chain batch drafts joins it at its next step (one batch, one
+    join) when its draft K/V are held; a session's first draft (its prompt's catch-up) waits for a batch of its
+    own. Both blocks are what the draft model drafts alone."""
+    import asyncio
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specrelay.edge_worker.draft.batcher import DraftBatcher
+
+    target, draft = tiny_runners
+    drafter = Drafter(draft, target.vocab_size)
+    contexts = [draft.tokenizer(t).input_ids for t in ("def add(a, b):\n", "class Point:\n")]
+    states = [drafter.new_state(c) for c in contexts]
+    if not fresh:
+        drafter.draft_batch([DraftJob(s, c, len(c), 1, Mode.GREEDY, SamplingParams(), 0)
+                             for s, c in zip(states, contexts)])
+    jobs = [DraftJob(s, c, len(c), d, Mode.GREEDY, SamplingParams(), 0) for s, c, d in zip(states, contexts, (8, 3))]
+    real, calls, queued = draft.model.forward, [], threading.Event()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        batcher = DraftBatcher(drafter, ThreadPoolExecutor(1))
+        second = []
+
+        def start_second():
+            second.append(asyncio.ensure_future(batcher.draft(jobs[1])))
+            loop.call_soon(queued.set)  # after the task's first step: the job is in the queue
+
+        def forward(*args, **kwargs):  # in the draft thread: the first batch's 2nd forward waits for job 1
+            calls.append(1)
+            if len(calls) == 2:
+                loop.call_soon_threadsafe(start_second)
+                assert queued.wait(10)
+            return real(*args, **kwargs)
+
+        draft.model.forward = forward
+        first = await batcher.draft(jobs[0])
+        return first, await second[0], batcher
+
+    try:
+        first, other, batcher = asyncio.run(main())
+    finally:
+        draft.model.forward = real
+    assert first.ids == alone(draft, contexts[0], 8) and other.ids == alone(draft, contexts[1], 3)
+    assert (batcher.batches, batcher.joins) == ((2, 0) if fresh else (1, 1))
+    if not fresh:
+        assert other.steps == 3  # the forwards since it joined

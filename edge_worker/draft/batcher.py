@@ -8,17 +8,21 @@ Which queued jobs form the next batch and when pre-drafts (edge_worker/draft/pre
 scheduler's decision (edge_worker/scheduler.py: real drafts first, pre-drafts only while none waits, a few tokens at
 a time (`chunk`), so a real draft waits for at most one chunk); this module runs its actions in the draft thread.
 `collect` stops a pre-draft and hands back what it drafted so far.
+A job that arrives while a chain batch drafts joins it at its next step when the scheduler lets it (`join`): it
+would otherwise wait for the batch's last row, about half a batch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Executor
 
 from .drafter import DraftBlock, Drafter, DraftJob
 from .predraft import TreePreDraft
+from ..trees.drafter import TreeJob
 from ..scheduler import EdgeScheduler, Phase, SessionView
 
 
@@ -53,14 +57,16 @@ class DraftBatcher:
         self.drafter, self.pool, self.max_batch, self.chunk = drafter, pool, max_batch, chunk
         self.on_timing = on_timing  # (rows: 0 for a pre-draft chunk, its chain forwards' (columns, seconds))
         self._warm = False          # set by the first batch (only the draft thread touches it)
-        self._queue: list[tuple[DraftJob, asyncio.Future]] = []
+        self._queue: list[tuple[DraftJob, asyncio.Future]] = []  # the draft thread takes joiners from it: _lock
+        self._lock = threading.Lock()
         self._pre: list[PreDraft] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.scheduler = EdgeScheduler(max_batch)  # which jobs draft, which pre-drafts run (edge_worker/scheduler)
         self.batches = 0
         self.jobs = 0
-        self.batch_sizes: Counter = Counter()  # real draft batches by number of sessions
+        self.batch_sizes: Counter = Counter()  # real draft batches by number of sessions (when they started)
+        self.joins = 0                         # jobs that joined a batch under way
         self.predraft_chunks = 0
 
     @property
@@ -72,7 +78,8 @@ class DraftBatcher:
             return DraftBlock()
         self._ensure_running()
         future = asyncio.get_running_loop().create_future()
-        self._queue.append((job, future))
+        with self._lock:
+            self._queue.append((job, future))
         self._wake.set()
         return await future
 
@@ -107,25 +114,23 @@ class DraftBatcher:
             self._wake.clear()
             for _ in range(3):  # sessions woken by the same reply burst enqueue too
                 await asyncio.sleep(0)
-            actions = self.scheduler.step(self._views())
+            with self._lock:
+                actions = self.scheduler.step(self._views())
+                queue, pre = self._queue, self._pre
+                self._queue = [queue[i] for kind, i in actions.wait if kind == "job"]
             gone = set(actions.dropped)
-            queue, pre = self._queue, self._pre
             self._pre = [p for i, p in enumerate(pre) if ("pre", i) not in gone]
             if actions.draft:
-                batch = [queue[i] for _, i in actions.draft]
-                self._queue = [queue[i] for kind, i in actions.wait if kind == "job"]
-                await self._run_drafts(batch)
-            else:
-                self._queue = []
-                if actions.predraft:
-                    await self._run_predrafts([pre[i] for _, i in actions.predraft])
+                await self._run_drafts([queue[i] for _, i in actions.draft])
+            elif actions.predraft:
+                await self._run_predrafts([pre[i] for _, i in actions.predraft])
             if self._queue or self._pre:
                 self._wake.set()
 
     def _views(self) -> list[SessionView]:
         """The scheduler's view of what waits: each queued draft job, then each pre-draft of a VERIFY in flight."""
-        jobs = [SessionView(("job", i), Phase.DONE if fut.cancelled() else Phase.READY)
-                for i, (_, fut) in enumerate(self._queue)]
+        jobs = [SessionView(("job", i), Phase.DONE if fut.cancelled() else Phase.READY, joinable=_joinable(job))
+                for i, (job, fut) in enumerate(self._queue)]
         return jobs + [SessionView(("pre", i), Phase.DONE if pre.finished else Phase.IN_FLIGHT, predraft=True)
                        for i, pre in enumerate(self._pre)]
 
@@ -141,8 +146,22 @@ class DraftBatcher:
             except RuntimeError:  # the loop closed meanwhile (shutdown)
                 pass
 
+        def admit(rows: int) -> list[DraftJob]:  # in the draft thread, before each step: jobs that join the batch
+            with self._lock:
+                views = [SessionView(i, Phase.DONE if fut.cancelled() else Phase.READY, joinable=_joinable(job))
+                         for i, (job, fut) in enumerate(self._queue)]
+                taken = set(self.scheduler.join(views, rows))
+                if not taken:
+                    return []
+                joining = [q for i, q in enumerate(self._queue) if i in taken]
+                self._queue = [q for i, q in enumerate(self._queue) if i not in taken]
+            batch.extend(joining)
+            self.jobs += len(joining)
+            self.joins += len(joining)
+            return [job for job, _ in joining]
+
         try:
-            blocks = await self._in_thread([j for j, _ in batch], ready, real=True)
+            blocks = await self._in_thread([j for j, _ in batch], ready, admit)
         except asyncio.CancelledError:
             self._queue[:0] = batch  # closing: `close` fails them
             raise
@@ -179,19 +198,22 @@ class DraftBatcher:
         await asyncio.gather(asyncio.shield(future), return_exceptions=True)
 
     def _in_thread(self, jobs: list[DraftJob], ready: Callable[[int, DraftBlock], None] | None = None,
-                   real: bool = False):
+                   admit: Callable[[int], list[DraftJob]] | None = None):
+        """`jobs` drafted in the draft thread: a real draft's batch with `ready` and `admit`, else a pre-draft's."""
         loop = asyncio.get_running_loop()
-        return loop.run_in_executor(self.pool, self._timed, jobs, loop, ready, real)
+        return loop.run_in_executor(self.pool, self._timed, jobs, loop, ready, admit)
 
     def _timed(self, jobs: list[DraftJob], loop: asyncio.AbstractEventLoop, ready=None,
-               real: bool = False) -> list[DraftBlock]:
+               admit=None) -> list[DraftBlock]:
         """`draft_batch`, in the draft thread; its rows (a real draft's) and forwards go to `on_timing` in the loop."""
         forwards: list[tuple[int, float]] = []
-        blocks = self.drafter.draft_batch(jobs, ready, forwards)
+        jobs = list(jobs)  # joiners are appended
+        blocks = self.drafter.draft_batch(jobs, ready, forwards, admit)
         warm, self._warm = self._warm, True  # the first batch of a process is slow (allocations): not a timing
         if self.on_timing is not None and warm:
+            rows = len(jobs) if admit is not None else 0
             try:
-                loop.call_soon_threadsafe(self.on_timing, len(jobs) if real else 0, forwards)
+                loop.call_soon_threadsafe(self.on_timing, rows, forwards)
             except RuntimeError:  # the loop closed meanwhile (shutdown): nothing to learn any more
                 pass
         return blocks
@@ -211,3 +233,8 @@ class DraftBatcher:
 def _settle(future: asyncio.Future, block: DraftBlock) -> None:
     if not future.done():
         future.set_result(block)
+
+
+def _joinable(job: DraftJob | TreeJob) -> bool:
+    """Whether `job` may join a chain batch under way: a chain whose draft K/V are held (edge_worker/scheduler.py)."""
+    return not isinstance(job, TreeJob) and job.state.kv.length > 0

@@ -184,36 +184,31 @@ class Drafter:
         return workspace
 
     def draft_batch(self, jobs: list[DraftJob | TreeJob], ready: Callable[[int, DraftBlock], None] | None = None,
-                    forwards: list[tuple[int, float]] | None = None) -> list[DraftBlock | TreeBlock]:
+                    forwards: list[tuple[int, float]] | None = None,
+                    admit: Callable[[int], list[DraftJob]] | None = None) -> list[DraftBlock | TreeBlock]:
         """Draft every job in lockstep: at each step, ONE forward over the sessions still drafting. A job whose
         block is complete leaves the batch at once, and `ready(index, block)` hands it over then (its session
         need not wait for the batch's longest job: a cross-vocabulary block's length in draft tokens varies).
         Every block records the forwards its session waited for (`steps`); `forwards` gets (columns, seconds) of
         each chain forward (columns: rows x the widest row's new tokens, what the padded forward runs; a tree
-        block carries its own). Tree jobs (edge_worker/trees/drafter.py) form a lockstep batch of their own."""
+        block carries its own). Tree jobs (edge_worker/trees/drafter.py) form a lockstep batch of their own.
+        `admit(rows)`, asked before each step of a chain batch of `rows` rows, returns jobs that join it there
+        (jobs that arrived meanwhile: edge_worker/scheduler.py's `join`); they are appended to `jobs`, and the
+        blocks returned are every job's, in that order."""
         if any(isinstance(j, TreeJob) for j in jobs):
             return self._draft_mixed(jobs, ready, forwards)
-        blocks = [DraftBlock() for _ in jobs]
-        contexts = [list(j.context) for j in jobs]
-        live = [i for i, j in enumerate(jobs) if j.d > 0]
-        workspace = self.workspace()
-        batch = LockstepKV(self.runner, workspace)
-        for i in (i for i, j in enumerate(jobs) if j.d <= 0):  # nothing to draft
-            self._hand_over(jobs[i], blocks[i], 0, i, ready)
-        steps = 0
+        run = ChainBatch(self, jobs, ready)
         try:
-            while live:
-                steps += self._advance(batch, [jobs[i] for i in live], [contexts[i] for i in live], live, forwards)
-                going = [i for i in live if self.step(jobs[i], blocks[i], contexts[i])]
-                for i in (i for i in live if i not in going):  # its K/V leaves the batch at the next forward
-                    self._hand_over(jobs[i], blocks[i], steps, i, ready)
-                live = going
-            batch.close()
+            while run.admit(admit) and run.live:
+                run.steps += self._advance(run.kv, [jobs[i] for i in run.live], [run.contexts[i] for i in run.live],
+                                           run.live, forwards)
+                run.advance()
+            run.kv.close()
         except BaseException:
             for job in jobs:  # their K/V may be half in the batch: start them over rather than trust it
                 job.state.reset()
             raise
-        return blocks
+        return run.blocks
 
     def _draft_mixed(self, jobs: list, ready, forwards: list | None) -> list:
         """Tree jobs in one lockstep batch, then the chain jobs in another; blocks in `jobs` order."""
@@ -228,13 +223,6 @@ class Drafter:
             for i, block in zip(order, blocks):
                 out[i] = block
         return out
-
-    def _hand_over(self, job: DraftJob, block: DraftBlock, forwards: int, index: int, ready) -> None:
-        """A job's block is complete after `forwards` forwards of its batch: convert it and hand it over."""
-        self.finish(job, block)
-        block.steps = forwards
-        if ready is not None:
-            ready(index, block)
 
     def step(self, job: DraftJob, block: DraftBlock, context: list[int]) -> bool:
         """One draft token from `job.state.last_logits`: record it, extend `context` (draft ids). Returns whether
@@ -254,9 +242,7 @@ class Drafter:
         states = [job.state for job in jobs]
         if batch.buf is None:  # before the batch holds their K/V, states may roll back (rejected drafts)
             for state, ctx in zip(states, contexts):
-                state.sync(ctx)
-                if len(state.ids) == len(ctx) and state.last_logits is None:  # logits lost to a rollback
-                    state.sync(ctx[:-1])                                      # re-run the last id
+                _synced(state, ctx)
         feeds = [ctx[len(state.ids):] for state, ctx in zip(states, contexts)]
         if batch.buf is None and not any(feeds):  # every next token comes from logits already held
             return False
@@ -270,6 +256,66 @@ class Drafter:
                 state.ids = list(ctx)
                 state.last_logits = logits[row, len(fed) - 1]
         return True
+
+
+class ChainBatch:
+    """A lockstep chain batch under way: its jobs (joined ones appended), their blocks and draft contexts, the rows
+    still drafting (`live`), when each joined. Its K/V are gathered again, compactly, once every row it started
+    with has left, so rows that join one after another never leave it a growing span of padding."""
+
+    def __init__(self, drafter: Drafter, jobs: list[DraftJob], ready) -> None:
+        self.drafter, self.jobs, self.ready = drafter, jobs, ready
+        self.blocks = [DraftBlock() for _ in jobs]
+        self.contexts = [list(j.context) for j in jobs]
+        self.joined = [0] * len(jobs)      # the batch's forwards before each job joined
+        self.live = [i for i, j in enumerate(jobs) if j.d > 0]
+        self.opening = set(self.live)     # the rows the K/V were gathered with
+        self.kv = LockstepKV(drafter.runner, drafter.workspace())
+        self.steps = 0
+        for i in (i for i, j in enumerate(jobs) if j.d <= 0):  # nothing to draft
+            self.hand_over(i)
+
+    def admit(self, admit: Callable[[int], list[DraftJob]] | None) -> bool:
+        """Jobs joining before the next step (their states synced as a new batch's are; their rows added to the
+        K/V once it holds any); always True (a loop condition)."""
+        if self.kv.buf is not None and not self.opening.intersection(self.live):
+            self.kv.close()
+            self.kv, self.opening = LockstepKV(self.drafter.runner, self.drafter.workspace()), set(self.live)
+        new = admit(len(self.live)) if admit is not None and self.live else []
+        keys = list(range(len(self.jobs), len(self.jobs) + len(new)))
+        for job in new:
+            self.jobs.append(job)
+            self.blocks.append(DraftBlock())
+            self.contexts.append(list(job.context))
+            self.joined.append(self.steps)
+            _synced(job.state, self.contexts[-1])
+        if new and self.kv.buf is not None:
+            self.kv.join(keys, [job.state.kv for job in new])
+        self.live += keys
+        return True
+
+    def advance(self) -> None:
+        """One token for every live row from the logits the step left; rows whose blocks are complete leave."""
+        going = [i for i in self.live if self.drafter.step(self.jobs[i], self.blocks[i], self.contexts[i])]
+        for i in (i for i in self.live if i not in going):  # its K/V leaves the batch at the next forward
+            self.hand_over(i)
+        self.live = going
+
+    def hand_over(self, i: int) -> None:
+        """Job i's block is complete: convert it and hand it over with the forwards its session waited for."""
+        job, block = self.jobs[i], self.blocks[i]
+        self.drafter.finish(job, block)
+        block.steps = self.steps - self.joined[i]
+        if self.ready is not None:
+            self.ready(i, block)
+
+
+def _synced(state: DraftState, context: list[int]) -> None:
+    """`state` rolled back to what `context` still starts with, before a batch holds its K/V; logits lost to a
+    rollback are recomputed by feeding the last id again."""
+    state.sync(context)
+    if len(state.ids) == len(context) and state.last_logits is None:
+        state.sync(context[:-1])
 
 
 def _renumbered(ready, order: list[int]):

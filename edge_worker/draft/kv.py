@@ -145,6 +145,27 @@ class LockstepKV:
         self.cur += width
         return out.logits.float()
 
+    def join(self, keys: list[int], sessions: list[SessionKV]) -> None:
+        """Rows for jobs that join a chain batch under way (before its next `feed`): each row's past right-aligned
+        before the next step's column, as the first rows' were; the columns shift right when a past is longer."""
+        if self.tree_batch:
+            raise ValueError("a tree batch takes no rows once it has started")
+        self._shift(max(s.length for s in sessions) - self.cur)
+        shape = list(self.buf.shape)
+        shape[2] = len(keys)
+        rows = self.buf.new_zeros(shape)  # zeros: padding, never seen, finite all the same
+        position = self.position.new_full((len(keys), shape[4]), -1)
+        for i, s in enumerate(sessions):
+            if s.length:
+                rows[:, :, i, :, self.cur - s.length:self.cur] = s.buf[:, :, :, :s.length]
+                position[i, self.cur - s.length:self.cur] = torch.arange(s.length)
+        self.buf, self.position = torch.cat([self.buf, rows], dim=2), torch.cat([self.position, position])
+        self.rows += keys
+        self.sessions.update(zip(keys, sessions))
+        self.pending.update((key, []) for key in keys)
+        self.node_pending.update((key, []) for key in keys)
+        self._attach()
+
     def close(self) -> None:
         """Every row's new positions back to its session's buffer."""
         for i, key in enumerate(self.rows):
@@ -234,6 +255,21 @@ class LockstepKV:
             self.trees.grow(shape[4] - self.base)
         self._attach()
 
+    def _shift(self, n: int) -> None:
+        """n more columns of padding before every row (n <= 0: none needed)."""
+        if n <= 0:
+            return
+        shape = list(self.buf.shape)
+        shape[4] += n
+        grown = self.buf.new_zeros(shape)
+        grown[..., n:, :] = self.buf
+        position = self.position.new_full((self.position.shape[0], shape[4]), -1)
+        position[:, n:] = self.position
+        self.buf, self.position = grown, position
+        self.base, self.cur = self.base + n, self.cur + n
+        self.pending = {key: [col + n for col in cols] for key, cols in self.pending.items()}
+        self._attach()
+
     def _mask(self, queries: torch.Tensor, columns: int):
         """The attention mask of a forward whose queries sit at `queries` [rows, width]: the 2-D padding mask
         [rows, columns], or for a sliding-window model or a tree batch the 4-D masks [rows, 1, width, columns]
@@ -306,8 +342,9 @@ class Workspace:
 
 
 def self_check(runner: ModelRunner) -> None:
-    """Raise FatalError (one line) unless lockstep forwards (ragged, with holes, a second batch gathering the
-    pasts after a rollback) give the draft model's own logits (common/selfcheck.py)."""
+    """Raise FatalError (one line) unless lockstep forwards (ragged, with holes, a second batch that a row joins
+    under way after a rollback, its past longer than the batch's columns) give the draft model's own logits
+    (common/selfcheck.py)."""
     from ...common import selfcheck
 
     a, b = selfcheck.probe(runner.vocab_size)
@@ -319,7 +356,10 @@ def self_check(runner: ModelRunner) -> None:
         a2, b2 = first.feed([0, 1], [sa, sb], [15, 4], [a[15:19], b[4:12]], room=0)
         first.close()
         sa.truncate(17)                        # a rollback: the last two of a's positions were rejected
-        b3, a3 = LockstepKV(runner, Workspace()).feed([1, 0], [sb, sa], [12, 17], [b[12:], a[17:]], room=0)
+        second = LockstepKV(runner, Workspace())
+        b3 = second.feed([1], [sb], [12], [b[12:]], room=0)[0]
+        second.join([0], [sa])                 # 17 positions of past, 13 columns so far: the columns shift
+        a3 = second.feed([1, 0], [sb, sa], [13, 17], [[], a[17:]], room=0)[1]
         return [torch.cat([a1[:15], a2[:2], a3[:4]]), torch.cat([b1[:4], b2[:8], b3[:1]])]
 
     selfcheck.compare(runner.model, "the edge's lockstep draft forward", probe_path)

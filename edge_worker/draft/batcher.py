@@ -129,10 +129,13 @@ class DraftBatcher:
 
     def _views(self) -> list[SessionView]:
         """The scheduler's view of what waits: each queued draft job, then each pre-draft of a VERIFY in flight."""
-        jobs = [SessionView(("job", i), Phase.DONE if fut.cancelled() else Phase.READY, joinable=_joinable(job))
-                for i, (job, fut) in enumerate(self._queue)]
-        return jobs + [SessionView(("pre", i), Phase.DONE if pre.finished else Phase.IN_FLIGHT, predraft=True)
+        return self._job_views() + [SessionView(("pre", i), Phase.DONE if pre.finished else Phase.IN_FLIGHT, predraft=True)
                        for i, pre in enumerate(self._pre)]
+
+    def _job_views(self) -> list[SessionView]:
+        """Each queued draft job as the scheduler sees it, keyed ("job", index in the queue)."""
+        return [SessionView(("job", i), Phase.DONE if fut.cancelled() else Phase.READY, joinable=_joinable(job))
+                for i, (job, fut) in enumerate(self._queue)]
 
     async def _run_drafts(self, batch: list[tuple[DraftJob, asyncio.Future]]) -> None:
         loop = asyncio.get_running_loop()
@@ -148,9 +151,7 @@ class DraftBatcher:
 
         def admit(rows: int) -> list[DraftJob]:  # in the draft thread, before each step: jobs that join the batch
             with self._lock:
-                views = [SessionView(i, Phase.DONE if fut.cancelled() else Phase.READY, joinable=_joinable(job))
-                         for i, (job, fut) in enumerate(self._queue)]
-                taken = set(self.scheduler.join(views, rows))
+                taken = {i for _, i in self.scheduler.join(self._job_views(), rows)}
                 if not taken:
                     return []
                 joining = [q for i, q in enumerate(self._queue) if i in taken]

@@ -14,6 +14,7 @@ from specrelay.common.runner import Decoder
 from specrelay.common.sampling import SamplingParams
 from specrelay.edge_worker.draft.kv import LockstepKV, SessionKV, Workspace
 from specrelay.edge_worker.draft.drafter import Drafter, DraftJob
+from specrelay.edge_worker.draft.batcher import _rows_per_forward
 
 
 def alone(runner, context: list[int], d: int) -> list[int]:
@@ -176,8 +177,8 @@ def test_jobs_that_join_a_batch_under_way_draft_what_they_would_alone(tiny_runne
         asked.append(rows)
         return joins.get(len(asked) - 1, [])
 
-    jobs = job[:2]
-    blocks = drafter.draft_batch(jobs, lambda i, b: handed.append(i), admit=admit)
+    jobs, forwards = job[:2], []
+    blocks = drafter.draft_batch(jobs, lambda i, b: handed.append(i), forwards, admit)
     assert jobs == job and len(blocks) == 5  # the joiners were appended, in order
     assert sorted(handed) == [0, 1, 2, 3, 4]
     for i, (context, d, block) in enumerate(zip(contexts, lengths, blocks)):
@@ -186,6 +187,8 @@ def test_jobs_that_join_a_batch_under_way_draft_what_they_would_alone(tiny_runne
     for state, context in zip(states, contexts):
         assert state.kv.length == len(state.ids) and state.ids[:len(context)] == context
     assert asked[:2] == [2, 2] and asked[5] == 2  # rows at each step: job 4 joined once rows 0 and 1 had left
+    rows = [asked[k] + len(joins.get(k, [])) for k in range(len(forwards))]  # each forward's rows, joiners in
+    assert len(forwards) == len(asked) and _rows_per_forward(blocks, forwards) == sum(rows) / len(rows) < 3
 
 
 def test_the_scheduler_lets_a_job_join_only_when_none_that_cannot_waits():

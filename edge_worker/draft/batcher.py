@@ -53,9 +53,9 @@ class PreDraft:
 
 class DraftBatcher:
     def __init__(self, drafter: Drafter, pool: Executor, max_batch: int = 64, chunk: int = 1,
-                 on_timing: Callable[[int, list[tuple[int, float]]], None] | None = None) -> None:
+                 on_timing: Callable[[float, list[tuple[int, float]]], None] | None = None) -> None:
         self.drafter, self.pool, self.max_batch, self.chunk = drafter, pool, max_batch, chunk
-        self.on_timing = on_timing  # (rows: 0 for a pre-draft chunk, its chain forwards' (columns, seconds))
+        self.on_timing = on_timing  # (rows per chain forward: 0 for a pre-draft chunk; each (columns, seconds))
         self._warm = False          # set by the first batch (only the draft thread touches it)
         self._queue: list[tuple[DraftJob, asyncio.Future]] = []  # the draft thread takes joiners from it: _lock
         self._lock = threading.Lock()
@@ -129,8 +129,8 @@ class DraftBatcher:
 
     def _views(self) -> list[SessionView]:
         """The scheduler's view of what waits: each queued draft job, then each pre-draft of a VERIFY in flight."""
-        return self._job_views() + [SessionView(("pre", i), Phase.DONE if pre.finished else Phase.IN_FLIGHT, predraft=True)
-                       for i, pre in enumerate(self._pre)]
+        return self._job_views() + [SessionView(("pre", i), Phase.DONE if pre.finished else Phase.IN_FLIGHT,
+                                                predraft=True) for i, pre in enumerate(self._pre)]
 
     def _job_views(self) -> list[SessionView]:
         """Each queued draft job as the scheduler sees it, keyed ("job", index in the queue)."""
@@ -212,7 +212,7 @@ class DraftBatcher:
         blocks = self.drafter.draft_batch(jobs, ready, forwards, admit)
         warm, self._warm = self._warm, True  # the first batch of a process is slow (allocations): not a timing
         if self.on_timing is not None and warm:
-            rows = len(jobs) if admit is not None else 0
+            rows = _rows_per_forward(blocks, forwards) if admit is not None else 0.0
             try:
                 loop.call_soon_threadsafe(self.on_timing, rows, forwards)
             except RuntimeError:  # the loop closed meanwhile (shutdown): nothing to learn any more
@@ -239,3 +239,10 @@ def _settle(future: asyncio.Future, block: DraftBlock) -> None:
 def _joinable(job: DraftJob | TreeJob) -> bool:
     """Whether `job` may join a chain batch under way: a chain whose draft K/V are held (edge_worker/scheduler.py)."""
     return not isinstance(job, TreeJob) and job.state.kv.length > 0
+
+
+def _rows_per_forward(blocks: list, forwards: list[tuple[int, float]]) -> float:
+    """The mean rows of a lockstep chain batch's forwards: each block was a row of its `steps` forwards, so their
+    sum over the forwards run (joiners make it less than the batch's jobs: a row joined late, or left early)."""
+    chains = [b for b in blocks if isinstance(b, DraftBlock)]
+    return sum(b.steps for b in chains) / len(forwards) if forwards else 0.0

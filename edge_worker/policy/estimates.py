@@ -156,7 +156,7 @@ class EdgeEstimates:
         self.predraft = predraft
         self.acceptance, self.ranks = AcceptanceCounts(), RankAcceptance()
         self.draft = EWLine()                 # seconds per draft forward vs its columns (rows x new tokens)
-        self.rows = EWMean(1.0)               # sessions per lockstep draft batch (one column each per step)
+        self.rows = EWMean(1.0)               # sessions per lockstep draft forward (one column each per step)
         # the worker's forward, seconds vs its tokens (load hints of forwards without a prompt chunk: a prompt's
         # token skips the output head a verified one pays for); its prior slope is the worker's own measure of a
         # token (the hint's token_us): one session keeps one row width, which alone teaches no slope
@@ -181,10 +181,10 @@ class EdgeEstimates:
         self.lookahead = 0                    # target tokens drafted past a block (1 across vocabularies)
 
     # ---------------------------------------------------------------- what the shell measured
-    def observe_draft(self, rows: int, forwards: list[tuple[int, float]]) -> None:
-        """The draft thread ran a lockstep batch of `rows` sessions (0: a pre-draft chunk) and its forwards, each
-        (columns, seconds): a forward that first caught a session up on a long stretch is a wide one, not a
-        dear step."""
+    def observe_draft(self, rows: float, forwards: list[tuple[int, float]]) -> None:
+        """The draft thread ran a lockstep batch of `rows` sessions per forward on average (0: a pre-draft chunk)
+        and its forwards, each (columns, seconds): a forward that first caught a session up on a long stretch is a
+        wide one, not a dear step."""
         if rows:
             self.rows.observe(rows)
         if forwards and not self.draft.known:  # the first forward (often a prompt's catch-up) sets no flat price:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -41,8 +42,14 @@ def threads_allowed(pid: int) -> set[tuple[int, ...]]:
 
 
 def child_env(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+    """A started child's environment. Popen returns when the child's close-on-exec pipe closes, a moment before
+    the kernel points the new image at its environment: until then /proc/PID/environ reads empty, so wait."""
+    deadline = time.monotonic() + 10
+    while True:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+        if raw or time.monotonic() > deadline:
+            return dict(item.decode().split("=", 1) for item in raw.split(b"\0") if b"=" in item)
+        time.sleep(0.01)
 
 
 @two_cores

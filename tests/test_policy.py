@@ -295,3 +295,14 @@ def test_a_drafting_session_resets_the_edges_exploring_count():
         policy.observe_block(0, 0)  # a session's round at d = 0 ...
         policy.observe_block(d, d)  # ... between drafting ones
     assert policy.choose(48) > 1 and not policy.exploring
+
+
+def test_a_mean_whose_first_observation_is_0_still_learns():
+    """The clip (one stall is not a trend) is relative to the mean: at a mean of 0 it would hold it at 0 for ever
+    (a first tree round with nothing pre-drafted kept every later pre-draft's saved levels out)."""
+    from specrelay.edge_worker.policy.estimates import EWMean
+
+    mean = EWMean()
+    for x in (0.0, 2.0, 2.0):
+        mean.observe(x)
+    assert mean.value > 1.0

@@ -19,13 +19,14 @@ DRAFT_PRIOR = 0.25     # a draft forward's cost relative to a verify's, until on
 
 
 class EWMean:
-    """Exponentially weighted mean; from the second observation on, one over `clip` x the mean counts as that."""
+    """Exponentially weighted mean; from the second observation on, one over `clip` x the mean counts as that
+    (while the mean is 0 nothing is clipped: a first observation of 0 must not hold it at 0 for ever)."""
 
     def __init__(self, default: float = 0.0, decay: float = DECAY, clip: float = CLIP) -> None:
         self.decay, self.value, self.weight, self.count, self.clip = decay, default, 0.0, 0, clip
 
     def observe(self, x: float) -> None:
-        if self.count:
+        if self.count and self.value > 0:
             x = min(x, self.clip * self.value)
         self.count += 1
         self.weight = self.decay * self.weight + 1
@@ -175,7 +176,8 @@ class EdgeEstimates:
         self.explore_s = EWMean()             # the draft wait of a round exploring from d = 0 (its catch-up)
         self.idle = 0                         # rounds at d = 0 (any session's) since the last acceptance sample
         self.drafting = 0                     # rounds at d > 0 (any session's) since the last one at d = 0
-        self.tree_saved = EWMean()            # tree levels a pre-draft had drafted when the VERDICT came
+        self.tree_saved = EWMean(clip=float("inf"))  # tree levels a pre-draft had drafted when the VERDICT came
+                                              # (a count of levels, not a timing: no stall to clip)
         self.tree_wait = EWMean(1.0)          # a tree round's wait for its draft over its forwards' compute (the
                                               # loop, the tree engine's work per level: as a chain's, measured)
         self.lookahead = 0                    # target tokens drafted past a block (1 across vocabularies)

@@ -158,3 +158,33 @@ def test_predrafted_verdicts_start_the_next_tree(demo_runners):
     print(st)
     assert st.predraft_tries >= st.cloud_calls - 3  # not in the last rounds, with a token or two left
     assert st.predraft_rounds >= 0.6 * st.predraft_tries and st.predraft_tokens > st.predraft_rounds
+    assert s.policy.edge.tree_saved.value > 0  # the pre-drafted levels price the next trees (its first tree saved none)
+
+
+def test_a_tree_round_is_an_acceptance_sample_of_its_first_ranked_chain(demo_runners):
+    """A tree's first-ranked path is the chain the draft drafts alone: each verdict counts, per position, what that
+    chain would have had accepted (the prefix the accepted path shares with it), so trees keep the positions'
+    rates measured (chains are priced from them, trees' E scaled by them) while no chain runs."""
+    from specrelay.edge_worker.policy.estimates import AcceptanceCounts
+
+    s, verifier = session_and_verifier(demo_runners, trees="on", draft_len=4)
+    s.config = SessionConfig(max_new_tokens=40, trees="on", draft_len=4)
+    expected, branched = AcceptanceCounts(), 0
+    while not s.done:
+        request, reply = one_round(s, verifier)
+        spine, at = [], -1
+        while (kid := next((i for i, p in enumerate(request.parents) if p == at), None)) is not None:
+            spine.append(kid)
+            at = kid
+        path, at = [], reply.node
+        while at is not None and at >= 0:
+            path.insert(0, at)
+            at = request.parents[at]
+        same = next((k for k, (u, p) in enumerate(zip(spine, path)) if u != p), min(len(spine), len(path)))
+        branched += same < len(path)  # the accepted path left the chain: a side branch won
+        if request.seq > 1 and spine:  # the first round follows the prompt, a round drafting nothing: no sample
+            expected.observe(len(spine), same)
+        s.apply(reply)
+    got = s.policy.edge.acceptance
+    assert (got.reached, got.accepted) == (expected.reached, expected.accepted) and sum(got.accepted) > 0
+    assert branched  # the test saw a verdict whose chain acceptance differs from the tree's

@@ -158,6 +158,9 @@ class TreeRounds:
             dist = tree.node(w).dist
             if sent_kids and dist is not None:
                 acc.observe(dist.bucket, len(sent_kids), sent_kids.index(walk[i + 1]) if i + 1 < len(walk) else None)
+        spine = _spine(tree, sent)
+        same = next((k for k, (u, p) in enumerate(zip(spine, path)) if u != p), min(len(spine), n))
+        self.s.policy.observe_block(len(spine), same, opening=self.s._prefilled)
 
     # ------------------------------------------------------------------------------------ pre-drafting
     def predraft_job(self) -> TreePreDraft | None:
@@ -193,3 +196,14 @@ class TreeRounds:
             if PREDRAFT_SHARE * wait < self.edge().step(PREDRAFT_WIDTH / 2):
                 return 0
         return shape.depth + 1
+
+
+def _spine(tree, sent: set[int]) -> list[int]:
+    """The sent tree's first-ranked path from the root: the chain the draft drafts alone (each node's first child
+    is its likeliest candidate), so a tree round is an acceptance sample of chains: its first `same` tokens were
+    accepted, then the chain's next one rejected (the positions' rates price chains and scale trees' E)."""
+    out, at = [], ROOT
+    while (kid := next((c for c in tree.node(at).kids if c in sent), None)) is not None:
+        out.append(kid)
+        at = kid
+    return out

@@ -172,14 +172,15 @@ def test_a_tree_round_is_an_acceptance_sample_of_its_first_ranked_chain(demo_run
     expected, branched = AcceptanceCounts(), 0
     while not s.done:
         request, reply = one_round(s, verifier)
+        parents = request.parents or [i - 1 for i in range(len(request.draft))]  # a path travels as a chain
         spine, at = [], -1
-        while (kid := next((i for i, p in enumerate(request.parents) if p == at), None)) is not None:
+        while (kid := next((i for i, p in enumerate(parents) if p == at), None)) is not None:
             spine.append(kid)
             at = kid
-        path, at = [], reply.node
-        while at is not None and at >= 0:
+        path, at = [], reply.node if request.parents else reply.n_accepted - 1
+        while at >= 0:
             path.insert(0, at)
-            at = request.parents[at]
+            at = parents[at]
         same = next((k for k, (u, p) in enumerate(zip(spine, path)) if u != p), min(len(spine), len(path)))
         branched += same < len(path)  # the accepted path left the chain: a side branch won
         if request.seq > 1 and spine:  # the first round follows the prompt, a round drafting nothing: no sample

@@ -141,8 +141,8 @@ def test_predrafted_verdicts_start_the_next_tree(demo_runners):
     """Between each VERIFY and its VERDICT the pre-draft runs (as the edge shell runs it when the draft thread is
     idle): most rounds then start from a pre-drafted tree, and the output is still the target's own."""
     target, draft = demo_runners
-    s, verifier = session_and_verifier(demo_runners, trees="on", draft_len=4)
-    s.config = SessionConfig(max_new_tokens=40, trees="on", draft_len=4)
+    s, verifier = session_and_verifier(demo_runners, trees="on", draft_len=4, tree_nodes=8)  # one shape: no timing
+    s.config = SessionConfig(max_new_tokens=40, trees="on", draft_len=4, tree_nodes=8)         # picks it
 
     def predraft(session):
         pre = session.predraft_job()
@@ -167,8 +167,8 @@ def test_a_tree_round_is_an_acceptance_sample_of_its_first_ranked_chain(demo_run
     rates measured (chains are priced from them, trees' E scaled by them) while no chain runs."""
     from specrelay.edge_worker.policy.estimates import AcceptanceCounts
 
-    s, verifier = session_and_verifier(demo_runners, trees="on", draft_len=4)
-    s.config = SessionConfig(max_new_tokens=40, trees="on", draft_len=4)
+    s, verifier = session_and_verifier(demo_runners, trees="on", draft_len=4, tree_nodes=8)  # one shape: no timing
+    s.config = SessionConfig(max_new_tokens=40, trees="on", draft_len=4, tree_nodes=8)         # picks it
     expected, branched = AcceptanceCounts(), 0
     while not s.done:
         request, reply = one_round(s, verifier)

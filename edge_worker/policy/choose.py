@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import replace
 from functools import lru_cache
 
 from ...common.protocol import MAX_DRAFT, LoadHint, Objective
@@ -67,31 +66,36 @@ def static_tree(p: tuple[float, ...], depth: int, nodes: int) -> tuple[tuple[flo
     return tuple(out)
 
 
-def tree_time(est: EdgeEstimates, shape: TreeShape, lines: tuple[tuple[float, float], ...] | None = None) -> float:
+def tree_time(est: EdgeEstimates, shape: TreeShape) -> float:
     """T(S): the draft forwards a pre-draft did not do (one per level: the root's, then each level's nodes, for
     every session of the lockstep batch) at the wait tree rounds measured per second of their compute, then R + V
-    over the tree's nodes. `lines`: (est.step_line(), est.wait_line()), fitted once for many shapes."""
-    (c, s), (w0, w1) = lines or (est.step_line(), est.wait_line())
+    over the tree's nodes (tree_rows prices its candidates so, from a table)."""
+    (c, s), (w0, w1) = est.step_line(), est.wait_line()
     steps = shape.depth - min(shape.depth, round(est.tree_saved.value))
-    return est.tree_wait.value * tree_compute(est, shape, steps, (c, s)) + w0 + w1 * (shape.nodes + 1)
+    compute = steps * c + s * est.rows.value * waited_columns(shape.widths, steps)
+    return est.tree_wait.value * compute + w0 + w1 * (shape.nodes + 1)
+
+
+def waited_columns(widths: tuple[int, ...], steps: int) -> int:
+    """Columns of a tree's last `steps` level forwards (the root's 1, then each level's nodes above the last)."""
+    return sum((1, *widths[:-1])[-steps:]) if steps > 0 else 0
 
 
 def tree_compute(est: EdgeEstimates, shape: TreeShape, steps: int, line: tuple[float, float] | None = None) -> float:
     """Seconds of draft compute in a tree's last `steps` level forwards (the ones a round waits for): each at
     t(rows x the level's columns), t = c + s x columns (`line`, else est.step_line())."""
-    if steps <= 0:
-        return 0.0
     c, s = line or est.step_line()
-    columns = [1, *shape.widths[:-1]][-steps:]
-    return steps * c + s * est.rows.value * sum(columns)
+    return max(0, steps) * c + s * est.rows.value * waited_columns(shape.widths, steps)
 
 
-def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | None,
-              nodes: int | None) -> list[tuple[TreeShape, float]]:
-    """(shape, E) of the tree candidates: E = 1 + the sum of the nodes' values at the class-averaged rank chances,
-    scaled so that a tree of one node per level has its chain's E (`chain`: E(d) of the chains at the positions'
-    acceptance: one estimate of how deep drafts go, the ranks only add the side branches' share)."""
-    p, out = tuple(round(x, 2) for x in est.ranks.mean_p_rank()), []  # to the percent: static_tree's cache hits
+@lru_cache(maxsize=512)
+def tree_table(p: tuple[float, ...], top: int, saved: int, depth: int | None,
+               nodes: int | None) -> tuple[tuple[tuple[int, ...], int, float, int, int, int], ...]:
+    """The tree candidates at rank chances p (what tree_rows prices, less the estimates that change every round):
+    (widths, depth d, value / spine, nodes, level forwards waited for, their columns). A candidate's E is
+    1 + value x (E_chain(d) - 1) / spine: scaled so that a tree of one node per level has its chain's E (the
+    positions' acceptance: one estimate of how deep drafts go, the ranks only add the side branches' share)."""
+    out = []
     for d in [min(depth, top)] if depth is not None else range(1, min(MAX_LEN, top) + 1):
         if d < 1:
             continue
@@ -99,9 +103,21 @@ def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | Non
         spine = sum(p[0] ** k for k in range(1, d + 1))  # a path's value: what the chain's E(d) - 1 scales
         for n in sorted({min(nodes, len(grown))} if nodes else {math.ceil(f * d) for f in TREE_FILL}):
             if d < n <= len(grown) or nodes:
-                value, widths = grown[n - 1]
-                out.append((TreeShape(widths), 1.0 + value * (chain[d] - 1.0) / max(spine, 1e-9)))
-    return out
+                value, widths = grown[n - 1]  # its first n nodes may not reach depth d
+                steps = len(widths) - min(len(widths), saved)
+                out.append((widths, d, value / max(spine, 1e-9), n, steps, waited_columns(widths, steps)))
+    return tuple(out)
+
+
+def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | None,
+              nodes: int | None) -> list[tuple[tuple[int, ...], float, float]]:
+    """(widths, E, T) of the tree candidates (`chain`: E(d) of the chains at the positions' acceptance), T as
+    tree_time's with both lines fitted once."""
+    p = tuple(round(x, 2) for x in est.ranks.mean_p_rank())  # to the percent: the tables' cache hits
+    (c, s), (w0, w1) = est.step_line(), est.wait_line()
+    k, s_rows = est.tree_wait.value, s * est.rows.value
+    return [(w, 1.0 + r * (chain[d] - 1.0), k * (steps * c + s_rows * cols) + w0 + w1 * (n + 1))
+            for w, d, r, n, steps, cols in tree_table(p, top, round(est.tree_saved.value), depth, nodes)]
 
 
 class DraftPolicy:
@@ -147,22 +163,19 @@ class DraftPolicy:
         est = self.edge
         chains = chain_rows(est, self.rates(top + 1), top, cut=depth is None)  # a depth given: kept
         top = len(chains) - 1  # no deeper than the longest chain worth drafting (MIN_VALUE)
-        lines = est.step_line(), est.wait_line()
-        rows = [(s, e, tree_time(est, s, lines))
-                for s, e in tree_rows(est, [e for e, _ in chains], top, depth, nodes)]
+        rows = tree_rows(est, [e for e, _ in chains], top, depth, nodes)
         if trees == "auto":
             chains = chains if depth is None else chains[min(depth, top):min(depth, top) + 1]
             rows = [(None, e, t) for e, t in chains] + rows
         if not rows:
             return None if trees == "auto" else TreeShape()
         best = pick([(e, t) for _, e, t in rows], self.objective)
-        shape = rows[best][0]
-        if shape is None:
+        if rows[best][0] is None:
             return None
-        e, t = max(((e, t) for _, e, t in rows), key=lambda r: r[0] / r[1])
+        rate = max(e / max(t, 1e-12) for _, e, t in rows)  # the best candidate's tokens per second
         c0, c1 = est.cloud.fit() if est.cloud.known else (0.0, 0.0)
         node_cost = c1 * est.batch.value + est.draft.fit()[1] * est.rows.value  # one more node's seconds
-        return replace(shape, min_value=max(MIN_VALUE, node_cost * e / t))
+        return TreeShape(rows[best][0], min_value=max(MIN_VALUE, node_cost * rate))
 
     def observe_block(self, d: int, n: int, bonus_match: bool | None = None, opening: bool = False) -> None:
         """A VERDICT on a block of d drafts (n accepted; the pre-drafted guess's match after a full block).

@@ -129,8 +129,28 @@ def test_the_candidates_table_prices_each_tree_as_tree_time_does():
         rows = tree_rows(est, chain, 16, None, None)
         p = tuple(round(x, 2) for x in est.ranks.mean_p_rank())
         assert any(len(row[0]) < row[1] for row in tree_table(p, 16, saved, None, None))  # shallower than its d
-        for widths, _, t in rows:
+        for widths, _, t, _ in rows:
             assert t == pytest.approx(tree_time(est, TreeShape(widths)), rel=1e-12)
+
+
+def test_a_tree_is_drafted_as_priced_its_least_node_worth_its_min_value():
+    """The tree engine drafts no node worth less than the shape's min_value (a node's seconds at the best rate),
+    yet candidates were priced whole: on loopback `--trees auto` picked trees of 3-4 nodes whose side nodes the
+    engine then left out, so they went out as chains of 2-3 (2.25-3.1 tokens a call against the chain policy's
+    3.5). Every tree shape() returns now has its least node (at the rank chances) worth min_value or more."""
+    trees = 0
+    for rtt in (0.0002, 0.005, 0.05):
+        for draft_s in (0.001, 0.002, 0.005):
+            for objective in (Objective.SPEED, Objective.BALANCED):
+                est = edge(draft_s=draft_s, rtt_s=rtt, accept=0.8)
+                shape = DraftPolicy(est, objective).shape(48, "auto", None, None)
+                if shape is None:
+                    continue
+                trees += 1
+                p = tuple(round(x, 2) for x in est.ranks.mean_p_rank())
+                table = tree_table(p, 32, round(est.tree_saved.value), None, None)
+                assert max(row[-1] for row in table if row[0] == shape.widths) >= shape.min_value
+    assert trees >= 6
 
 
 def test_the_policy_stays_small():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import heapq
 import math
 from functools import lru_cache
+from itertools import takewhile
 
 from ...common.protocol import MAX_DRAFT, LoadHint, Objective
 from ..trees.tree import TreeShape
@@ -90,9 +91,10 @@ def tree_compute(est: EdgeEstimates, shape: TreeShape, steps: int, line: tuple[f
 
 @lru_cache(maxsize=512)
 def tree_table(p: tuple[float, ...], top: int, saved: int, depth: int | None,
-               nodes: int | None) -> tuple[tuple[tuple[int, ...], int, float, int, int, int], ...]:
+               nodes: int | None) -> tuple[tuple[tuple[int, ...], int, float, int, int, int, float], ...]:
     """The tree candidates at rank chances p (what tree_rows prices, less the estimates that change every round):
-    (widths, depth d, value / spine, nodes, level forwards waited for, their columns). A candidate's E is
+    (widths, depth d, value / spine, nodes, level forwards waited for, their columns, the value of its least
+    valuable node: the last one grown), the most valuable least node first. A candidate's E is
     1 + value x (E_chain(d) - 1) / spine: scaled so that a tree of one node per level has its chain's E (the
     positions' acceptance: one estimate of how deep drafts go, the ranks only add the side branches' share)."""
     out = []
@@ -105,19 +107,21 @@ def tree_table(p: tuple[float, ...], top: int, saved: int, depth: int | None,
             if d < n <= len(grown) or nodes:
                 value, widths = grown[n - 1]  # its first n nodes may not reach depth d
                 steps = len(widths) - min(len(widths), saved)
-                out.append((widths, d, value / max(spine, 1e-9), n, steps, waited_columns(widths, steps)))
-    return tuple(out)
+                last = value - (grown[n - 2][0] if n > 1 else 0.0)
+                out.append((widths, d, value / max(spine, 1e-9), n, steps, waited_columns(widths, steps), last))
+    return tuple(sorted(out, key=lambda row: -row[-1]))
 
 
-def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | None,
-              nodes: int | None) -> list[tuple[tuple[int, ...], float, float]]:
-    """(widths, E, T) of the tree candidates (`chain`: E(d) of the chains at the positions' acceptance), T as
-    tree_time's with both lines fitted once."""
+def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | None, nodes: int | None,
+              floor: float = 0.0) -> list[tuple[tuple[int, ...], float, float, float]]:
+    """(widths, E, T, its least node's value) of the tree candidates whose least node is worth `floor` or more
+    (`chain`: E(d) of the chains at the positions' acceptance), T as tree_time's with both lines fitted once."""
     p = tuple(round(x, 2) for x in est.ranks.mean_p_rank())  # to the percent: the tables' cache hits
     (c, s), (w0, w1) = est.step_line(), est.wait_line()
     k, s_rows = est.tree_wait.value, s * est.rows.value
-    return [(w, 1.0 + r * (chain[d] - 1.0), k * (steps * c + s_rows * cols) + w0 + w1 * (n + 1))
-            for w, d, r, n, steps, cols in tree_table(p, top, round(est.tree_saved.value), depth, nodes)]
+    table = tree_table(p, top, round(est.tree_saved.value), depth, nodes)
+    return [(w, 1.0 + r * (chain[d] - 1.0), k * (steps * c + s_rows * cols) + w0 + w1 * (n + 1), last)
+            for w, d, r, n, steps, cols, last in takewhile(lambda row: row[-1] >= floor, table)]
 
 
 class DraftPolicy:
@@ -163,19 +167,24 @@ class DraftPolicy:
         est = self.edge
         chains = chain_rows(est, self.rates(top + 1), top, cut=depth is None)  # a depth given: kept
         top = len(chains) - 1  # no deeper than the longest chain worth drafting (MIN_VALUE)
-        rows = tree_rows(est, [e for e, _ in chains], top, depth, nodes)
-        if trees == "auto":
-            chains = chains if depth is None else chains[min(depth, top):min(depth, top) + 1]
-            rows = [(None, e, t) for e, t in chains] + rows
-        if not rows:
-            return None if trees == "auto" else TreeShape()
-        best = pick([(e, t) for _, e, t in rows], self.objective)
-        if rows[best][0] is None:
-            return None
-        rate = max(e / max(t, 1e-12) for _, e, t in rows)  # the best candidate's tokens per second
         c0, c1 = est.cloud.fit() if est.cloud.known else (0.0, 0.0)
         node_cost = c1 * est.batch.value + est.draft.fit()[1] * est.rows.value  # one more node's seconds
-        return TreeShape(rows[best][0], min_value=max(MIN_VALUE, node_cost * rate))
+        offered = chains if depth is None else chains[min(depth, top):min(depth, top) + 1]  # the chains `auto` weighs
+        # a node worth less than its seconds at the best rate is not drafted, so a tree whose least node (at the
+        # rank chances) is under it would go out smaller than priced, its E and T not what it commits and costs
+        # (trees of 3-4 nodes went out as chains of 2-3); with `auto` the chains' best rate bounds it from below
+        floor = node_cost * max(e / max(t, 1e-12) for e, t in offered) if trees == "auto" else 0.0
+        rows = tree_rows(est, [e for e, _ in chains], top, depth, nodes, floor)
+        if trees == "auto":
+            rows = [(None, e, t, 1.0) for e, t in offered] + rows
+        if not rows:
+            return None if trees == "auto" else TreeShape()
+        least = max(MIN_VALUE, node_cost * max(e / max(t, 1e-12) for _, e, t, _ in rows))
+        rows = [r for r in rows if r[3] >= least] or rows
+        best = pick([(e, t) for _, e, t, _ in rows], self.objective)
+        if rows[best][0] is None:
+            return None
+        return TreeShape(rows[best][0], min_value=least)
 
     def observe_block(self, d: int, n: int, bonus_match: bool | None = None, opening: bool = False) -> None:
         """A VERDICT on a block of d drafts (n accepted; the pre-drafted guess's match after a full block).

@@ -195,6 +195,25 @@ def test_cloud_accepts_a_slower_edge_and_stops_where_a_token_adds_under_min_valu
     assert DraftPolicy(est, Objective.BALANCED).choose(48) == 0
 
 
+def test_a_fixed_alignment_forward_per_round_prices_short_cross_vocabulary_drafts():
+    """The real cross-vocabulary pair over 50 ms: a d = 1 round waited 170-197 ms for 3 draft forwards to cover 2
+    target tokens, a d = 4 round 4-5 forwards for 5. As a ratio (0.9-1.5 a token) d = 1-2 were modelled ~10 %
+    faster than d = 0 and 23 of one run's rounds drafted d = 2 (0.845x the target alone's tok/s). Forwards
+    against the tokens a block covers are a line: its intercept is the round's alignment forward."""
+    est = EdgeEstimates()
+    for _ in range(20):
+        est.observe_block_steps(3, 1)   # d = 1: 3 forwards for 2 target tokens (the lookahead one included)
+        est.observe_block_steps(4, 4)   # d = 4: ...
+        est.observe_block_steps(5, 4)   # ... 4-5 forwards for 5
+    assert est.forwards(2) == pytest.approx(3.0, abs=0.3)
+    assert est.forwards(5) == pytest.approx(4.5, abs=0.3)
+    assert est.forwards(2) > 2 * est.steps_per_token.value + 0.5  # the ratio alone: ~2.2 forwards
+    steady = EdgeEstimates()
+    for _ in range(20):
+        steady.observe_block_steps(4, 4)  # one block length only: the line keeps the ratio
+    assert steady.forwards(5) == pytest.approx(4.0, abs=0.05)
+
+
 def test_a_wide_catch_up_forward_is_not_a_dear_draft_step():
     """A forward that first feeds a session the 40 tokens it had not seen is one wide forward: the draft line
     prices forwards by their columns, so the next steps' cost is still a narrow forward's."""

@@ -171,6 +171,11 @@ class EdgeEstimates:
         self.provisional = False              # the anchor is a round that also ran its prompt (nothing else yet)
         self.single = EWMean()                # the wait of a row of 1 (a round at d = 0): the line's low end
         self.steps_per_token = EWMean(1.0)    # draft forwards per target token (a cross-vocabulary draft: > 1)
+        self.steps = EWLine()                 # draft forwards vs the target tokens a block covers: across
+                                              # vocabularies a round pays a fixed forward or so to align the two
+                                              # tokenizations (its slope's prior: steps_per_token, so one block
+                                              # length alone keeps the ratio)
+        self.steps.slope = 1.0
         self.waited = EWMean()                # a chain round's wait for its draft per fresh forward (the critical
                                               # path: the loop, queueing behind other sessions' batches included)
         self.explore_s = EWMean()             # the draft wait of a round exploring from d = 0 (its catch-up)
@@ -205,6 +210,8 @@ class EdgeEstimates:
         self.lookahead = 1
         if timed:
             self.steps_per_token.observe(steps / (tokens + 1))
+            self.steps.slope = self.steps_per_token.value
+            self.steps.observe(tokens + 1, steps)
 
     def observe_round(self, width: int, latency_s: float, hint: LoadHint | None, prefilled: bool = False) -> None:
         """One VERIFY round: `width` = our row's tokens, `latency_s` from sending it to its VERDICT, the worker's
@@ -244,9 +251,17 @@ class EdgeEstimates:
         """(c, s): t(columns) = c + s x columns (before any timing, step()'s guess for every width)."""
         return self.draft.fit() if self.draft.known else (self.step(), 0.0)
 
+    def per_forward(self) -> float:
+        """A chain's draft forward on the critical path: the measured wait per forward (else t)."""
+        return self.waited.value if self.waited.count else self.step()
+
     def per_token(self) -> float:
-        """A chain's draft token on the critical path: the measured wait per forward (else t) x forwards per token."""
-        return (self.waited.value if self.waited.count else self.step()) * self.steps_per_token.value
+        """A chain's draft token on the critical path: per_forward x forwards per token."""
+        return self.per_forward() * self.steps_per_token.value
+
+    def forwards(self, tokens: float) -> float:
+        """Draft forwards a chain round runs to cover `tokens` target tokens (the lookahead included; 0: none)."""
+        return self.steps.at(tokens) if tokens > 0 else 0.0
 
     def wait_line(self) -> tuple[float, float]:
         """(w0, w1): R + V = w0 + w1 (tokens + 1), seconds from sending a row of `tokens` draft tokens to its

@@ -14,7 +14,8 @@ if every row of its batch drafted one more, and the wait for the forward ahead, 
 the load hints, c1 shrunk toward the worker's own measure of a token). A pre-draft runs on the otherwise idle
 draft thread during the wait, so a block's start it drafted costs nothing. One objective rule picks among chains
 (d = 0 included) and trees alike (choose.pick): of the candidates whose rate E / T is within the objective's
-tolerance of the best, the most tokens per call (`speed` 0: the fastest; `balanced` 10 %; `cloud` any). A draft
+tolerance of the best, the most tokens per call (`speed` 0: the fastest; `balanced` 10 %; `cloud` any); with
+`--trees auto` a tree replaces the chain it picks only if modelled no slower and no fewer tokens per call. A draft
 slower than the verify it saves loses by the model. Exploring d = 0: a round drafts d = 1 (an acceptance sample)
 once the edge's rounds at d = 0 since the last sample took 1 / EXPLORE_SHARE x what the last exploring round's
 draft cost (its catch-up on the stretch the draft had not seen), so exploring costs ~3 % where drafting does not

@@ -239,25 +239,6 @@ def test_a_fixed_alignment_forward_per_round_prices_short_cross_vocabulary_draft
     assert steady.forwards(5) == pytest.approx(4.0, abs=0.05)
 
 
-def test_a_pre_draft_fits_its_share_of_the_wait_in_forwards_not_in_a_ratio():
-    """The real pair over 50 ms: 78 ms a draft forward, 3 forwards for a d = 1 block's 2 target tokens (the
-    alignment one), 5 for a d = 4 block's 5. With a 250 ms wait, 80 % of it at the ratio (1.25 forwards a token)
-    fit 2 tokens, which take 3 forwards, 234 ms: past the VERDICT, whose handling then waits for the forward
-    running. The budget counts forwards on the line; one vocabulary keeps the ratio (n tokens, n forwards)."""
-    est = EdgeEstimates(predraft=True)
-    for _ in range(20):
-        est.observe_block_steps(3, 1)
-        est.observe_block_steps(5, 4)
-        est.observe_draft(1, [(1, 0.078)] * 4)
-        est.observe_round(2, 0.250, None)
-    seconds = 0.8 * est.wait(1)
-    assert int(seconds / est.per_token()) >= 2  # the ratio's budget
-    k = est.predraft_budget(1)
-    assert est.per_forward() * est.forwards(k) <= seconds < est.per_forward() * est.forwards(k + 1)
-    same = edge(draft_s=0.002, rtt_s=0.05, predraft=True)
-    assert same.predraft_budget(4) == int(0.8 * same.wait(4) / same.per_token()) > 10
-
-
 def test_a_wide_catch_up_forward_is_not_a_dear_draft_step():
     """A forward that first feeds a session the 40 tokens it had not seen is one wide forward: the draft line
     prices forwards by their columns, so the next steps' cost is still a narrow forward's."""

@@ -38,15 +38,15 @@ def chain_rows(est: EdgeEstimates, a: list[float], top: int, cut: bool = True) -
     """(E(d), T(d)) for d = 0..top at acceptance a_0..a_top: E(d) = sum_{k<=d} P_k with P_k = prod_{j<k} a_j;
     T(d) = t F(d + lookahead less the pre-drafted start, P_{d+1} x what fits the wait) + R + V(d), F the draft
     forwards that many target tokens take (est.forwards: d of them for a draft of the target's vocabulary)."""
-    rows, e, p, f = [], 0.0, 1.0, est.per_forward()
-    (w0, w1), share = est.wait_line(), PREDRAFT_SHARE if est.predraft and est.draft.known else 0.0
+    rows, e, p, t, f = [], 0.0, 1.0, est.per_token(), est.per_forward()
+    (w0, w1), share = est.wait_line(), PREDRAFT_SHARE / max(t, 1e-12) if est.predraft and est.draft.known else 0.0
     for d in range(top + 1):
         if cut and d and p < MIN_VALUE:  # the d-th token's chance to be accepted (P_d) under MIN_VALUE: no longer
             break
         e += p
         p *= a[d]
         wait = w0 + w1 * (d + 1)
-        saved = p * min(d, max(0, est.fits(share * wait) - 1))  # the guess, then the next block's start
+        saved = p * min(d, max(0, int(share * wait) - 1))  # the guess, then the next block's start (predraft_budget)
         rows.append((e, f * est.forwards(d + est.lookahead - saved) * (d > 0) + wait))
     return rows
 

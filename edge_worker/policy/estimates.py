@@ -290,16 +290,7 @@ class EdgeEstimates:
         --predraft, or before the draft is timed: a guess must not delay the VERDICT's handling)."""
         if not (self.predraft and self.draft.known):
             return 0
-        return self.fits(PREDRAFT_SHARE * self.wait(tokens))
-
-    def fits(self, seconds: float) -> int:
-        """Target tokens whose draft forwards (F, a round's alignment forward included) take `seconds` or less: a
-        pre-draft past its share of the wait holds the VERDICT's handling for the forward it is running (the real
-        pair: 78 ms a forward)."""
-        k, f = int(seconds / max(self.per_token(), 1e-9)), self.per_forward()
-        while k > 0 and f * self.forwards(k) > seconds * (1 + 1e-9):
-            k -= 1
-        return k
+        return int(PREDRAFT_SHARE * self.wait(tokens) / max(self.per_token(), 1e-9))
 
 
 PREDRAFT_SHARE = 0.8   # pre-drafting stops this far into the expected wait, so the draft thread is idle (and the

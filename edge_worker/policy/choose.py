@@ -183,7 +183,7 @@ class DraftPolicy:
         least = max(MIN_VALUE, node_cost * max(e / max(t, 1e-12) for _, e, t, _ in rows))
         rows = [r for r in rows if r[3] >= least] or rows
         if trees == "auto":  # a tree replaces the chain the objective picks only if modelled no slower, no fewer
-            _, ec, tc, _ = rows[pick(offered, self.objective)]  # tokens a call: else `balanced` took trees slower
+            ec, tc = offered[pick(offered, self.objective)]  # tokens a call: else `balanced` took trees slower
             rows = [(None, ec, tc, 1.0)] + [r for r in rows[len(offered):] if r[1] >= ec and r[1] * tc >= ec * r[2]]
         best = pick([(e, t) for _, e, t, _ in rows], self.objective)
         if rows[best][0] is None:

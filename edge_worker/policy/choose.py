@@ -168,7 +168,7 @@ class DraftPolicy:
         est = self.edge
         chains = chain_rows(est, self.rates(top + 1), top, cut=depth is None)  # a depth given: kept
         top = len(chains) - 1  # no deeper than the longest chain worth drafting (MIN_VALUE)
-        c0, c1 = est.cloud.fit() if est.cloud.known else (0.0, 0.0)
+        c1 = est.cloud.fit()[1] if est.cloud.known else 0.0
         node_cost = c1 * est.batch.value + est.draft.fit()[1] * est.rows.value  # one more node's seconds
         offered = chains if depth is None else chains[min(depth, top):min(depth, top) + 1]  # the chains `auto` weighs
         # a node worth less than its seconds at the best rate is not drafted, so a tree whose least node (at the

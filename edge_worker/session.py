@@ -106,7 +106,8 @@ class EdgeSession:
         self.seq = 0
         self.done = False
         self.estimates = self.estimates or EdgeEstimates()
-        self.policy = DraftPolicy(self.estimates, self.config.objective, self.config.draft_len)
+        self.policy = DraftPolicy(self.estimates, self.config.objective, self.config.draft_len,
+                                  guesses=self.mode != Mode.SAMPLE)
         self.state = self.drafter.new_state(self.prompt_ids)
         self._block: DraftBlock | None = None
         self._job: DraftJob | None = None          # the job that drafted the block in flight
@@ -167,7 +168,8 @@ class EdgeSession:
             return None
         if self.trees.on and (job := self.trees.job()) is not None:
             return job
-        d = self.policy.choose(self.config.max_new_tokens - len(self.generated), stretch=len(self.tokens) - self._seen)
+        d = self.policy.choose(self.config.max_new_tokens - len(self.generated), stretch=len(self.tokens) - self._seen,
+                               opening=self.prefill_due > 0)
         c = self.config
         if c.constraint is not None and self.grammar is None:
             d = 0  # a drafter that cannot apply the grammar drafts nothing
@@ -224,6 +226,7 @@ class EdgeSession:
 
     def _chain_predraft(self) -> DraftJob | None:
         chain, job = self._chain, self._job
+        guess, self.policy.guessing = self.policy.guessing, False  # exploring: the guess alone, a sample
         if chain is None or job is None or self._pending is not None or self.done or \
                 (self.config.constraint is not None and self.grammar is None):
             return None
@@ -231,9 +234,9 @@ class EdgeSession:
             return None
         remaining = self.config.max_new_tokens - len(self.generated) - len(chain.block.ids)
         d_next = self.policy.choose(remaining - 1, explore=False)  # if the block and the bonus guess are accepted
-        k = min(1 + d_next, remaining - 1, self.estimates.predraft_budget(len(chain.block.ids)))
+        k = min(1 + d_next, remaining - 1, max(guess, self.estimates.predraft_budget(len(chain.block.ids))))
         # on the idle draft thread a pre-draft is free; at d = 0 nothing is (the next round drafts nothing)
-        if k <= 0 or d_next <= 0:
+        if k <= 0 or (d_next <= 0 and not guess):
             return None
         return self.drafter.continue_job(job, chain.block.ids, k)
 

@@ -85,6 +85,23 @@ def test_d_0_explores_at_a_small_share_of_the_time():
     assert 1 <= dear < cheap <= 400 // 30
 
 
+def test_where_a_pre_draft_can_guess_the_next_token_d_0_explores_by_that_guess():
+    """The same acceptance samples, as often, without a drafting round: a session whose pre-draft can guess the next
+    token (greedy, pre-drafting, the draft timed) stays at d = 0 and pre-drafts the guess during the wait."""
+    drafted = DraftPolicy(edge(draft_s=0.030, rtt_s=0.0002, predraft=True), Objective.BALANCED)
+    guessed = DraftPolicy(edge(draft_s=0.030, rtt_s=0.0002, predraft=True), Objective.BALANCED, guesses=True)
+    samples = [0, 0]
+    for _ in range(400):
+        d = drafted.choose(48)
+        samples[0] += d
+        drafted.observe_block(d, d)
+        assert guessed.choose(48) == 0 and not guessed.exploring
+        samples[1] += guessed.guessing
+        guessed.observe_block(0, 0, True if guessed.guessing else None)
+        guessed.guessing = False  # the session takes it with its pre-draft
+    assert 1 <= samples[1] == samples[0]
+
+
 def test_a_fixed_length_is_kept():
     assert DraftPolicy(EdgeEstimates(), fixed=5).choose(48) == 5 and DraftPolicy(fixed=5).choose(3) == 2
 
@@ -354,6 +371,30 @@ def test_the_block_after_the_prompt_is_not_an_acceptance_sample():
     assert est.acceptance.rates(3) == before
     policy.observe_block(4, 0)
     assert est.acceptance.rates(1)[0] < before[0]
+
+
+def test_the_block_after_the_prompt_is_priced_at_the_openings_own_acceptance():
+    """Openings are counted apart (a draft of another tokenizer is rarely accepted where a prompt ends): once they
+    are seen to fail, the block after the prompt drafts nothing while later blocks still draft."""
+    est = edge(draft_s=0.03, rtt_s=0.05, forward_s=0.1, accept=0.7, predraft=True)
+    policy = DraftPolicy(est, Objective.BALANCED)
+    steady = policy.choose(48)
+    assert steady > 0 and policy.choose(48, stretch=20, opening=True) > 0  # no opening measured: the pooled rates
+    for _ in range(20):
+        policy.observe_block(4, 0, opening=True)
+    assert policy.choose(48, stretch=20, opening=True) == 0
+    assert policy.choose(48) == steady
+
+
+def test_an_opening_that_must_first_catch_up_on_the_prompt_drafts_only_where_the_catch_up_pays():
+    """A drafting opening first runs the prompt through the draft; d = 0 pays none of that (a pre-draft runs it
+    during the wait, or a later drafting round pays it). So where drafting pays a little, the block after a
+    prompt verifies a row of 1 while later blocks draft; a prompt the draft has seen costs nothing to catch up."""
+    for predraft in (True, False):
+        est = edge(draft_s=0.04, rtt_s=0.05, forward_s=0.1, accept=0.5, predraft=predraft)
+        policy = DraftPolicy(est, Objective.BALANCED)
+        assert policy.choose(48) > 0 and policy.choose(48, stretch=0, opening=True) > 0
+        assert [policy.choose(48, stretch=s, opening=True) for s in (20, 40, 60)] == [0, 0, 0]
 
 
 def test_a_first_wide_forward_prices_a_narrow_one_in_proportion():

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from specrelay.bench.link import LinkSpec, Relay
+from specrelay.common import protocol as P
 from specrelay.broker.server import Broker
 from specrelay.cloud_worker.config import WorkerConfig
 from specrelay.cloud_worker.server import CloudWorker
@@ -25,8 +26,9 @@ from specrelay.common.sampling import SamplingParams
 from specrelay.edge_worker.draft.drafter import Drafter
 from specrelay.edge_worker.server import EdgeHealth
 from specrelay.edge_worker.server import EdgeConfig, EdgeWorker
-from specrelay.edge_worker.session import SessionConfig
-from specrelay.speculative import speculative_generate
+from specrelay.edge_worker.policy import EdgeEstimates
+from specrelay.edge_worker.session import EdgeSession, SessionConfig
+from specrelay.speculative import next_request, speculative_generate
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -148,3 +150,33 @@ async def test_speculation_metrics_and_load_hints(zctx, linked, twin_drafter, ti
     cloud = await asyncio.to_thread(metrics, worker.health_port)
     assert f"specrelay_cloud_spec_decode_num_accepted_tokens_total {float(accepted)}" in cloud
     assert "specrelay_cloud_forward_seconds_count" in cloud
+
+
+def test_exploring_at_d_0_samples_by_the_pre_drafts_guess_off_the_critical_path(tiny_runners):
+    """Where drafting does not pay, an acceptance sample is due once in a while: a greedy session that pre-drafts
+    then verifies a row of 1 and, while its VERDICT is awaited, pre-drafts one token (the draft's guess at the next
+    token, after catching up on what it had not seen); the VERDICT's token scores the guess (position 0)."""
+    target, draft = tiny_runners
+    est = EdgeEstimates(predraft=True)
+    est.observe_draft(1, [(1, 0.010)])  # the draft is timed: a pre-draft may run
+    for _ in range(50):
+        est.acceptance.observe(4, 0)  # drafts are rejected: the session verifies rows of 1
+    drafter = Drafter(draft, target.vocab_size)
+    session = EdgeSession(target.tokenizer("def add(a, b):").input_ids, SessionConfig(max_new_tokens=16), drafter,
+                          estimates=est)
+    first = next_request(session)
+    session.apply(P.Verdict(session.sid, first.seq, 0, 5))  # the opening: no sample
+    est.idle = 10**6  # rounds at d = 0 since the last sample: exploring is due
+    request = next_request(session)
+    assert request.draft == [] and session.policy.guessing and not session.policy.exploring
+    job = session.predraft_job()
+    assert job is not None and job.d == 1 and not session.policy.guessing
+    (guess,) = drafter.draft_batch([job])
+    session.take_predraft(guess)
+    reached = sum(est.acceptance.reached)
+    session.apply(P.Verdict(session.sid, request.seq, 0, guess.ids[0]))
+    assert sum(est.acceptance.reached) == pytest.approx(reached * 0.995 + 1) and est.acceptance.accepted[0] >= 1
+    assert est.idle == 0
+    sampled = EdgeSession([1, 2, 3], SessionConfig(max_new_tokens=16, mode="sample", seed=1,
+                                                     params=SamplingParams(1.0)), drafter, estimates=est)
+    assert not sampled.policy.guesses  # in sample mode the bonus is drawn from p: a match is no acceptance

@@ -19,7 +19,9 @@ tolerance of the best, the most tokens per call (`speed` 0: the fastest; `balanc
 slower than the verify it saves loses by the model. Exploring d = 0: a round drafts d = 1 (an acceptance sample)
 once the edge's rounds at d = 0 since the last sample took 1 / EXPLORE_SHARE x what the last exploring round's
 draft cost (its catch-up on the stretch the draft had not seen), so exploring costs ~3 % where drafting does not
-pay.
+pay (less where a pre-draft's guess at the next token is the sample: the round stays at d = 0). The block after
+the prompt is priced at the openings' own acceptance, a drafting one also at its catch-up on the prompt (at d = 0
+a pre-draft runs it during the wait, or a later drafting round pays it).
 """
 
 from .choose import MAX_LEN, TOLERANCE, DraftPolicy, chain_rows, pick, static_tree, tree_rows, tree_time

@@ -130,29 +130,37 @@ class DraftPolicy:
     since the last exploring one, and at d > 0 since the last at d = 0), whether this session's round explores."""
 
     def __init__(self, edge: EdgeEstimates | None = None, objective: Objective = Objective.BALANCED,
-                 fixed: int | None = None) -> None:
+                 fixed: int | None = None, guesses: bool = False) -> None:
         self.edge, self.objective, self.fixed = edge or EdgeEstimates(), objective, fixed
+        self.guesses = guesses  # a pre-draft's guess at the next token is an acceptance sample (not in sample mode)
         self.exploring = False  # the round in flight drafts d = 1 to sample acceptance
+        self.guessing = False   # the round in flight, at d = 0, samples acceptance by a pre-draft's guess
 
     def rates(self, n: int) -> list[float]:
         """a_0..a_{n-1}: the edge's pooled rates (every session's blocks; a session's own few rounds would pull its
         length away from its lockstep batch-mates' and cost more waiting than they gain)."""
         return self.edge.acceptance.rates(n)
 
-    def choose(self, remaining: int, explore: bool = True, stretch: int = 0) -> int:
+    def choose(self, remaining: int, explore: bool = True, stretch: int = 0, opening: bool = False) -> int:
         """The chain length d in 0..min(MAX_LEN, remaining - 1): fixed, d = 1 when exploring is due (EXPLORE_SHARE;
-        `explore` False: a pre-draft asking, which must not start a catch-up), else the objective's pick, but d = 0
-        once in 1 / EXPLORE_SHARE drafting rounds while the worker's cost line has seen one width only (the wait of a
-        row of 1 is then measured, not extrapolated). `stretch`: target tokens the session's draft has not seen (what
-        an exploring round catches up on: its cost, until one was measured)."""
+        `explore` False: a pre-draft asking, which must not start a catch-up; d = 0 and `guessing` instead where the
+        round's pre-draft can guess the next token, its catch-up then in the shadow of the wait), else the objective's
+        pick, but d = 0 once in 1 / EXPLORE_SHARE drafting rounds while the worker's cost line has seen one width only
+        (the wait of a row of 1 is then measured, not extrapolated). `stretch`: target tokens the session's draft has
+        not seen (what an exploring round catches up on: its cost, until one was measured); `opening`: the block
+        after the prompt (_opening)."""
         top = max(0, min(MAX_LEN, remaining - 1))
         if self.fixed is not None:
             return min(self.fixed, top)
         round_s, edge = self.edge.wait(0), self.edge
+        if opening and stretch and not edge.provisional:  # no acceptance sample: an opening is not one
+            return self._opening(top, stretch)
         cost = edge.explore_s.value if edge.explore_s.count else edge.step(stretch * edge.steps_per_token.value)
         if explore and top and edge.idle * round_s * EXPLORE_SHARE >= max(round_s, cost):
-            self.exploring, edge.idle = True, 0
-            return 1
+            edge.idle = 0  # where a pre-draft can guess the next token, it samples off the critical path
+            self.guessing = self.guesses and edge.predraft and edge.draft.known
+            self.exploring = not self.guessing
+            return int(self.exploring)
         if edge.provisional:  # the only wait measured also ran a prompt: measure a verify (a row of 1) first
             return 0
         d = pick(chain_rows(self.edge, self.rates(top + 1), top), self.objective)
@@ -160,6 +168,16 @@ class DraftPolicy:
             edge.drafting = 0  # the rows verified have kept one width: a row of 1 shows what d = 0 waits
             return 0
         return d
+
+    def _opening(self, top: int, stretch: int) -> int:
+        """The block right after the prompt, at the opening blocks' own acceptance (shrunk toward the pooled rates)
+        and a drafting opening's catch-up on the prompt's `stretch` target tokens. d = 0 pays none: a pre-draft
+        runs the catch-up during the wait, or a later round drafting pays it (real pair over 50 ms: the catch-up,
+        340-540 ms, amortised over a long opening chain, drafted d = 6 at a first position accepted 46 %)."""
+        edge = self.edge
+        catchup = edge.step(stretch * edge.steps_per_token.value)
+        rows = chain_rows(edge, edge.opening.rates(top + 1, self.rates(top + 1)), top)
+        return pick([(e, t + catchup * (d > 0)) for d, (e, t) in enumerate(rows)], self.objective)
 
     def shape(self, remaining: int, trees: str, depth: int | None, nodes: int | None) -> TreeShape | None:
         """The tree to draft (`--trees on|auto`): the objective's pick over the trees and, with `auto`, the chains
@@ -195,8 +213,10 @@ class DraftPolicy:
         `opening`: the block right after the prompt, not an acceptance sample: where a prompt ends the target's
         tokenizer may never stop (a prompt ending in a newline the target writes together with the next line's
         indentation), so a draft of another tokenizer is almost never accepted there (demo pair: 3 %, 65 % later);
-        counted, a wave of fresh sessions took the edge to d = 0 with nothing else measured."""
-        if opening:
+        counted, a wave of fresh sessions took the edge to d = 0 with nothing else measured; counted apart instead."""
+        if opening:  # counted apart: what the next opening is priced at
+            if d > 0 or bonus_match is not None:
+                self.edge.opening.observe(d, n, bonus_match)
             return
         if d > 0 or bonus_match is not None:  # an acceptance sample, whichever session's: nothing to explore
             self.edge.acceptance.observe(d, n, bonus_match)

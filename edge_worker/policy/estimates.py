@@ -156,6 +156,7 @@ class EdgeEstimates:
     def __init__(self, predraft: bool = False) -> None:
         self.predraft = predraft
         self.acceptance, self.ranks = AcceptanceCounts(), RankAcceptance()
+        self.opening = AcceptanceCounts()     # the blocks right after a prompt, apart (DraftPolicy.observe_block)
         self.draft = EWLine()                 # seconds per draft forward vs its columns (rows x new tokens)
         self.rows = EWMean(1.0)               # sessions per lockstep draft forward (one column each per step)
         # the worker's forward, seconds vs its tokens (load hints of forwards without a prompt chunk: a prompt's

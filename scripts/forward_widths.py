@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("model")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--context", type=int, default=60, help="cached tokens before each verify")

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -52,6 +53,21 @@ def bindable(port: int) -> bool:
     return True
 
 
+def _exit_on_sigterm() -> bool:
+    """While a cluster runs, SIGTERM to this process (a `timeout`, a CI job's end, `kill`) raises SystemExit, so
+    `__exit__` stops the children: with the default action the process died and left its broker, workers and relay
+    running. Only from the main thread, and only where SIGTERM still has its default action (True: installed)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return False
+    signal.signal(signal.SIGTERM, _terminated)
+    return True
+
+
+def _terminated(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 class LocalCluster:
     """`with LocalCluster(model) as c:` starts `brokers` x `specrelay broker` and `workers` x `specrelay
     cloud-worker` (each given every broker), waits until every process answers /healthz, and stops them all
@@ -74,6 +90,7 @@ class LocalCluster:
         self.launcher = launcher  # a command prefix for the children, e.g. ("valgrind",)
         self.placement = Placement.choose(pin)
         self._edge_side = None  # this process's placement on the edge side while the cluster runs
+        self._sigterm = False  # _exit_on_sigterm installed its handler
         self.frontends = [f"tcp://127.0.0.1:{free_port()}" for _ in range(brokers)]
         self.backends = [f"tcp://127.0.0.1:{free_port()}" for _ in range(brokers)]
         self.broker_health_ports = [free_port() for _ in range(brokers)]
@@ -176,6 +193,7 @@ class LocalCluster:
         raise TimeoutError(f"{what} not healthy after {self.startup_timeout:.0f}s")
 
     def __enter__(self) -> "LocalCluster":
+        self._sigterm = _exit_on_sigterm()
         try:
             self.place_caller()
             for index in range(len(self.frontends)):
@@ -202,6 +220,9 @@ class LocalCluster:
                 proc.kill()
                 proc.wait()
         self.procs.clear()
+        if self._sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            self._sigterm = False
         if self._edge_side is not None:
             self._edge_side.__exit__(None, None, None)
             self._edge_side = None

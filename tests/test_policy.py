@@ -11,7 +11,7 @@ import pytest
 
 from specrelay.common.protocol import LoadHint, Objective
 from specrelay.edge_worker.policy import TOLERANCE, DraftPolicy, EdgeEstimates, chain_rows, pick, tree_rows, tree_time
-from specrelay.edge_worker.policy.choose import tree_compute, tree_table
+from specrelay.edge_worker.policy.choose import tree_compute, tree_table, wait_for
 from specrelay.edge_worker.trees.tree import TreeShape
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,10 +129,10 @@ def test_tree_rounds_that_wait_more_than_their_compute_price_trees_not_chains():
     assert est.per_token() == per_token  # the chains' draft price
     assert tree_time(est, shape) > before + 2 * compute
     assert policy.shape(48, "auto", None, None) is None  # a chain wins
-    price = est.tree_wait.value
+    price = est.tree_line()
     for _ in range(5):  # a chain round does not move the trees' price
         policy.observe_round(est.widths.value, est.waits.value, None, 0.004, 8)
-    assert est.tree_wait.value == price
+    assert est.tree_line() == price
 
 
 def test_the_candidates_table_prices_each_tree_as_tree_time_does():
@@ -320,7 +320,7 @@ def test_a_stall_is_not_the_draft_wait():
     est = edge(draft_s=0.004, rtt_s=0.0)
     policy = DraftPolicy(est, Objective.BALANCED)
     policy.observe_round(3, 0.03, None, 0.250, steps=2)
-    assert est.waited.value <= CLIP * est.step() + 1e-9
+    assert wait_for(est.draft_line(), 2) <= CLIP * 2 * est.step() + 1e-9
 
 
 def test_the_workers_queue_grows_the_wait_as_its_forward_does():
@@ -429,3 +429,39 @@ def test_a_mean_whose_first_observation_is_0_still_learns():
     for x in (0.0, 2.0, 2.0):
         mean.observe(x)
     assert mean.value > 1.0
+
+
+def test_a_rounds_fixed_draft_wait_is_priced_once_a_round_not_per_forward():
+    """Demo pair, 8 sessions: rounds of 3 fresh forwards waited 32 ms for the draft, rounds of 16-32 forwards
+    5.5 ms a forward (a part per round: the loop, queueing behind other sessions' batches and pre-drafts). As a
+    mean per forward (10.7 ms at 3) d = 8 was priced 1.9x d = 3's draft wait, and an edge that started at d = 3-4
+    stayed there. A line prices d = 8 at its measured ~64 ms, and one length alone keeps a forward's compute as
+    its slope: longer chains are not priced at the short rounds' overhead per forward."""
+    est = edge(draft_s=0.004, rtt_s=0.0)
+    for _ in range(20):
+        est.observe_waited(3, 0.032)
+        est.observe_waited(16, 0.105)
+    assert wait_for(est.draft_line(), 8) == pytest.approx(0.032 + 5 * 0.073 / 13, rel=0.05)
+    assert wait_for(est.draft_line(), 0) == 0.0
+    one = edge(draft_s=0.004, rtt_s=0.0)
+    for _ in range(40):
+        one.observe_waited(3, 0.032)  # one length only: its slope is a forward's compute
+    assert wait_for(one.draft_line(), 3) == pytest.approx(0.032, rel=0.02)
+    assert wait_for(one.draft_line(), 8) == pytest.approx(0.032 + 5 * one.step(), rel=0.02)
+    assert wait_for(one.draft_line(), 8) < 0.7 * 8 * 0.032 / 3  # the mean per forward: 85 ms
+
+
+def test_a_tree_rounds_fixed_draft_wait_is_priced_once_a_round_too():
+    """Trees were priced at the mean of their rounds' wait over compute: a part per round (20 ms here) made small
+    trees' ratio 3 and priced a deep tree's levels at 3x their compute. The tree wait line pays it once."""
+    est = edge(draft_s=0.002, rtt_s=0.05)
+    policy = DraftPolicy(est, Objective.SPEED)
+    small, deep = TreeShape((1, 2)), TreeShape((1, 2, 2, 2, 2, 2, 2, 2))
+    for _ in range(20):
+        for shape in (small, deep):
+            compute = tree_compute(est, shape, shape.depth)
+            policy.observe_round(est.widths.value, est.waits.value, None, 0.020 + compute, shape.depth, tree=shape)
+    c, k = est.tree_line()
+    assert c == pytest.approx(0.020, rel=0.05) and k == pytest.approx(1.0, rel=0.05)
+    compute = tree_compute(est, deep, deep.depth)
+    assert wait_for(est.tree_line(), compute) == pytest.approx(0.020 + compute, rel=0.05)

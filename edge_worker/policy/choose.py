@@ -36,9 +36,10 @@ def pick(rows: list[tuple[float, float]], objective: Objective) -> int:
 
 def chain_rows(est: EdgeEstimates, a: list[float], top: int, cut: bool = True) -> list[tuple[float, float]]:
     """(E(d), T(d)) for d = 0..top at acceptance a_0..a_top: E(d) = sum_{k<=d} P_k with P_k = prod_{j<k} a_j;
-    T(d) = t F(d + lookahead less the pre-drafted start, P_{d+1} x what fits the wait) + R + V(d), F the draft
-    forwards that many target tokens take (est.forwards: d of them for a draft of the target's vocabulary)."""
-    rows, e, p, t, f = [], 0.0, 1.0, est.per_token(), est.per_forward()
+    T(d) = D(F(d + lookahead less the pre-drafted start, P_{d+1} x what fits the wait)) + R + V(d), F the draft
+    forwards that many target tokens take (est.forwards: d of them for a draft of the target's vocabulary), D(n)
+    the measured wait for n fresh forwards (est.draft_line: a part per round, one per forward; 0 for none)."""
+    rows, e, p, t = [], 0.0, 1.0, est.per_token()
     (w0, w1), share = est.wait_line(), PREDRAFT_SHARE / max(t, 1e-12) if est.predraft and est.draft.known else 0.0
     for d in range(top + 1):
         if cut and d and p < MIN_VALUE:  # the d-th token's chance to be accepted (P_d) under MIN_VALUE: no longer
@@ -47,7 +48,7 @@ def chain_rows(est: EdgeEstimates, a: list[float], top: int, cut: bool = True) -
         p *= a[d]
         wait = w0 + w1 * (d + 1)
         saved = p * min(d, max(0, int(share * wait) - 1))  # the guess, then the next block's start (predraft_budget)
-        rows.append((e, f * est.forwards(d + est.lookahead - saved) * (d > 0) + wait))
+        rows.append((e, wait_for(est.draft_line(), est.forwards(d + est.lookahead - saved)) * (d > 0) + wait))
     return rows
 
 
@@ -70,12 +71,18 @@ def static_tree(p: tuple[float, ...], depth: int, nodes: int) -> tuple[tuple[flo
 
 def tree_time(est: EdgeEstimates, shape: TreeShape) -> float:
     """T(S): the draft forwards a pre-draft did not do (one per level: the root's, then each level's nodes, for
-    every session of the lockstep batch) at the wait tree rounds measured per second of their compute, then R + V
-    over the tree's nodes (tree_rows prices its candidates so, from a table)."""
+    every session of the lockstep batch) at the wait tree rounds measured against their compute (a part per round,
+    one per second of compute), then R + V over the tree's nodes (tree_rows prices its candidates so, from a table)."""
     (c, s), (w0, w1) = est.step_line(), est.wait_line()
     steps = shape.depth - min(shape.depth, round(est.tree_saved.value))
-    compute = steps * c + s * est.rows.value * waited_columns(shape.widths, steps)
-    return est.tree_wait.value * compute + w0 + w1 * (shape.nodes + 1)
+    return wait_for(est.tree_line(), steps * c + s * est.rows.value * waited_columns(shape.widths, steps)) \
+        + w0 + w1 * (shape.nodes + 1)
+
+
+def wait_for(line: tuple[float, float], x: float) -> float:
+    """A round's wait for its draft at a wait line (c, s): c + s x (x: its fresh forwards, or levels' compute);
+    nothing when it waits for none."""
+    return line[0] + line[1] * x if x > 0 else 0.0
 
 
 def waited_columns(widths: tuple[int, ...], steps: int) -> int:
@@ -119,9 +126,9 @@ def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | Non
     (`chain`: E(d) of the chains at the positions' acceptance), T as tree_time's with both lines fitted once."""
     p = tuple(round(x, 2) for x in est.ranks.mean_p_rank())  # to the percent: the tables' cache hits
     (c, s), (w0, w1) = est.step_line(), est.wait_line()
-    k, s_rows = est.tree_wait.value, s * est.rows.value
+    line, s_rows = est.tree_line(), s * est.rows.value
     table = tree_table(p, top, round(est.tree_saved.value), depth, nodes)
-    return [(w, 1.0 + r * (chain[d] - 1.0), k * (steps * c + s_rows * cols) + w0 + w1 * (n + 1), last)
+    return [(w, 1.0 + r * (chain[d] - 1.0), wait_for(line, steps * c + s_rows * cols) + w0 + w1 * (n + 1), last)
             for w, d, r, n, steps, cols, last in takewhile(lambda row: row[-1] >= floor, table)]
 
 
@@ -236,7 +243,8 @@ class DraftPolicy:
             self.edge.explore_s.observe(draft_s)
         elif tree is not None:  # the tree engine's rounds (paths too) price trees, as chains' rounds price chains
             if draft_s is not None and steps > 0:
-                self.edge.tree_wait.observe(draft_s / max(tree_compute(self.edge, tree, steps), 1e-9))
-        elif draft_s is not None and steps > 0 and not catchup:  # a wait past CLIP forwards' compute is a stall
-            self.edge.waited.observe(min(draft_s / steps, CLIP * self.edge.step()))
+                compute = tree_compute(self.edge, tree, steps)  # the first at most CLIP x it (as a chain's)
+                self.edge.tree_waited.observe(compute, draft_s, CLIP * compute)
+        elif draft_s is not None and steps > 0 and not catchup:
+            self.edge.observe_waited(steps, draft_s)
         self.exploring = False

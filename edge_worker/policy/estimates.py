@@ -36,16 +36,14 @@ class EWMean:
 class EWLine:
     """y = c + s * x by exponentially weighted least squares, its slope shrunk toward `slope` (a prior worth one
     unit of x's variance: with x never varying, s is the prior; 0, flat, when none is known). The first
-    observation's y is not clipped; each later one at CLIP x the line's value (one stall is not a trend)."""
+    observation's y is at most `first`; each later one at CLIP x the line's value (one stall is not a trend)."""
 
-    def __init__(self) -> None:
-        self.slope = 0.0
-        self.count = 0
+    def __init__(self, slope: float = 0.0) -> None:
+        self.slope, self.count = slope, 0
         self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
 
-    def observe(self, x: float, y: float) -> None:
-        if self.count:
-            y = min(y, CLIP * self.at(x))
+    def observe(self, x: float, y: float, first: float = float("inf")) -> None:
+        y = min(y, CLIP * self.at(x) if self.count else first)
         self.count += 1
         g = DECAY
         self.sw, self.sx, self.sy = g * self.sw + 1, g * self.sx + x, g * self.sy + y
@@ -172,20 +170,21 @@ class EdgeEstimates:
         self.provisional = False              # the anchor is a round that also ran its prompt (nothing else yet)
         self.single = EWMean()                # the wait of a row of 1 (a round at d = 0): the line's low end
         self.steps_per_token = EWMean(1.0)    # draft forwards per target token (a cross-vocabulary draft: > 1)
-        self.steps = EWLine()                 # draft forwards vs the target tokens a block covers: across
+        self.steps = EWLine(1.0)              # draft forwards vs the target tokens a block covers: across
                                               # vocabularies a round pays a fixed forward or so to align the two
                                               # tokenizations (its slope's prior: steps_per_token, so one block
                                               # length alone keeps the ratio)
-        self.steps.slope = 1.0
-        self.waited = EWMean()                # a chain round's wait for its draft per fresh forward (the critical
-                                              # path: the loop, queueing behind other sessions' batches included)
+        self.waited = EWLine()                # a chain round's wait for its draft vs its fresh forwards (the
+                                              # critical path): a part per round (the loop, queueing behind other
+                                              # sessions' batches and pre-drafts) and one per forward; its slope's
+                                              # prior: a forward's compute (one block length alone keeps it)
         self.explore_s = EWMean()             # the draft wait of a round exploring from d = 0 (its catch-up)
         self.idle = 0                         # rounds at d = 0 (any session's) since the last acceptance sample
         self.drafting = 0                     # rounds at d > 0 (any session's) since the last one at d = 0
         self.tree_saved = EWMean(clip=float("inf"))  # tree levels a pre-draft had drafted when the VERDICT came
                                               # (a count of levels, not a timing: no stall to clip)
-        self.tree_wait = EWMean(1.0)          # a tree round's wait for its draft over its forwards' compute (the
-                                              # loop, the tree engine's work per level: as a chain's, measured)
+        self.tree_waited = EWLine(1.0)        # a tree round's wait for its draft vs its forwards' modelled compute
+                                              # (as a chain's; its slope's prior: 1, the compute alone)
         self.lookahead = 0                    # target tokens drafted past a block (1 across vocabularies)
 
     # ---------------------------------------------------------------- what the shell measured
@@ -252,13 +251,23 @@ class EdgeEstimates:
         """(c, s): t(columns) = c + s x columns (before any timing, step()'s guess for every width)."""
         return self.draft.fit() if self.draft.known else (self.step(), 0.0)
 
-    def per_forward(self) -> float:
-        """A chain's draft forward on the critical path: the measured wait per forward (else t)."""
-        return self.waited.value if self.waited.count else self.step()
+    def observe_waited(self, steps: int, seconds: float) -> None:
+        """A chain round waited `seconds` for its `steps` fresh forwards (the first at most CLIP x their compute)."""
+        self.waited.slope = self.step()
+        self.waited.observe(steps, seconds, CLIP * steps * self.step())
+
+    def tree_line(self) -> tuple[float, float]:
+        """(c, k): a tree round waits c + k x its levels' modelled compute (k no less than 1; 0 and 1 unmeasured)."""
+        return _at_least(self.tree_waited, 1.0) if self.tree_waited.known else (0.0, 1.0)
+
+    def draft_line(self) -> tuple[float, float]:
+        """(c, s): a chain round waits c + s x n for n > 0 fresh forwards, s no less than a forward's compute t
+        (before any chain round: 0 and t). A part per round is paid once, not per forward (docs/policy.md)."""
+        return _at_least(self.waited, self.step()) if self.waited.known else (0.0, self.step())
 
     def per_token(self) -> float:
-        """A chain's draft token on the critical path: per_forward x forwards per token."""
-        return self.per_forward() * self.steps_per_token.value
+        """A chain's draft token on the critical path, at the margin: the draft line's slope x forwards per token."""
+        return self.draft_line()[1] * self.steps_per_token.value
 
     def forwards(self, tokens: float) -> float:
         """Draft forwards a chain round runs to cover `tokens` target tokens (the lookahead included; 0: none)."""
@@ -292,6 +301,16 @@ class EdgeEstimates:
         if not (self.predraft and self.draft.known):
             return 0
         return int(PREDRAFT_SHARE * self.wait(tokens) / max(self.per_token(), 1e-9))
+
+
+def _at_least(line: EWLine, least: float) -> tuple[float, float]:
+    """A measured wait line's (c, s), s no less than `least` (the compute it waits for: a slope under it is noise),
+    then through the measured mean."""
+    c, s = line.fit()
+    if s < least:
+        mx, my = line.sx / line.sw, line.sy / line.sw
+        c, s = max(0.0, my - least * mx), least
+    return c, s
 
 
 PREDRAFT_SHARE = 0.8   # pre-drafting stops this far into the expected wait, so the draft thread is idle (and the

@@ -3,11 +3,12 @@ whether to pre-draft. The whole model (docs/policy.md):
 
     E(d) = sum_{k=0..d} P_k,  P_k = prod_{j<k} a_j        tokens a chain of d commits per cloud call
     E(S) = 1 + sum over the tree's nodes of their reach    the same for a tree (reach from the rank chances P_r)
-    T    = t F(d + lookahead - pre-drafted start) + W(d)  seconds a round takes (a tree: one forward a level)
+    T    = D(F(d + lookahead - pre-drafted start)) + W(d) seconds a round takes (a tree: one forward a level)
 
 with one set of estimators per edge (estimates.py), every session's rounds pooled: acceptance per draft position
-(and per confidence class and rank for trees); t, the draft's seconds per forward against the columns it runs (a
-chain's: the measured wait per forward); F(n), the draft forwards n target tokens take (n with one vocabulary,
+(and per confidence class and rank for trees); t, the draft's seconds per forward against the columns it runs;
+D(n), a round's measured wait for n fresh forwards (a line: a part per round, one per forward; trees' against
+their levels' compute); F(n), the draft forwards n target tokens take (n with one vocabulary,
 across vocabularies a line: a round's alignment forward and a slope); W(d), the wait from VERIFY to VERDICT,
 anchored at the mean wait measured at the mean row and growing by (1 + q) c1 B per token (the worker's forward
 if every row of its batch drafted one more, and the wait for the forward ahead, q of a forward; c1 and q from

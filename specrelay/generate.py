@@ -103,6 +103,14 @@ def print_result(args, result: dict) -> None:
               f"{s['accepted_tokens']}/{s['draft_tokens']} drafted, {s['wall_s']:.2f}s", file=sys.stderr, flush=True)
 
 
+def print_totals(results: list[dict]) -> None:
+    """The run's figures over every prompt that finished (stderr): what `specrelay bench calls` reports per run."""
+    stats = [r["stats"] for r in results if "stats" in r]
+    tokens, calls = sum(s["generated_tokens"] for s in stats), sum(s["cloud_calls"] for s in stats)
+    print(f"--- all: {len(stats)} of {len(results)} prompts, {tokens} tokens, {calls} cloud calls "
+          f"({calls / max(1, tokens):.4f} a token)", file=sys.stderr, flush=True)
+
+
 def main(args) -> int:
     from .edge_worker.config import EdgeConfig
     from .edge_worker.routing.probe import probe_brokers
@@ -127,7 +135,15 @@ def main(args) -> int:
             print(f"specrelay generate: a cloud worker answers through the broker at {found}", file=sys.stderr,
                   flush=True)
         set_threads()
-        return await generate_all(args, prompts, edge_config, config, lambda i, result: print_result(args, result),
-                                  curve)
+        done = []
+
+        def emit(i: int, result: dict) -> None:
+            print_result(args, result)
+            done.append(result)
+
+        failed = await generate_all(args, prompts, edge_config, config, emit, curve)
+        if len(prompts) > 1:
+            print_totals(done)
+        return failed
 
     return 1 if run_async(run()) else 0

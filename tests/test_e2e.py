@@ -49,6 +49,9 @@ def test_cli_generate_json_greedy_equals_hf_and_two_workers_share_load(tiny_clus
         assert set(r["stats"]) >= {"generated_tokens", "draft_tokens", "accepted_tokens", "cloud_calls",
                                    "uplink_bytes", "downlink_bytes", "wall_s"}
         assert r["stats"]["generated_tokens"] == len(r["token_ids"])
+    tokens, calls = (sum(r["stats"][k] for r in rows) for k in ("generated_tokens", "cloud_calls"))
+    assert f"--- all: {len(rows)} of {len(rows)} prompts, {tokens} tokens, {calls} cloud calls " \
+           f"({calls / tokens:.4f} a token)" in out.stderr  # the run's figure, as bench calls reports it
     after = [worker_metric(tiny_cluster, i, "specrelay_cloud_verify_requests_total") for i in range(2)]
     assert all(a > b for a, b in zip(after, before)), "both workers should have verified some sessions"
 

@@ -39,7 +39,7 @@ def chain_rows(est: EdgeEstimates, a: list[float], top: int, cut: bool = True) -
     T(d) = D(F(d + lookahead less the pre-drafted start, P_{d+1} x what fits the wait)) + R + V(d), F the draft
     forwards that many target tokens take (est.forwards: d of them for a draft of the target's vocabulary), D(n)
     the measured wait for n fresh forwards (est.draft_line: a part per round, one per forward; 0 for none)."""
-    rows, e, p, t = [], 0.0, 1.0, est.per_token()
+    rows, e, p, t, line = [], 0.0, 1.0, est.per_token(), est.draft_line()
     (w0, w1), share = est.wait_line(), PREDRAFT_SHARE / max(t, 1e-12) if est.predraft and est.draft.known else 0.0
     for d in range(top + 1):
         if cut and d and p < MIN_VALUE:  # the d-th token's chance to be accepted (P_d) under MIN_VALUE: no longer
@@ -48,7 +48,7 @@ def chain_rows(est: EdgeEstimates, a: list[float], top: int, cut: bool = True) -
         p *= a[d]
         wait = w0 + w1 * (d + 1)
         saved = p * min(d, max(0, int(share * wait) - 1))  # the guess, then the next block's start (predraft_budget)
-        rows.append((e, wait_for(est.draft_line(), est.forwards(d + est.lookahead - saved)) * (d > 0) + wait))
+        rows.append((e, wait_for(line, est.forwards(d + est.lookahead - saved)) * (d > 0) + wait))
     return rows
 
 

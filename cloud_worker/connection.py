@@ -170,7 +170,8 @@ class BrokerConnection:
         """Once per interval: declare the broker lost after `heartbeat_liveness` silent intervals, else beat."""
         if self.sock is None or self._lost.is_set():
             return
-        if self._clock() - self.heard > self.config.broker_ttl:
+        if self._clock() - self.heard > self.config.broker_ttl and not self.sock.get(zmq.EVENTS) & zmq.POLLIN:
+            # (a message waiting unread is the broker heard: the loop was busy, e.g. a machine under load)
             self.lose(f"the broker was silent for {self.config.heartbeat_liveness} heartbeat intervals")
         elif self.send(b"", self._beat()):
             self.stats.heartbeats_sent += 1

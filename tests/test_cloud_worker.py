@@ -475,6 +475,37 @@ async def test_silent_broker_means_reconnect_and_ready_again(fake_broker, start_
     assert worker.stats["reconnects"] >= 1
 
 
+async def test_a_beat_waiting_unread_is_the_broker_heard_not_a_silent_broker(zctx):
+    """The worker's tick found the broker silent for 3 intervals while its beats sat unread in the socket (the
+    event loop busy on a loaded machine: a fresh-clone test run lost a session's OPEN to the reconnect). A
+    message waiting in the socket counts as heard; only an empty socket past the liveness window is a loss."""
+    from specrelay.cloud_worker.config import WorkerStats
+    from specrelay.cloud_worker.connection import BrokerConnection
+
+    router = zctx.socket(zmq.ROUTER)
+    router.linger = 0
+    endpoint = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+    now = [0.0]
+    config = WorkerConfig(heartbeat_interval=0.05, heartbeat_liveness=3, linger_ms=0)
+    conn = BrokerConnection(zctx, endpoint, config, WorkerStats(), ready=lambda: P.Ready(model="m", vocab_size=8),
+                            beat=P.Heartbeat, on_request=lambda frames, generation: None, on_reset=lambda: None,
+                            clock=lambda: now[0])
+    conn.open()  # nothing reads the DEALER but this test
+    try:
+        worker, *_ = await asyncio.wait_for(router.recv_multipart(), RECV_TIMEOUT)  # its READY
+        await router.send_multipart([worker, b"", *P.encode(P.Heartbeat())])
+        await wait_until(lambda: conn.sock.get(zmq.EVENTS) & zmq.POLLIN)
+        now[0] = 10 * config.broker_ttl  # the tick comes late, the beat still unread
+        conn.heartbeat()
+        assert not conn._lost.is_set()
+        await conn.sock.recv_multipart()  # read, and nothing since
+        conn.heartbeat()
+        assert conn._lost.is_set()
+    finally:
+        conn.close("test over")
+        router.close(linger=0)
+
+
 async def test_broker_disconnect_means_ready_again(fake_broker, start_worker):
     broker = fake_broker()
     worker = await start_worker(broker, heartbeat_interval=0.05)

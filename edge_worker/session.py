@@ -120,6 +120,7 @@ class EdgeSession:
         self._hint: P.LoadHint | None = None
         self._predrafted = False                   # a pre-draft of the verdict in flight was handed out (a try)
         self._tried = False                        # the last verdict was a try: the next block may be its hit
+        self._guessed = False                      # a pre-draft guessed after a round at d = 0 (caught the draft up)
         self._rejection: Rejection | None = None
         self._resend_vocab = False                 # a worker lacked the bitmap the last OPEN named by hash
         self._pending: P.Resample | None = None
@@ -197,10 +198,11 @@ class EdgeSession:
             self._catchup, self._steps = False, 0  # a tree round is timed by its own steps (trees.last_steps)
             return self.trees.request(block)
         self.trees.block, self.trees.last_steps = None, 0
-        # a block drafted after the session's OPEN or after a round at d = 0 first feeds the draft model the whole
-        # stretch it has not seen (the prompt, every token the target alone committed): a one-off cost that is
+        # a block drafted after the session's OPEN or a round at d = 0 (unless it guessed) first feeds the draft the
+        # whole stretch it has not seen (the prompt, every token the target alone committed): a one-off cost that is
         # not what a block of d costs while drafting goes on, so its steps do not teach s (edge_worker/policy)
-        self._catchup = self.prefill_due > 0 or self._block is None or not self._block.ids
+        self._catchup = self.prefill_due > 0 or self._block is None or not (self._block.ids or self._guessed)
+        self._guessed = False
         self._prefilled = self.prefill_due > 0
         self._block, reused = self._reused + block, len(self._reused.ids)
         self._reused, self._steps = DraftBlock(), block.steps  # draft forwards waited for
@@ -243,6 +245,8 @@ class EdgeSession:
     def take_predraft(self, more: DraftBlock) -> None:
         """The pre-drafted continuation of the block in flight (call before `apply` of its VERDICT)."""
         if self._chain is not None and isinstance(more, DraftBlock):
+            if more.ids and not self._chain.block.ids:  # a guess after a round at d = 0: the draft caught up
+                self._guessed, self._seen = True, len(self.tokens)
             self._chain.extend(more)
 
     def record_timing(self, draft_s: float | None, latency_s: float) -> None:

@@ -155,7 +155,8 @@ async def test_speculation_metrics_and_load_hints(zctx, linked, twin_drafter, ti
 def test_exploring_at_d_0_samples_by_the_pre_drafts_guess_off_the_critical_path(tiny_runners):
     """Where drafting does not pay, an acceptance sample is due once in a while: a greedy session that pre-drafts
     then verifies a row of 1 and, while its VERDICT is awaited, pre-drafts one token (the draft's guess at the next
-    token, after catching up on what it had not seen); the VERDICT's token scores the guess (position 0)."""
+    token, after catching up on what it had not seen); the VERDICT's token scores the guess (position 0). The draft
+    caught up, the next round drafts, and its wait is timed as a clean round's (at d = 0 nothing else times one)."""
     target, draft = tiny_runners
     est = EdgeEstimates(predraft=True)
     est.observe_draft(1, [(1, 0.010)])  # the draft is timed: a pre-draft may run
@@ -177,6 +178,12 @@ def test_exploring_at_d_0_samples_by_the_pre_drafts_guess_off_the_critical_path(
     session.apply(P.Verdict(session.sid, request.seq, 0, guess.ids[0]))
     assert sum(est.acceptance.reached) == pytest.approx(reached * 0.995 + 1) and est.acceptance.accepted[0] >= 1
     assert est.idle == 0
+    # the guess caught the draft up: the next round drafts (once), a clean round whose wait the draft line learns
+    after = next_request(session)
+    assert after.draft and session.policy.timing == 2 and not session._catchup
+    waited = est.waited.count
+    session.record_timing(0.01, 0.02)
+    assert est.waited.count == waited + 1 and session.policy.timing == 0
     sampled = EdgeSession([1, 2, 3], SessionConfig(max_new_tokens=16, mode="sample", seed=1,
                                                      params=SamplingParams(1.0)), drafter, estimates=est)
     assert not sampled.policy.guesses  # in sample mode the bonus is drawn from p: a match is no acceptance

@@ -140,8 +140,8 @@ class DraftPolicy:
                  fixed: int | None = None, guesses: bool = False) -> None:
         self.edge, self.objective, self.fixed = edge or EdgeEstimates(), objective, fixed
         self.guesses = guesses  # a pre-draft's guess at the next token is an acceptance sample (not in sample mode)
-        self.exploring = False  # the round in flight drafts d = 1 to sample acceptance
-        self.guessing = False   # the round in flight, at d = 0, samples acceptance by a pre-draft's guess
+        self.exploring = self.guessing = False  # the round in flight samples acceptance: d = 1 / a guess at d = 0
+        self.timing = 0         # 1: the next round times a draft (after a guess); 2: the round in flight does
 
     def rates(self, n: int) -> list[float]:
         """a_0..a_{n-1}: the edge's pooled rates (every session's blocks; a session's own few rounds would pull its
@@ -149,28 +149,32 @@ class DraftPolicy:
         return self.edge.acceptance.rates(n)
 
     def choose(self, remaining: int, explore: bool = True, stretch: int = 0, opening: bool = False) -> int:
-        """The chain length d in 0..min(MAX_LEN, remaining - 1): fixed, d = 1 when exploring is due (EXPLORE_SHARE;
-        `explore` False: a pre-draft asking, which must not start a catch-up; d = 0 and `guessing` instead where the
-        round's pre-draft can guess the next token, its catch-up then in the shadow of the wait), else the objective's
-        pick, but d = 0 once in 1 / EXPLORE_SHARE drafting rounds while the worker's cost line has seen one width only
-        (the wait of a row of 1 is then measured, not extrapolated). `stretch`: target tokens the session's draft has
-        not seen (what an exploring round catches up on: its cost, until one was measured); `opening`: the block
-        after the prompt (_opening)."""
+        """The chain length d in 0..min(MAX_LEN, remaining - 1): fixed; when exploring is due (EXPLORE_SHARE; not
+        when `explore` is False: a pre-draft asks), d = 1, or d = 0 and `guessing` where the pre-draft can guess the
+        next token (its catch-up in the wait's shadow), then one round at the best d > 0 (`timing`: the draft caught
+        up, its wait is a clean round's); else the objective's pick, but d = 0 once in 1 / EXPLORE_SHARE drafting
+        rounds while the worker's cost line has seen one width only. `stretch`: target tokens the draft has not
+        seen (an exploring round's catch-up); `opening`: the block after the prompt (_opening)."""
         top = max(0, min(MAX_LEN, remaining - 1))
         if self.fixed is not None:
             return min(self.fixed, top)
         round_s, edge = self.edge.wait(0), self.edge
         if opening and stretch and not edge.provisional:  # no acceptance sample: an opening is not one
             return self._opening(top, stretch)
+        rows = chain_rows(self.edge, self.rates(top + 1), top)  # exploring costs at least a d = 1 round's more:
         cost = edge.explore_s.value if edge.explore_s.count else edge.step(stretch * edge.steps_per_token.value)
-        if explore and top and edge.idle * round_s * EXPLORE_SHARE >= max(round_s, cost):
+        cost = max(round_s, cost, rows[min(1, len(rows) - 1)][1] - rows[0][1])  # the guess's timing round
+        if explore and top and edge.idle * round_s * EXPLORE_SHARE >= cost:
             edge.idle = 0  # where a pre-draft can guess the next token, it samples off the critical path
             self.guessing = self.guesses and edge.predraft and edge.draft.known
-            self.exploring = not self.guessing
+            self.exploring, self.timing = not self.guessing, int(self.guessing)
             return int(self.exploring)
         if edge.provisional:  # the only wait measured also ran a prompt: measure a verify (a row of 1) first
             return 0
-        d = pick(chain_rows(self.edge, self.rates(top + 1), top), self.objective)
+        d = pick(rows, self.objective)
+        if explore and self.timing == 1 and len(rows) > 1:  # else a d = 0 chosen at a start's costs keeps them
+            self.timing = 2  # for ever: nothing at d = 0 times a draft
+            return d or 1 + pick(rows[1:], self.objective)
         if d and explore and edge.drafting * EXPLORE_SHARE >= 1 and edge.cloud.spread < 0.5:
             edge.drafting = 0  # the rows verified have kept one width: a row of 1 shows what d = 0 waits
             return 0
@@ -217,10 +221,9 @@ class DraftPolicy:
 
     def observe_block(self, d: int, n: int, bonus_match: bool | None = None, opening: bool = False) -> None:
         """A VERDICT on a block of d drafts (n accepted; the pre-drafted guess's match after a full block).
-        `opening`: the block right after the prompt, not an acceptance sample: where a prompt ends the target's
-        tokenizer may never stop (a prompt ending in a newline the target writes together with the next line's
-        indentation), so a draft of another tokenizer is almost never accepted there (demo pair: 3 %, 65 % later);
-        counted, a wave of fresh sessions took the edge to d = 0 with nothing else measured; counted apart instead."""
+        `opening`: the block right after the prompt, counted apart (a prompt may end where the target's tokenizer
+        never stops: a draft of another tokenizer is then almost never accepted there; demo pair: 3 %, 65 % later;
+        counted, a wave of fresh sessions took the edge to d = 0 with nothing else measured)."""
         if opening:  # counted apart: what the next opening is priced at
             if d > 0 or bonus_match is not None:
                 self.edge.opening.observe(d, n, bonus_match)
@@ -239,12 +242,12 @@ class DraftPolicy:
         timed), `catchup` whether they first caught the draft up on a stretch it had not seen (exploring's cost),
         `prefilled` whether the worker ran the prompt before verifying."""
         self.edge.observe_round(width, latency_s, hint, prefilled)
-        if self.exploring and draft_s is not None:
-            self.edge.explore_s.observe(draft_s)
-        elif tree is not None:  # the tree engine's rounds (paths too) price trees, as chains' rounds price chains
-            if draft_s is not None and steps > 0:
-                compute = tree_compute(self.edge, tree, steps)  # the first at most CLIP x it (as a chain's)
-                self.edge.tree_waited.observe(compute, draft_s, CLIP * compute)
-        elif draft_s is not None and steps > 0 and not catchup:
+        if draft_s is not None and (self.exploring or self.timing == 2):
+            self.edge.explore_s.observe(draft_s)  # exploring's cost (a timing round's also teaches the lines below)
+        timed = draft_s is not None and steps > 0 and not self.exploring
+        if timed and tree is not None:  # the tree engine's rounds (paths too) price trees, as chains' rounds chains
+            compute = tree_compute(self.edge, tree, steps)  # the first at most CLIP x it (as a chain's)
+            self.edge.tree_waited.observe(compute, draft_s, CLIP * compute)
+        elif timed and tree is None and not catchup:
             self.edge.observe_waited(steps, draft_s)
-        self.exploring = False
+        self.exploring, self.timing = False, 0 if self.timing == 2 else self.timing

@@ -275,14 +275,12 @@ class EdgeEstimates:
 
     def wait_line(self) -> tuple[float, float]:
         """(w0, w1): R + V = w0 + w1 (tokens + 1), seconds from sending a row of `tokens` draft tokens to its
-        VERDICT: the measured mean wait at the mean row, and per token more (1 + q) c1 B, the worker's forward
-        growing as every row of its batch drafts one more, and the wait for the forward ahead (q of a forward, as
-        the hints measured) growing alike (the cloud line's slope; without hints, the latency line's), or
-        what the measured wait of a row of 1 implies if that is more (a cost line's slope seen at one width only),
-        while our rows are the worker's only ones (about one row a forward, as the hints say: one session's rows of
-        1 and of d are timed under the same load). Beside other rows the line's slope stands: there rows of 1 were
-        timed under other loads (a fresh edge's first rounds, before the others joined) and implied a slope 3-4x
-        too steep (demo pair, 8 sessions: d = 2-3 for a third of a run)."""
+        VERDICT: the measured mean wait at the mean row, and per token more (1 + q) c1 B (the worker's forward and
+        the wait for the forward ahead, q of one, growing as every row of its batch drafts one more; without hints,
+        the latency line's slope), or what the measured wait of a row of 1 implies if that is more (a line seen at
+        one width), while our rows are the worker's only ones (about one a forward: rows of 1 and of d timed under
+        one load). Beside other rows, rows of 1 were timed under other loads (a fresh edge's first rounds) and
+        implied a slope 3-4x too steep (demo pair, 8 sessions: d = 2-3 for a third of a run)."""
         if not self.waits.count:  # 1 / DRAFT_PRIOR draft forwards (in-process: in units of one)
             return (self.step() if self.draft.known else 1.0) / DRAFT_PRIOR, 0.0
         slope = (1 + self.queue_share.value) * self.cloud.fit()[1] * self.batch.value \

@@ -169,7 +169,7 @@ def test_the_candidates_table_prices_each_tree_as_tree_time_does():
         est.tree_saved = type(est.tree_saved)(float(saved))
         rows = tree_rows(est, chain, 16, None, None)
         p = tuple(round(x, 2) for x in est.ranks.mean_p_rank())
-        assert any(len(row[0]) < row[1] for row in tree_table(p, 16, saved, None, None))  # shallower than its d
+        assert any(len(row[0]) < row[1] for row in tree_table(p, saved, None, None))  # shallower than its d
         for widths, _, t, _ in rows:
             assert t == pytest.approx(tree_time(est, TreeShape(widths)), rel=1e-12)
 
@@ -189,7 +189,7 @@ def test_a_tree_is_drafted_as_priced_its_least_node_worth_its_min_value():
                     continue
                 trees += 1
                 p = tuple(round(x, 2) for x in est.ranks.mean_p_rank())
-                table = tree_table(p, 32, round(est.tree_saved.value), None, None)
+                table = tree_table(p, round(est.tree_saved.value), None, None)
                 assert max(row[-1] for row in table if row[0] == shape.widths) >= shape.min_value
     assert trees >= 6
 

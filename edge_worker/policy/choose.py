@@ -98,7 +98,7 @@ def tree_compute(est: EdgeEstimates, shape: TreeShape, steps: int, line: tuple[f
 
 
 @lru_cache(maxsize=512)
-def tree_table(p: tuple[float, ...], top: int, saved: int, depth: int | None,
+def tree_table(p: tuple[float, ...], saved: int, depth: int | None,
                nodes: int | None) -> tuple[tuple[tuple[int, ...], int, float, int, int, int, float], ...]:
     """The tree candidates at rank chances p (what tree_rows prices, less the estimates that change every round):
     (widths, depth d, value / spine, nodes, level forwards waited for, their columns, the value of its least
@@ -106,7 +106,7 @@ def tree_table(p: tuple[float, ...], top: int, saved: int, depth: int | None,
     1 + value x (E_chain(d) - 1) / spine: scaled so that a tree of one node per level has its chain's E (the
     positions' acceptance: one estimate of how deep drafts go, the ranks only add the side branches' share)."""
     out = []
-    for d in [min(depth, top)] if depth is not None else range(1, min(MAX_LEN, top) + 1):
+    for d in [depth] if depth is not None else range(1, MAX_LEN + 1):  # not by `top`: a miss costs ~3 ms
         if d < 1:
             continue
         grown = static_tree(p, d, min(MAX_DRAFT, nodes or 4 * d))
@@ -127,9 +127,9 @@ def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | Non
     p = tuple(round(x, 2) for x in est.ranks.mean_p_rank())  # to the percent: the tables' cache hits
     (c, s), (w0, w1) = est.step_line(), est.wait_line()
     line, s_rows = est.tree_line(), s * est.rows.value
-    table = tree_table(p, top, round(est.tree_saved.value), depth, nodes)
+    table = tree_table(p, round(est.tree_saved.value), None if depth is None else min(depth, top), nodes)
     return [(w, 1.0 + r * (chain[d] - 1.0), wait_for(line, steps * c + s_rows * cols) + w0 + w1 * (n + 1), last)
-            for w, d, r, n, steps, cols, last in takewhile(lambda row: row[-1] >= floor, table)]
+            for w, d, r, n, steps, cols, last in takewhile(lambda row: row[-1] >= floor, table) if d <= top]
 
 
 class DraftPolicy:
@@ -151,8 +151,8 @@ class DraftPolicy:
     def choose(self, remaining: int, explore: bool = True, stretch: int = 0, opening: bool = False) -> int:
         """The chain length d in 0..min(MAX_LEN, remaining - 1): fixed; when exploring is due (EXPLORE_SHARE; not
         when `explore` is False: a pre-draft asks), d = 1, or d = 0 and `guessing` where the pre-draft can guess the
-        next token (its catch-up in the wait's shadow), then one round at the best d > 0 (`timing`: the draft caught
-        up, its wait is a clean round's); else the objective's pick, but d = 0 once in 1 / EXPLORE_SHARE drafting
+        next token (its catch-up in the wait's shadow), then one round at the fastest d > 0 (`timing`: the draft
+        caught up, its wait is a clean round's); else the objective's pick, but d = 0 once in 1 / EXPLORE_SHARE drafting
         rounds while the worker's cost line has seen one width only. `stretch`: target tokens the draft has not
         seen (an exploring round's catch-up); `opening`: the block after the prompt (_opening)."""
         top = max(0, min(MAX_LEN, remaining - 1))
@@ -174,7 +174,7 @@ class DraftPolicy:
         d = pick(rows, self.objective)
         if explore and self.timing == 1 and len(rows) > 1:  # else a d = 0 chosen at a start's costs keeps them
             self.timing = 2  # for ever: nothing at d = 0 times a draft
-            return d or 1 + pick(rows[1:], self.objective)
+            return d or 1 + pick(rows[1:], Objective.SPEED)  # the fastest draft (real pair, balanced: d = 14)
         if d and explore and edge.drafting * EXPLORE_SHARE >= 1 and edge.cloud.spread < 0.5:
             edge.drafting = 0  # the rows verified have kept one width: a row of 1 shows what d = 0 waits
             return 0

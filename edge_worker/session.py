@@ -197,7 +197,7 @@ class EdgeSession:
         if isinstance(block, TreeBlock):
             self._catchup, self._steps = False, 0  # a tree round is timed by its own steps (trees.last_steps)
             return self.trees.request(block)
-        self.trees.block, self.trees.last_steps = None, 0
+        self.trees.block, self.trees.last_steps, self.trees.last_tree = None, 0, False
         # a block drafted after the session's OPEN or a round at d = 0 (unless it guessed) first feeds the draft the
         # whole stretch it has not seen (the prompt, every token the target alone committed): a one-off cost that is
         # not what a block of d costs while drafting goes on, so its steps do not teach s (edge_worker/policy)

@@ -121,20 +121,19 @@ def tree_table(p: tuple[float, ...], saved: int, depth: int | None,
 
 
 def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | None, nodes: int | None,
-              floor: float = 0.0) -> list[tuple[tuple[int, ...], float, float, float]]:
+              floor: float = 0.0, saved: bool = True) -> list[tuple[tuple[int, ...], float, float, float]]:
     """(widths, E, T, its least node's value) of the tree candidates whose least node is worth `floor` or more
-    (`chain`: E(d) of the chains at the positions' acceptance), T as tree_time's with both lines fitted once."""
+    (`chain`: the chains' E(d)), T as tree_time's (`saved` False: no level pre-drafted, as after a chain round)."""
     p = tuple(round(x, 2) for x in est.ranks.mean_p_rank())  # to the percent: the tables' cache hits
     (c, s), (w0, w1) = est.step_line(), est.wait_line()
     line, s_rows = est.tree_line(), s * est.rows.value
-    table = tree_table(p, round(est.tree_saved.value), None if depth is None else min(depth, top), nodes)
+    table = tree_table(p, round(est.tree_saved.value) * saved, None if depth is None else min(depth, top), nodes)
     return [(w, 1.0 + r * (chain[d] - 1.0), wait_for(line, steps * c + s_rows * cols) + w0 + w1 * (n + 1), last)
             for w, d, r, n, steps, cols, last in takewhile(lambda row: row[-1] >= floor, table) if d <= top]
 
 
 class DraftPolicy:
-    """One session's draft: the edge's pooled acceptance and costs (the edge counts its sessions' rounds at d = 0
-    since the last exploring one, and at d > 0 since the last at d = 0), whether this session's round explores."""
+    """One session's draft at the edge's pooled acceptance and costs, and whether its round explores."""
 
     def __init__(self, edge: EdgeEstimates | None = None, objective: Objective = Objective.BALANCED,
                  fixed: int | None = None, guesses: bool = False) -> None:
@@ -190,9 +189,10 @@ class DraftPolicy:
         rows = chain_rows(edge, edge.opening.rates(top + 1, self.rates(top + 1)), top)
         return pick([(e, t + catchup * (d > 0)) for d, (e, t) in enumerate(rows)], self.objective)
 
-    def shape(self, remaining: int, trees: str, depth: int | None, nodes: int | None) -> TreeShape | None:
-        """The tree to draft (`--trees on|auto`): the objective's pick over the trees and, with `auto`, the chains
-        (None: a chain wins; the session drafts it as with trees off). depth / nodes: fixed by the caller."""
+    def shape(self, remaining: int, trees: str, depth: int | None, nodes: int | None,
+              after_tree: bool = True) -> TreeShape | None:
+        """The tree to draft (`--trees on|auto`): the objective's pick over trees and, with `auto`, chains (None: a
+        chain wins). depth / nodes: fixed by the caller; `after_tree` False: no tree pre-draft saved a level."""
         top = max(0, min(MAX_LEN, remaining - 1))
         est = self.edge
         chains = chain_rows(est, self.rates(top + 1), top, cut=depth is None)  # a depth given: kept
@@ -204,7 +204,7 @@ class DraftPolicy:
         # rank chances) is under it would go out smaller than priced, its E and T not what it commits and costs
         # (trees of 3-4 nodes went out as chains of 2-3); with `auto` the chains' best rate bounds it from below
         floor = node_cost * max(e / max(t, 1e-12) for e, t in offered) if trees == "auto" else 0.0
-        rows = tree_rows(est, [e for e, _ in chains], top, depth, nodes, floor)
+        rows = tree_rows(est, [e for e, _ in chains], top, depth, nodes, floor, after_tree)
         if trees == "auto":
             rows = [(None, e, t, 1.0) for e, t in offered] + rows
         if not rows:

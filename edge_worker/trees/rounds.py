@@ -41,6 +41,7 @@ class TreeRounds:
         self.root_len = 0
         self.chains_only = False
         self.last_steps = 0                   # forwards the last tree job ran (0: not a tree round)
+        self.last_tree = False                # the last round drafted a tree (its pre-draft grew the next one)
 
     @property
     def on(self) -> bool:
@@ -49,9 +50,10 @@ class TreeRounds:
     def edge(self) -> EdgeEstimates:
         return self.s.policy.edge
 
-    def next_shape(self, remaining: int) -> TreeShape | None:
-        """The policy's tree (None: with `auto`, a chain pays more)."""
-        return self.s.policy.shape(remaining, self.trees, self.s.config.draft_len, self.nodes)
+    def next_shape(self, remaining: int, after_tree: bool = True) -> TreeShape | None:
+        """The policy's tree (None: with `auto`, a chain pays more); `after_tree`: the round follows a tree round,
+        whose pre-draft grew this one (after a chain round a tree's levels are all drafted fresh)."""
+        return self.s.policy.shape(remaining, self.trees, self.s.config.draft_len, self.nodes, after_tree)
 
     def job(self) -> TreeJob | DraftJob | None:
         """The next tree job; with `auto`, None when the shape policy finds no tree that pays (the session drafts
@@ -59,7 +61,7 @@ class TreeRounds:
         nothing when no draft pays at all."""
         s, c = self.s, self.s.config
         retry = self.block is not None and self.root_len == len(s.tokens)
-        shape = self.shape if retry else self.next_shape(c.max_new_tokens - len(s.generated))
+        shape = self.shape if retry else self.next_shape(c.max_new_tokens - len(s.generated), self.last_tree)
         if shape is None or (not retry and self.trees == "auto" and shape.is_chain):
             return None
         if shape.depth == 0:
@@ -78,7 +80,7 @@ class TreeRounds:
     def request(self, block: TreeBlock) -> P.Verify:
         s = self.s
         self.block, self.tree, self.root_len = block, s.state.tree, len(s.tokens)
-        self.last_steps = block.steps
+        self.last_steps, self.last_tree = block.steps, True
         self.chain = all(p == i - 1 for i, p in enumerate(block.parents))
         s._block, s._chain, s._reused = DraftBlock(list(block.ids)), None, DraftBlock()
         s._width = len(s.tokens) - s.cloud_len + len(block.ids) + 1

@@ -160,9 +160,9 @@ class DraftPolicy:
         round_s, edge = self.edge.wait(0), self.edge
         if opening and stretch and not edge.provisional:  # no acceptance sample: an opening is not one
             return self._opening(top, stretch)
-        rows = chain_rows(self.edge, self.rates(top + 1), top)  # exploring costs at least a d = 1 round's more:
+        rows = chain_rows(self.edge, self.rates(top + 1), top)
         cost = edge.explore_s.value if edge.explore_s.count else edge.step(stretch * edge.steps_per_token.value)
-        cost = max(round_s, cost, rows[min(1, len(rows) - 1)][1] - rows[0][1])  # the guess's timing round
+        cost = max(round_s, cost, rows[min(1, len(rows) - 1)][1] - rows[0][1])  # >= T(1) - T(0): a timing round
         if explore and top and edge.idle * round_s * EXPLORE_SHARE >= cost:
             edge.idle = 0  # where a pre-draft can guess the next token, it samples off the critical path
             self.guessing = self.guesses and edge.predraft and edge.draft.known

@@ -166,7 +166,7 @@ def test_the_candidates_table_prices_each_tree_as_tree_time_does():
     est = edge(draft_s=0.002, rtt_s=0.05)
     chain = [e for e, _ in chain_rows(est, DraftPolicy(est).rates(17), 16, cut=False)]
     for saved in (0, 1, 3):
-        est.tree_saved = type(est.tree_saved)(float(saved))
+        saved_levels(est, saved)
         rows = tree_rows(est, chain, 16, None, None)
         p = tuple(round(x, 2) for x in est.ranks.mean_p_rank())
         assert any(len(row[0]) < row[1] for row in tree_table(p, saved, None, None))  # shallower than its d
@@ -174,19 +174,50 @@ def test_the_candidates_table_prices_each_tree_as_tree_time_does():
             assert t == pytest.approx(tree_time(est, TreeShape(widths)), rel=1e-12)
 
 
-def test_after_a_chain_round_a_tree_is_priced_with_no_level_pre_drafted():
-    """A tree round's pre-draft grows the next tree (est.tree_saved: levels drafted when the VERDICT came); a chain
-    round's pre-draft grows a chain. So a tree right after a chain round drafts every level fresh, and `--trees
-    auto` priced it as if grown (over 50 ms, 1 session: 47 % tree rounds, 58.6 tok/s against 60.0 for chains and
-    65.3 for trees alone). After a chain round trees are priced as with nothing saved."""
+def saved_levels(est: EdgeEstimates, levels: float) -> None:
+    """What a tree engine measured: its pre-draft had grown `levels` levels when each VERDICT came."""
+    est.tree_saved = type(est.tree_saved)(clip=float("inf"))
+    for _ in range(10):
+        est.tree_saved.observe(levels)
+
+
+def test_after_a_chain_round_a_tree_pays_its_fresh_levels_once_over_the_tokens_left():
+    """A tree round's pre-draft grows the next tree (est.tree_saved); a chain round's grows a chain, so a tree right
+    after a chain round drafts every level fresh. Priced as if grown, `--trees auto` over 50 ms, 1 session flapped
+    (47 % tree rounds, 58.6 tok/s against 60.0 for chains, 65.3 for trees alone); priced as fresh every round, it
+    never left chains for trees that win in steady state (63.2 tok/s against d = 16 trees' 68.4). The switch is
+    paid once: 1 / tokens left of a fresh tree's extra time per token."""
     est = edge(draft_s=0.002, rtt_s=0.05)
     chain = [e for e, _ in chain_rows(est, DraftPolicy(est).rates(17), 16, cut=False)]
-    est.tree_saved = type(est.tree_saved)(0.0)
+    saved_levels(est, 0)
     unsaved = tree_rows(est, chain, 16, None, None)
-    est.tree_saved = type(est.tree_saved)(3.0)
-    fresh, grown = tree_rows(est, chain, 16, None, None, saved=False), tree_rows(est, chain, 16, None, None)
-    assert fresh == unsaved and [g[0] for g in grown] == [f[0] for f in fresh]
-    assert all(g[2] <= f[2] for g, f in zip(grown, fresh)) and any(g[2] < f[2] for g, f in zip(grown, fresh))
+    saved_levels(est, 3)
+    grown, fresh = tree_rows(est, chain, 16, None, None), tree_rows(est, chain, 16, None, None, switch=1.0)
+    once = tree_rows(est, chain, 16, None, None, switch=1 / 48)
+    assert fresh == unsaved and [g[0] for g in grown] == [f[0] for f in fresh] == [o[0] for o in once]
+    assert all(g[2] <= o[2] <= f[2] for g, o, f in zip(grown, once, fresh))
+    assert any(g[2] < o[2] < f[2] for g, o, f in zip(grown, once, fresh))
+    for g, o, f in zip(grown, once, fresh):
+        assert o[2] == pytest.approx(g[2] + g[1] / 48 * (f[2] - g[2]), rel=1e-9)
+
+
+def test_auto_keeps_a_tree_it_would_switch_to_from_a_chain():
+    """A tree grown by its predecessor's pre-draft is priced cheaper than one drafted fresh after a chain round, so
+    where `auto` leaves a chain for a tree it must keep drafting trees. The nodes' value floor rose with the best
+    modelled rate, so a grown tree's higher rate filtered every tree out and the chain came back: a tree after each
+    chain, a chain after each tree (14 of 486 edges below)."""
+    switched = 0
+    for draft_s in (0.003, 0.005, 0.008, 0.012, 0.02):
+        for forward_s, rtt_s in ((0.01, 0.0002), (0.02, 0.0002), (0.01, 0.01), (0.005, 0.05), (0.01, 0.05)):
+            for accept in (0.5, 0.8):
+                for levels in (4, 8):
+                    est = edge(draft_s=draft_s, rtt_s=rtt_s, forward_s=forward_s, accept=accept, predraft=True)
+                    saved_levels(est, levels)
+                    after_chain, after_tree = (DraftPolicy(est, Objective.SPEED).shape(48, "auto", None, None, grown)
+                                               for grown in (False, True))
+                    switched += after_chain is not None
+                    assert after_chain is None or after_tree is not None, (draft_s, forward_s, rtt_s, accept, levels)
+    assert switched >= 20
 
 
 def test_a_tree_is_drafted_as_priced_its_least_node_worth_its_min_value():

@@ -150,10 +150,13 @@ def test_predrafted_verdicts_start_the_next_tree(demo_runners):
             pre.absorb(session.drafter.draft_batch([pre.next_chunk(1)])[0])
         session.take_predraft(pre.block if pre is not None else None)
 
+    counted = []
     while not s.done:
         _, reply = one_round(s, verifier, predraft)
+        counted.append(s.policy.edge.tree_saved.count)
         s.apply(reply)
     assert s.generated == target_generate(target, s.prompt_ids, 40)
+    assert counted[0] == 0 and counted[1] == 1  # the first tree followed no tree round: a switch, not steady state
     st = s.stats
     print(st)
     assert st.predraft_tries >= st.cloud_calls - 3  # not in the last rounds, with a token or two left

@@ -121,15 +121,21 @@ def tree_table(p: tuple[float, ...], saved: int, depth: int | None,
 
 
 def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | None, nodes: int | None,
-              floor: float = 0.0, saved: bool = True) -> list[tuple[tuple[int, ...], float, float, float]]:
+              floor: float = 0.0, switch: float = 0.0) -> list[tuple[tuple[int, ...], float, float, float]]:
     """(widths, E, T, its least node's value) of the tree candidates whose least node is worth `floor` or more
-    (`chain`: the chains' E(d)), T as tree_time's (`saved` False: no level pre-drafted, as after a chain round)."""
+    (`chain`: the chains' E(d)), T as tree_time's, plus `switch` x E of a fresh tree's extra time (no level
+    pre-drafted, as after a chain round: 1 / tokens left pays a switch once over the generation's rest)."""
     p = tuple(round(x, 2) for x in est.ranks.mean_p_rank())  # to the percent: the tables' cache hits
     (c, s), (w0, w1) = est.step_line(), est.wait_line()
-    line, s_rows = est.tree_line(), s * est.rows.value
-    table = tree_table(p, round(est.tree_saved.value) * saved, None if depth is None else min(depth, top), nodes)
-    return [(w, 1.0 + r * (chain[d] - 1.0), wait_for(line, steps * c + s_rows * cols) + w0 + w1 * (n + 1), last)
-            for w, d, r, n, steps, cols, last in takewhile(lambda row: row[-1] >= floor, table) if d <= top]
+    line, s_rows, depth = est.tree_line(), s * est.rows.value, None if depth is None else min(depth, top)
+    grown, fresh = (tree_table(p, saved, depth, nodes) for saved in (round(est.tree_saved.value), 0))  # one order
+    out = []
+    for (w, d, r, n, steps, cols, last), f in zip(takewhile(lambda row: row[-1] >= floor, grown), fresh):
+        if d <= top:
+            e, t = 1.0 + r * (chain[d] - 1.0), wait_for(line, steps * c + s_rows * cols) + w0 + w1 * (n + 1)
+            extra = wait_for(line, f[4] * c + s_rows * f[5]) + w0 + w1 * (n + 1) - t  # f: the same tree, fresh
+            out.append((w, e, t + min(1.0, e * switch) * extra, last))
+    return out
 
 
 class DraftPolicy:
@@ -143,8 +149,7 @@ class DraftPolicy:
         self.timing = 0         # 1: the next round times a draft (after a guess); 2: the round in flight does
 
     def rates(self, n: int) -> list[float]:
-        """a_0..a_{n-1}: the edge's pooled rates (every session's blocks; a session's own few rounds would pull its
-        length away from its lockstep batch-mates' and cost more waiting than they gain)."""
+        """a_0..a_{n-1}: the edge's pooled rates (a session's own would pull it from its lockstep batch-mates)."""
         return self.edge.acceptance.rates(n)
 
     def choose(self, remaining: int, explore: bool = True, stretch: int = 0, opening: bool = False) -> int:
@@ -181,9 +186,8 @@ class DraftPolicy:
 
     def _opening(self, top: int, stretch: int) -> int:
         """The block right after the prompt, at the opening blocks' own acceptance (shrunk toward the pooled rates)
-        and a drafting opening's catch-up on the prompt's `stretch` target tokens. d = 0 pays none: a pre-draft
-        runs the catch-up during the wait, or a later round drafting pays it (real pair over 50 ms: the catch-up,
-        340-540 ms, amortised over a long opening chain, drafted d = 6 at a first position accepted 46 %)."""
+        and a drafting opening's catch-up on the prompt's `stretch` target tokens (d = 0 pays none: a pre-draft
+        runs it during the wait, or a later round drafting pays it)."""
         edge = self.edge
         catchup = edge.step(stretch * edge.steps_per_token.value)
         rows = chain_rows(edge, edge.opening.rates(top + 1, self.rates(top + 1)), top)
@@ -200,16 +204,17 @@ class DraftPolicy:
         c1 = est.cloud.fit()[1] if est.cloud.known else 0.0
         node_cost = c1 * est.batch.value + est.draft.fit()[1] * est.rows.value  # one more node's seconds
         offered = chains if depth is None else chains[min(depth, top):min(depth, top) + 1]  # the chains `auto` weighs
-        # a node worth less than its seconds at the best rate is not drafted, so a tree whose least node (at the
-        # rank chances) is under it would go out smaller than priced, its E and T not what it commits and costs
-        # (trees of 3-4 nodes went out as chains of 2-3); with `auto` the chains' best rate bounds it from below
+        # a node worth less than its seconds at the best rate is not drafted: a tree whose least node is under it
+        # would go out smaller than priced (trees of 3-4 nodes went out as chains of 2-3); `auto`: chains' best rate
         floor = node_cost * max(e / max(t, 1e-12) for e, t in offered) if trees == "auto" else 0.0
-        rows = tree_rows(est, [e for e, _ in chains], top, depth, nodes, floor, after_tree)
+        switch = 0.0 if after_tree else 1 / max(1, remaining)  # a tree after a chain: its fresh levels, once
+        rows = tree_rows(est, [e for e, _ in chains], top, depth, nodes, floor, switch)
         if trees == "auto":
             rows = [(None, e, t, 1.0) for e, t in offered] + rows
         if not rows:
             return None if trees == "auto" else TreeShape()
-        least = max(MIN_VALUE, node_cost * max(e / max(t, 1e-12) for _, e, t, _ in rows))
+        least = max(MIN_VALUE, floor or node_cost * max(e / max(t, 1e-12) for _, e, t, _ in rows))  # `auto`: a
+        # grown tree's higher rate must not filter out every tree (after a tree round chains won, after a chain trees)
         rows = [r for r in rows if r[3] >= least] or rows
         if trees == "auto":  # a tree replaces the chain the objective picks only if modelled no slower, no fewer
             ec, tc = offered[pick(offered, self.objective)]  # tokens a call: else `balanced` took trees slower

@@ -157,9 +157,8 @@ class EdgeEstimates:
         self.opening = AcceptanceCounts()     # the blocks right after a prompt, apart (DraftPolicy.observe_block)
         self.draft = EWLine()                 # seconds per draft forward vs its columns (rows x new tokens)
         self.rows = EWMean(1.0)               # sessions per lockstep draft forward (one column each per step)
-        # the worker's forward, seconds vs its tokens (load hints of forwards without a prompt chunk: a prompt's
-        # token skips the output head a verified one pays for); its prior slope is the worker's own measure of a
-        # token (the hint's token_us): one session keeps one row width, which alone teaches no slope
+        # the worker's forward, seconds vs its tokens (hints of forwards without a prompt chunk); its prior slope:
+        # the worker's own measure of a token (token_us): one session's one row width teaches no slope
         self.cloud = EWLine()
         self.batch = EWMean(1.0)              # rows per worker forward
         self.queue_share = EWMean(clip=float("inf"))  # a VERIFY's wait at the worker over the worker's forward
@@ -170,21 +169,15 @@ class EdgeEstimates:
         self.provisional = False              # the anchor is a round that also ran its prompt (nothing else yet)
         self.single = EWMean()                # the wait of a row of 1 (a round at d = 0): the line's low end
         self.steps_per_token = EWMean(1.0)    # draft forwards per target token (a cross-vocabulary draft: > 1)
-        self.steps = EWLine(1.0)              # draft forwards vs the target tokens a block covers: across
-                                              # vocabularies a round pays a fixed forward or so to align the two
-                                              # tokenizations (its slope's prior: steps_per_token, so one block
-                                              # length alone keeps the ratio)
-        self.waited = EWLine()                # a chain round's wait for its draft vs its fresh forwards (the
-                                              # critical path): a part per round (the loop, queueing behind other
-                                              # sessions' batches and pre-drafts) and one per forward; its slope's
-                                              # prior: a forward's compute (one block length alone keeps it)
+        self.steps = EWLine(1.0)              # draft forwards vs a block's target tokens: across vocabularies a
+                                              # round pays ~1 forward to align (prior slope: steps_per_token)
+        self.waited = EWLine()                # a chain round's wait for its draft vs its fresh forwards: a part per
+                                              # round (the loop, other sessions' batches) and one per forward
         self.explore_s = EWMean()             # the draft wait of a round exploring from d = 0 (its catch-up)
         self.idle = 0                         # rounds at d = 0 (any session's) since the last acceptance sample
         self.drafting = 0                     # rounds at d > 0 (any session's) since the last one at d = 0
-        self.tree_saved = EWMean(clip=float("inf"))  # tree levels a pre-draft had drafted when the VERDICT came
-                                              # (a count of levels, not a timing: no stall to clip)
-        self.tree_waited = EWLine(1.0)        # a tree round's wait for its draft vs its forwards' modelled compute
-                                              # (as a chain's; its slope's prior: 1, the compute alone)
+        self.tree_saved = EWMean(clip=float("inf"))  # levels a tree pre-draft had grown at the VERDICT (a count)
+        self.tree_waited = EWLine(1.0)        # a tree round's wait for its draft vs its levels' modelled compute
         self.lookahead = 0                    # target tokens drafted past a block (1 across vocabularies)
 
     # ---------------------------------------------------------------- what the shell measured
@@ -275,12 +268,10 @@ class EdgeEstimates:
 
     def wait_line(self) -> tuple[float, float]:
         """(w0, w1): R + V = w0 + w1 (tokens + 1), seconds from sending a row of `tokens` draft tokens to its
-        VERDICT: the measured mean wait at the mean row, and per token more (1 + q) c1 B (the worker's forward and
-        the wait for the forward ahead, q of one, growing as every row of its batch drafts one more; without hints,
-        the latency line's slope), or what the measured wait of a row of 1 implies if that is more (a line seen at
-        one width), while our rows are the worker's only ones (about one a forward: rows of 1 and of d timed under
-        one load). Beside other rows, rows of 1 were timed under other loads (a fresh edge's first rounds) and
-        implied a slope 3-4x too steep (demo pair, 8 sessions: d = 2-3 for a third of a run)."""
+        VERDICT: the mean wait at the mean row, per token (1 + q) c1 B more (the worker's forward and the wait for
+        the one ahead, q of one, as every row of its batch drafts one more; without hints, the latency line's
+        slope), or what the wait of a row of 1 implies if more while our rows are the worker's only ones (beside
+        others, rows of 1 timed under other loads implied a slope 3-4x too steep)."""
         if not self.waits.count:  # 1 / DRAFT_PRIOR draft forwards (in-process: in units of one)
             return (self.step() if self.draft.known else 1.0) / DRAFT_PRIOR, 0.0
         slope = (1 + self.queue_share.value) * self.cloud.fit()[1] * self.batch.value \

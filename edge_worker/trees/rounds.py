@@ -80,7 +80,7 @@ class TreeRounds:
     def request(self, block: TreeBlock) -> P.Verify:
         s = self.s
         self.block, self.tree, self.root_len = block, s.state.tree, len(s.tokens)
-        self.last_steps, self.last_tree = block.steps, True
+        grown, self.last_steps, self.last_tree = self.last_tree, block.steps, True
         self.chain = all(p == i - 1 for i, p in enumerate(block.parents))
         s._block, s._chain, s._reused = DraftBlock(list(block.ids)), None, DraftBlock()
         s._width = len(s.tokens) - s.cloud_len + len(block.ids) + 1
@@ -94,7 +94,7 @@ class TreeRounds:
         st.predraft_rounds += s._hit(block.reused)
         for width, seconds in block.forwards:
             self.edge().observe_forward(width, seconds)
-        if self.shape.depth:
+        if self.shape.depth and grown:  # after a chain round nothing grew it: a switch's cost, not steady state
             self.edge().tree_saved.observe(max(0, self.shape.depth - block.steps))
         sample = s.mode == Mode.SAMPLE
         req = P.Verify(s.sid, s.seq, len(s.tokens), s.tokens[s.cloud_len:], list(block.ids),

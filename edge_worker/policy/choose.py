@@ -129,12 +129,15 @@ def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | Non
     (c, s), (w0, w1) = est.step_line(), est.wait_line()
     line, s_rows, depth = est.tree_line(), s * est.rows.value, None if depth is None else min(depth, top)
     grown, fresh = (tree_table(p, saved, depth, nodes) for saved in (round(est.tree_saved.value), 0))  # one order
+
+    def draft(steps: int, columns: int) -> float:  # the wait for a tree's level forwards not pre-drafted
+        return wait_for(line, steps * c + s_rows * columns)
+
     out = []
     for (w, d, r, n, steps, cols, last), f in zip(takewhile(lambda row: row[-1] >= floor, grown), fresh):
-        if d <= top:
-            e, t = 1.0 + r * (chain[d] - 1.0), wait_for(line, steps * c + s_rows * cols) + w0 + w1 * (n + 1)
-            extra = wait_for(line, f[4] * c + s_rows * f[5]) + w0 + w1 * (n + 1) - t  # f: the same tree, fresh
-            out.append((w, e, t + min(1.0, e * switch) * extra, last))
+        if d <= top:  # f: the same tree drafted fresh
+            e, t = 1.0 + r * (chain[d] - 1.0), draft(steps, cols)
+            out.append((w, e, t + w0 + w1 * (n + 1) + min(1.0, e * switch) * (draft(f[4], f[5]) - t), last))
     return out
 
 

@@ -235,12 +235,11 @@ class DraftPolicy:
             if d > 0 or bonus_match is not None:
                 self.edge.opening.observe(d, n, bonus_match)
             return
-        if d > 0 or bonus_match is not None:  # an acceptance sample, whichever session's: nothing to explore
+        if sample := d > 0 or bonus_match is not None:  # an acceptance sample, whichever session's: no exploring
             self.edge.acceptance.observe(d, n, bonus_match)
-            self.own.observe(d, n, bonus_match)
-            self.edge.idle = 0
-        else:  # nothing of its own learnt: the session's next round prices at the edge's rates (else it may stay)
-            self.edge.idle, self.own = self.edge.idle + 1, AcceptanceCounts()
+        self.edge.idle = 0 if sample else self.edge.idle + 1
+        self.own = self.own if d else AcceptanceCounts()  # its own rates live while it drafts (a session whose
+        self.own.observe(d, n)  # guesses at d = 0 missed stayed there, see docs/policy.md); at d = 0 a no-op
         self.edge.drafting = self.edge.drafting + 1 if d > 0 else 0
 
     def observe_round(self, width: int, latency_s: float, hint: LoadHint | None, draft_s: float | None,

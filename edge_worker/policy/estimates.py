@@ -91,14 +91,13 @@ class AcceptanceCounts:
 
     def rates(self, n: int, prior: list[float] | None = None) -> list[float]:
         """a_0..a_{n-1}: each position's counts shrunk (worth PRIOR_WEIGHT rounds) toward the rate of the one before
-        (the first toward PRIOR_ACCEPT); with a `prior`, toward its rate less the share the last position fell short
-        of it, and never above it (a few lucky rounds must not price long drafts; a bad session stays bad deeper)."""
+        (the first toward PRIOR_ACCEPT), or toward the `prior`'s less the share the last measured position fell short
+        of it: a session the draft knows badly is not assumed to get better where the pooled rates do."""
         out, before, scale = [], PRIOR_ACCEPT, 1.0
         for j in range(n):
             r, a = (self.reached[j], self.accepted[j]) if j < len(self.reached) else (0.0, 0.0)
-            before = min((a + PRIOR_WEIGHT * (prior[j] * scale if prior else before)) / (r + PRIOR_WEIGHT),
-                         prior[j] if prior else 1.0)
-            scale = before / max(prior[j], 1e-9) if prior else 1.0
+            before = (a + PRIOR_WEIGHT * (prior[j] * scale if prior else before)) / (r + PRIOR_WEIGHT)
+            scale = min(1.0, before / max(prior[j], 1e-9)) if prior else 1.0
             out.append(before)
         return out
 

@@ -412,16 +412,14 @@ def test_the_workers_queue_grows_the_wait_as_its_forward_does():
 
 
 def test_sessions_of_an_edge_choose_alike_and_explore_as_one():
-    """A session's acceptance starts at the edge's pooled rates: two fresh sessions at the same point choose the
-    same length, and one session's rejections move the other's choice too. Exploring from d = 0 counts every
-    session's rounds: one exploring round per edge when due, not one per session."""
+    """Acceptance is the edge's, pooled: two sessions at the same point choose the same length (a session's own
+    few rounds would set it apart from its lockstep batch-mates). Exploring from d = 0 counts every session's
+    rounds: one exploring round per edge when due, not one per session."""
     est = edge(draft_s=0.002, rtt_s=0.05)
     a, b = DraftPolicy(est), DraftPolicy(est)
-    assert a.choose(48) == b.choose(48) and a.rates(8) == b.rates(8) == est.acceptance.rates(8)
-    before = b.rates(1)[0]
     for _ in range(5):
-        DraftPolicy(est).observe_block(4, 0)  # another session's rejections are the edge's
-    assert a.choose(48) == b.choose(48) and a.rates(8) == b.rates(8) and a.rates(1)[0] < before
+        a.observe_block(4, 0)  # a's rejections are the edge's: they move b's choice as much as a's
+    assert a.choose(48) == b.choose(48)
     slow = edge(draft_s=0.030, rtt_s=0.0002)
     sessions = [DraftPolicy(slow) for _ in range(8)]
     chosen = []
@@ -431,28 +429,6 @@ def test_sessions_of_an_edge_choose_alike_and_explore_as_one():
             chosen.append(d)
             p.observe_block(d, d)
     assert 1 <= chosen.count(1) <= len(chosen) // 30
-
-
-def test_a_prompt_the_draft_knows_badly_drafts_short():
-    """A session's own blocks pull its acceptance from the edge's pooled rates, and a position it has not reached
-    keeps the shortfall of the last one it measured. Measured (16 sessions over 50 ms, `balanced`): on pooled
-    rates the prompts whose drafts were 10-18 % accepted drafted 8-21 tokens a round for the tokens per call d =
-    6 got, and their batch waited for them (0.80x the best fixed length's tokens/s; 0.95x with their own)."""
-    est = edge(draft_s=0.002, rtt_s=0.05, accept=0.8)
-    bad, fresh = DraftPolicy(est, Objective.BALANCED), DraftPolicy(est, Objective.BALANCED)
-    for _ in range(8):  # its first draft token accepted, the second rejected: a chain of 1 in every round
-        bad.observe_block(6, 1)
-    own, pooled = bad.rates(12), fresh.rates(12)
-    assert own[0] > 0.8 and own[1] < 0.4 and min(pooled) > 0.7
-    assert all(o / p <= own[1] / pooled[1] + 1e-12 for o, p in zip(own[2:], pooled[2:]))  # its shortfall carries
-    assert bad.choose(48) < fresh.choose(48)
-    good = DraftPolicy(est, Objective.BALANCED)
-    for _ in range(8):  # a session that accepts every draft token is not assumed better past what it measured
-        good.observe_block(6, 6)
-    assert good.rates(12)[6:] == pytest.approx(DraftPolicy(est).rates(12)[6:])
-    assert good.rates(6)[0] > DraftPolicy(est).rates(6)[0]
-    bad.observe_block(0, 0, bonus_match=False)  # a round at d = 0, even one that guessed: the edge's rates again
-    assert bad.rates(12) == fresh.rates(12)
 
 
 def test_the_block_after_the_prompt_is_not_an_acceptance_sample():

@@ -6,13 +6,13 @@ whether to pre-draft. The whole model (docs/policy.md):
     T    = D(F(d + lookahead - pre-drafted start)) + W(d) seconds a round takes (a tree: one forward a level)
 
 with one set of estimators per edge (estimates.py), every session's rounds pooled: acceptance per draft position
-(a session's own shrunk toward it; per confidence class and rank for trees); t, the draft's seconds per forward
-against the columns it runs; D(n), a round's measured wait for n fresh forwards (a line: a part per round, one per
-forward; trees' against their levels' compute); F(n), the draft forwards n target tokens take (n with one
-vocabulary, across vocabularies a line: a round's alignment forward and a slope); W(d), the wait from VERIFY to
-VERDICT, anchored at the mean wait measured at the mean row and growing by (1 + q) c1 B per token (the worker's
-forward if every row of its batch drafted one more, and the wait for the forward ahead, q of a forward; c1 and q
-from the load hints, c1 shrunk toward the worker's own measure of a token). A pre-draft runs on the otherwise idle
+(and per confidence class and rank for trees); t, the draft's seconds per forward against the columns it runs;
+D(n), a round's measured wait for n fresh forwards (a line: a part per round, one per forward; trees' against
+their levels' compute); F(n), the draft forwards n target tokens take (n with one vocabulary,
+across vocabularies a line: a round's alignment forward and a slope); W(d), the wait from VERIFY to VERDICT,
+anchored at the mean wait measured at the mean row and growing by (1 + q) c1 B per token (the worker's forward
+if every row of its batch drafted one more, and the wait for the forward ahead, q of a forward; c1 and q from
+the load hints, c1 shrunk toward the worker's own measure of a token). A pre-draft runs on the otherwise idle
 draft thread during the wait, so a block's start it drafted costs nothing. One objective rule picks among chains
 (d = 0 included) and trees alike (choose.pick): of the candidates whose rate E / T is within the objective's
 tolerance of the best, the most tokens per call (`speed` 0: the fastest; `balanced` 10 %; `cloud` any); with

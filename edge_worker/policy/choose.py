@@ -10,7 +10,7 @@ from itertools import takewhile
 
 from ...common.protocol import MAX_DRAFT, LoadHint, Objective
 from ..trees.tree import TreeShape
-from .estimates import CLIP, PREDRAFT_SHARE, AcceptanceCounts, EdgeEstimates
+from .estimates import CLIP, PREDRAFT_SHARE, EdgeEstimates
 
 MAX_LEN = 32           # the longest chain, the deepest tree auto drafts (past it a demo pair's chance of
                        # reaching a position is ~0)
@@ -80,7 +80,8 @@ def tree_time(est: EdgeEstimates, shape: TreeShape) -> float:
 
 
 def wait_for(line: tuple[float, float], x: float) -> float:
-    """A round's wait for its draft at a wait line (c, s): c + s x (x: fresh forwards, or levels' compute; 0: none)."""
+    """A round's wait for its draft at a wait line (c, s): c + s x (x: its fresh forwards, or levels' compute);
+    nothing when it waits for none."""
     return line[0] + line[1] * x if x > 0 else 0.0
 
 
@@ -90,7 +91,8 @@ def waited_columns(widths: tuple[int, ...], steps: int) -> int:
 
 
 def tree_compute(est: EdgeEstimates, shape: TreeShape, steps: int, line: tuple[float, float] | None = None) -> float:
-    """Seconds of draft compute in a tree's last `steps` level forwards (each t(rows x its columns), t: `line`)."""
+    """Seconds of draft compute in a tree's last `steps` level forwards (the ones a round waits for): each at
+    t(rows x the level's columns), t = c + s x columns (`line`, else est.step_line())."""
     c, s = line or est.step_line()
     return max(0, steps) * c + s * est.rows.value * waited_columns(shape.widths, steps)
 
@@ -140,7 +142,7 @@ def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | Non
 
 
 class DraftPolicy:
-    """One session's draft at its own acceptance (shrunk toward the edge's), the edge's costs; whether it explores."""
+    """One session's draft at the edge's pooled acceptance and costs, and whether its round explores."""
 
     def __init__(self, edge: EdgeEstimates | None = None, objective: Objective = Objective.BALANCED,
                  fixed: int | None = None, guesses: bool = False) -> None:
@@ -148,11 +150,10 @@ class DraftPolicy:
         self.guesses = guesses  # a pre-draft's guess at the next token is an acceptance sample (not in sample mode)
         self.exploring = self.guessing = False  # the round in flight samples acceptance: d = 1 / a guess at d = 0
         self.timing = 0         # 1: the next round times a draft (after a guess); 2: the round in flight does
-        self.own = AcceptanceCounts()  # this session's blocks (not its opening's)
 
     def rates(self, n: int) -> list[float]:
-        """a_0..a_{n-1}: the session's own counts shrunk toward the edge's pooled rates (AcceptanceCounts.rates)."""
-        return self.own.rates(n, self.edge.acceptance.rates(n))
+        """a_0..a_{n-1}: the edge's pooled rates (a session's own would pull it from its lockstep batch-mates)."""
+        return self.edge.acceptance.rates(n)
 
     def choose(self, remaining: int, explore: bool = True, stretch: int = 0, opening: bool = False) -> int:
         """The chain length d in 0..min(MAX_LEN, remaining - 1): fixed; when exploring is due (EXPLORE_SHARE; not
@@ -235,11 +236,11 @@ class DraftPolicy:
             if d > 0 or bonus_match is not None:
                 self.edge.opening.observe(d, n, bonus_match)
             return
-        if sample := d > 0 or bonus_match is not None:  # an acceptance sample, whichever session's: no exploring
+        if d > 0 or bonus_match is not None:  # an acceptance sample, whichever session's: nothing to explore
             self.edge.acceptance.observe(d, n, bonus_match)
-        self.edge.idle = 0 if sample else self.edge.idle + 1
-        self.own = self.own if d else AcceptanceCounts()  # its own rates live while it drafts (a session whose
-        self.own.observe(d, n)  # guesses at d = 0 missed stayed there, see docs/policy.md); at d = 0 a no-op
+            self.edge.idle = 0
+        else:
+            self.edge.idle += 1
         self.edge.drafting = self.edge.drafting + 1 if d > 0 else 0
 
     def observe_round(self, width: int, latency_s: float, hint: LoadHint | None, draft_s: float | None,

@@ -90,14 +90,13 @@ class AcceptanceCounts:
             self.accepted[j] += float(j < n or bool(bonus_match))
 
     def rates(self, n: int, prior: list[float] | None = None) -> list[float]:
-        """a_0..a_{n-1}: each position's counts shrunk (worth PRIOR_WEIGHT rounds) toward the rate of the one before
-        (the first toward PRIOR_ACCEPT), or toward the `prior`'s less the share the last measured position fell short
-        of it: a session the draft knows badly is not assumed to get better where the pooled rates do."""
-        out, before, scale = [], PRIOR_ACCEPT, 1.0
+        """a_0..a_{n-1}: counts shrunk toward `prior` (worth PRIOR_WEIGHT rounds); without one, each position
+        toward the rate of the one before (the first toward PRIOR_ACCEPT): past the positions measured, the last
+        measured rate."""
+        out, before = [], PRIOR_ACCEPT
         for j in range(n):
             r, a = (self.reached[j], self.accepted[j]) if j < len(self.reached) else (0.0, 0.0)
-            before = (a + PRIOR_WEIGHT * (prior[j] * scale if prior else before)) / (r + PRIOR_WEIGHT)
-            scale = min(1.0, before / max(prior[j], 1e-9)) if prior else 1.0
+            before = (a + PRIOR_WEIGHT * (prior[j] if prior else before)) / (r + PRIOR_WEIGHT)
             out.append(before)
         return out
 
@@ -282,7 +281,8 @@ class EdgeEstimates:
         return max(0.0, self.waits.value - slope * self.widths.value), slope
 
     def wait(self, tokens: int) -> float:
-        return (line := self.wait_line())[0] + line[1] * (tokens + 1)
+        w0, w1 = self.wait_line()
+        return w0 + w1 * (tokens + 1)
 
     def predraft_budget(self, tokens: int) -> int:
         """Draft tokens the idle draft thread can pre-draft while a row of `tokens` is verified (0 without

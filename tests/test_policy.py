@@ -411,15 +411,19 @@ def test_the_workers_queue_grows_the_wait_as_its_forward_does():
     assert abs(queued.queue_share.value - 0.5) < 1e-6 and abs(queued.wait_line()[1] - 1.5 * idle.wait_line()[1]) < 1e-9
 
 
-def test_sessions_of_an_edge_choose_alike_and_explore_as_one():
-    """Acceptance is the edge's, pooled: two sessions at the same point choose the same length (a session's own
-    few rounds would set it apart from its lockstep batch-mates). Exploring from d = 0 counts every session's
-    rounds: one exploring round per edge when due, not one per session."""
+def test_a_session_drafts_as_long_as_its_own_acceptance_pays_and_whether_as_the_edge_does():
+    """Whether to draft is the edge's pooled call; how long, the session's own acceptance (shrunk toward the pooled
+    rates): the prompts the draft knows badly draft short (on pooled rates they drafted 8-21 tokens, finished last,
+    and a batch of 16 waited for them), yet never d = 0 while the edge drafts (there it would learn nothing of its
+    own and stay). Exploring from d = 0 counts every session's rounds: one exploring round per edge when due."""
     est = edge(draft_s=0.002, rtt_s=0.05)
-    a, b = DraftPolicy(est), DraftPolicy(est)
-    for _ in range(5):
-        a.observe_block(4, 0)  # a's rejections are the edge's: they move b's choice as much as a's
-    assert a.choose(48) == b.choose(48)
+    a, b, c = DraftPolicy(est), DraftPolicy(est), DraftPolicy(est)
+    for _ in range(30):
+        b.observe_block(8, 8)  # the edge's well-known prompts
+    for _ in range(10):
+        a.observe_block(8, 0)  # a's rejections
+    assert 1 <= a.choose(48) < b.choose(48) and c.choose(48) == DraftPolicy(est).choose(48)
+    assert a.own_rates(1)[0] < c.own_rates(1)[0] == est.acceptance.rates(1)[0]
     slow = edge(draft_s=0.030, rtt_s=0.0002)
     sessions = [DraftPolicy(slow) for _ in range(8)]
     chosen = []

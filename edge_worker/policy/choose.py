@@ -10,7 +10,7 @@ from itertools import takewhile
 
 from ...common.protocol import MAX_DRAFT, LoadHint, Objective
 from ..trees.tree import TreeShape
-from .estimates import CLIP, PREDRAFT_SHARE, EdgeEstimates
+from .estimates import CLIP, PREDRAFT_SHARE, AcceptanceCounts, EdgeEstimates
 
 MAX_LEN = 32           # the longest chain, the deepest tree auto drafts (past it a demo pair's chance of
                        # reaching a position is ~0)
@@ -80,8 +80,7 @@ def tree_time(est: EdgeEstimates, shape: TreeShape) -> float:
 
 
 def wait_for(line: tuple[float, float], x: float) -> float:
-    """A round's wait for its draft at a wait line (c, s): c + s x (x: its fresh forwards, or levels' compute);
-    nothing when it waits for none."""
+    """A round's wait for its draft at a wait line (c, s): c + s x (x: fresh forwards, or levels' compute; 0: none)."""
     return line[0] + line[1] * x if x > 0 else 0.0
 
 
@@ -91,8 +90,7 @@ def waited_columns(widths: tuple[int, ...], steps: int) -> int:
 
 
 def tree_compute(est: EdgeEstimates, shape: TreeShape, steps: int, line: tuple[float, float] | None = None) -> float:
-    """Seconds of draft compute in a tree's last `steps` level forwards (the ones a round waits for): each at
-    t(rows x the level's columns), t = c + s x columns (`line`, else est.step_line())."""
+    """Seconds of draft compute in a tree's last `steps` level forwards (each t(rows x its columns), t: `line`)."""
     c, s = line or est.step_line()
     return max(0, steps) * c + s * est.rows.value * waited_columns(shape.widths, steps)
 
@@ -142,7 +140,7 @@ def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | Non
 
 
 class DraftPolicy:
-    """One session's draft at the edge's pooled acceptance and costs, and whether its round explores."""
+    """One session's draft: whether at the edge's pooled acceptance, how long at its own; whether it explores."""
 
     def __init__(self, edge: EdgeEstimates | None = None, objective: Objective = Objective.BALANCED,
                  fixed: int | None = None, guesses: bool = False) -> None:
@@ -150,10 +148,15 @@ class DraftPolicy:
         self.guesses = guesses  # a pre-draft's guess at the next token is an acceptance sample (not in sample mode)
         self.exploring = self.guessing = False  # the round in flight samples acceptance: d = 1 / a guess at d = 0
         self.timing = 0         # 1: the next round times a draft (after a guess); 2: the round in flight does
+        self.own = AcceptanceCounts()  # this session's drafted blocks (not its opening, not its guesses at d = 0)
 
     def rates(self, n: int) -> list[float]:
-        """a_0..a_{n-1}: the edge's pooled rates (a session's own would pull it from its lockstep batch-mates)."""
+        """a_0..a_{n-1}: the edge's pooled rates."""
         return self.edge.acceptance.rates(n)
+
+    def own_rates(self, n: int) -> list[float]:
+        """a_0..a_{n-1}: the session's own counts shrunk toward the pooled rates (AcceptanceCounts.rates)."""
+        return self.own.rates(n, self.rates(n))
 
     def choose(self, remaining: int, explore: bool = True, stretch: int = 0, opening: bool = False) -> int:
         """The chain length d in 0..min(MAX_LEN, remaining - 1): fixed; when exploring is due (EXPLORE_SHARE; not
@@ -185,6 +188,9 @@ class DraftPolicy:
         if d and explore and edge.drafting * EXPLORE_SHARE >= 1 and edge.cloud.spread < 0.5:
             edge.drafting = 0  # the rows verified have kept one width: a row of 1 shows what d = 0 waits
             return 0
+        if d:  # whether to draft is the pooled rates' call (a session's own kept it at d = 0, where it learns
+            own = chain_rows(edge, self.own_rates(top + 1), top)  # nothing); how long, its own: the prompts
+            d = 1 + pick(own[1:], self.objective) if len(own) > 1 else d  # the draft knows badly draft shorter
         return d
 
     def _opening(self, top: int, stretch: int) -> int:
@@ -202,7 +208,8 @@ class DraftPolicy:
         chain wins). depth / nodes: fixed by the caller; `after_tree` False: no tree pre-draft saved a level."""
         top = max(0, min(MAX_LEN, remaining - 1))
         est = self.edge
-        chains = chain_rows(est, self.rates(top + 1), top, cut=depth is None)  # a depth given: kept
+        chains = chain_rows(est, self.rates(top + 1), top, cut=depth is None)  # pooled (a session's own drew big
+        # trees for the prompts the draft knows badly: their short chains were easy to beat); a depth given: kept
         top = len(chains) - 1  # no deeper than the longest chain worth drafting (MIN_VALUE)
         c1 = est.cloud.fit()[1] if est.cloud.known else 0.0
         node_cost = c1 * est.batch.value + est.draft.fit()[1] * est.rows.value  # one more node's seconds
@@ -239,6 +246,8 @@ class DraftPolicy:
         if d > 0 or bonus_match is not None:  # an acceptance sample, whichever session's: nothing to explore
             self.edge.acceptance.observe(d, n, bonus_match)
             self.edge.idle = 0
+            if d > 0:
+                self.own.observe(d, n, bonus_match)
         else:
             self.edge.idle += 1
         self.edge.drafting = self.edge.drafting + 1 if d > 0 else 0

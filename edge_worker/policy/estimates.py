@@ -79,8 +79,7 @@ class AcceptanceCounts:
         self.accepted: list[float] = []
 
     def observe(self, d: int, n: int, bonus_match: bool | None = None) -> None:
-        """A block of d drafts, n accepted; bonus_match: whether the pre-drafted guess for the token after a fully
-        accepted block (position d) was the target's (None: no guess)."""
+        """A block of d drafts, n accepted; bonus_match: the guess past a full block matched (None: no guess)."""
         top = d + 1 if n == d and bonus_match is not None else d
         grow = max(0, top - len(self.reached))
         self.reached = [r * ACCEPT_DECAY for r in self.reached] + [0.0] * grow
@@ -90,13 +89,14 @@ class AcceptanceCounts:
             self.accepted[j] += float(j < n or bool(bonus_match))
 
     def rates(self, n: int, prior: list[float] | None = None) -> list[float]:
-        """a_0..a_{n-1}: counts shrunk toward `prior` (worth PRIOR_WEIGHT rounds); without one, each position
-        toward the rate of the one before (the first toward PRIOR_ACCEPT): past the positions measured, the last
-        measured rate."""
-        out, before = [], PRIOR_ACCEPT
+        """a_0..a_{n-1}: each position's counts shrunk (worth PRIOR_WEIGHT rounds) toward the rate of the one before
+        (the first toward PRIOR_ACCEPT), or toward the `prior`'s less the share the last measured position fell short
+        of it: a session the draft knows badly is not assumed to get better where the pooled rates do."""
+        out, before, scale = [], PRIOR_ACCEPT, 1.0
         for j in range(n):
             r, a = (self.reached[j], self.accepted[j]) if j < len(self.reached) else (0.0, 0.0)
-            before = (a + PRIOR_WEIGHT * (prior[j] if prior else before)) / (r + PRIOR_WEIGHT)
+            before = (a + PRIOR_WEIGHT * (prior[j] * scale if prior else before)) / (r + PRIOR_WEIGHT)
+            scale = min(1.0, before / max(prior[j], 1e-9)) if prior else 1.0
             out.append(before)
         return out
 
@@ -281,8 +281,7 @@ class EdgeEstimates:
         return max(0.0, self.waits.value - slope * self.widths.value), slope
 
     def wait(self, tokens: int) -> float:
-        w0, w1 = self.wait_line()
-        return w0 + w1 * (tokens + 1)
+        return (line := self.wait_line())[0] + line[1] * (tokens + 1)
 
     def predraft_budget(self, tokens: int) -> int:
         """Draft tokens the idle draft thread can pre-draft while a row of `tokens` is verified (0 without

@@ -190,7 +190,7 @@ class DraftPolicy:
             return 0
         if d:  # whether to draft is the pooled rates' call (a session's own kept it at d = 0, where it learns
             own = chain_rows(edge, self.own_rates(top + 1), top)  # nothing); how long, its own: the prompts
-            d = 1 + pick(own[1:], self.objective) if len(own) > 1 else d  # the draft knows badly draft shorter
+            d = 1 + pick(own[1:], self.objective) if len(own) > 1 else 1  # the draft knows badly draft shorter
         return d
 
     def _opening(self, top: int, stretch: int) -> int:

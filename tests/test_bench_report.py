@@ -159,6 +159,24 @@ def test_the_calls_bar_prints_its_ratio_and_meaning():
     assert "1.034x" in markdown("sweep", {**SWEEP, "rows": []})
 
 
+def test_each_objective_is_held_to_its_own_bar_and_the_slices_are_compared_pairwise():
+    from specrelay.bench.sweep import evaluate
+
+    def sweep_row(d, tps, slices, objective=None):
+        return row(d, tps, objective=objective, calls_vs_theory=1.0, trees="off", tree_nodes=None, shape="chain",
+                   speedup_vs_target_alone=tps / 10, tokens_per_s_slices=slices)
+
+    rows = [sweep_row(0, 10.0, [10.0, 10.0]), sweep_row(4, 20.0, [16.0, 24.0]),
+            sweep_row("auto", 19.0, [17.6, 21.6], "speed"), sweep_row("auto", 18.5, [16.0, 21.0], "balanced")]
+    bars = evaluate(rows)["auto_vs_best_fixed"]
+    speed, balanced = (bars[f"10 ms predraft=True objective={o}"] for o in ("speed", "balanced"))
+    assert (speed["bar"], speed["auto_ge_bar"], balanced["bar"], balanced["auto_ge_bar"]) == (0.97, False, 0.9, True)
+    assert speed["paired_ratios"] == {"median": 1.0, "min": 0.9, "max": 1.1, "slices": 2}
+    lines = "\n".join(bar_lines({"auto_vs_best_fixed": bars}))
+    assert "0.950x d=4 (bar >= 0.97x: not met; slice by slice 1.000x median, 0.900-1.100x over 2 slices)" in lines
+    assert "0.925x d=4 (bar >= 0.90x: met;" in lines
+
+
 def test_report_embeds_only_the_plots_a_benchmark_writes(tmp_path):
     import json
 

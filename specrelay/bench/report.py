@@ -111,10 +111,16 @@ def _calls_words(bars: dict) -> list[str]:
 
 
 def _auto_words(bars: dict) -> list[str]:
-    return [f"auto vs the best fixed length, {where}: {a['ratio']:.3f}x d={a['best_fixed_draft_len']} (bar >= 0.97x: "
-            f"{_met(a['auto_ge_0.97x_best'])}), {a['speedup_vs_target_alone']:.2f}x the target alone (bar >= 1x: "
-            f"{_met(a['auto_ge_target_alone'])}), {a['cloud_calls_per_token']} cloud calls per token (best fixed: "
-            f"{a['best_fixed_cloud_calls_per_token']})" for where, a in bars["auto_vs_best_fixed"].items()]
+    return [f"auto vs the best fixed length, {where}: {a['ratio']:.3f}x d={a['best_fixed_draft_len']} (bar >= "
+            f"{a['bar']:.2f}x: {_met(a['auto_ge_bar'])}{_paired_words(a.get('paired_ratios'))}), "
+            f"{a['speedup_vs_target_alone']:.2f}x the target alone (bar >= 1x: {_met(a['auto_ge_target_alone'])}), "
+            f"{a['cloud_calls_per_token']} cloud calls per token (best fixed: {a['best_fixed_cloud_calls_per_token']})"
+            for where, a in bars["auto_vs_best_fixed"].items()]
+
+
+def _paired_words(p: dict | None) -> str:
+    return "" if not p or p["slices"] < 2 else \
+        f"; slice by slice {p['median']:.3f}x median, {p['min']:.3f}-{p['max']:.3f}x over {p['slices']} slices"
 
 
 def _predraft_words(bars: dict) -> list[str]:

@@ -175,6 +175,11 @@ def test_each_objective_is_held_to_its_own_bar_and_the_slices_are_compared_pairw
     lines = "\n".join(bar_lines({"auto_vs_best_fixed": bars}))
     assert "0.950x d=4 (bar >= 0.97x: not met; slice by slice 1.000x median, 0.900-1.100x over 2 slices)" in lines
     assert "0.925x d=4 (bar >= 0.90x: met;" in lines
+    trees = sweep_row("auto", 18.0, [16.0, 23.0], "speed") | {"trees": "auto", "tree_round_share": 0.0}
+    bars = evaluate(rows + [trees])["trees_auto_vs_chain_policy"]
+    assert list(bars) == ["10 ms sessions=1 predraft=True objective=speed"]
+    line = bar_lines({"trees_auto_vs_chain_policy": bars})[0]
+    assert "0.947x its tokens/s (bar >= 1.0x: not met; slice by slice 0.987x median, 0.909-1.065x" in line
 
 
 def test_report_embeds_only_the_plots_a_benchmark_writes(tmp_path):

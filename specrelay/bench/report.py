@@ -139,7 +139,14 @@ def _trees_words(bars: dict) -> list[str]:
             for where, t in bars["trees_vs_chains"].items()]
 
 
+def _trees_auto_words(bars: dict) -> list[str]:
+    return [f"--trees auto vs the chain policy, {where}: {t['ratio']:.3f}x its tokens/s (bar >= 1.0x: "
+            f"{_met(t['bar_met'])}{_paired_words(t.get('paired_ratios'))}), {t['tree_round_share']:.0%} tree rounds"
+            for where, t in bars["trees_auto_vs_chain_policy"].items()]
+
+
 _BAR_WORDS = {"calls_vs_theory_max": _calls_words, "calls_le_1.02x_theory": lambda _: [],
+              "trees_auto_vs_chain_policy": _trees_auto_words,
               "auto_vs_best_fixed": _auto_words, "predraft_gain": _predraft_words, "trees_vs_chains": _trees_words}
 
 

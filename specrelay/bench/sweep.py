@@ -303,7 +303,8 @@ def evaluate(rows: list[dict]) -> dict:
              if r["draft_len"] != 0 and r["calls_vs_theory"] is not None and r.get("trees", "off") == "off"]
     out: dict = {"calls_vs_theory_max": max(calls) if calls else None,
                  "calls_le_1.02x_theory": bool(calls) and max(calls) <= 1.02, "auto_vs_best_fixed": {},
-                 "predraft_gain": {}, "trees_vs_chains": treesweep.trees_vs_chains(rows)}
+                 "predraft_gain": {}, "trees_vs_chains": treesweep.trees_vs_chains(rows),
+                 "trees_auto_vs_chain_policy": treesweep.auto_vs_chain_policy(rows, paired)}
     for (link, predraft, _), group in _groups(rows).items():
         fixed = [r for r in group if r["draft_len"] != AUTO]
         best = max(fixed, key=lambda r: r["tokens_per_s"]) if fixed else None

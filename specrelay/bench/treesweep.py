@@ -91,6 +91,22 @@ def trees_vs_chains(rows: list[dict]) -> dict:
     return out
 
 
+def auto_vs_chain_policy(rows: list[dict], paired) -> dict:
+    """Per link, sessions, pre-drafting and objective: `--trees auto` against the chain policy (`auto` with trees
+    off), tokens/s over the whole run and slice by slice (`paired`); the bar: no slower (>= 1.0x)."""
+    out = {}
+    for r in (r for r in rows if r["draft_len"] == "auto" and r["trees"] == "auto"):
+        chain = next((x for x in rows if x["draft_len"] == "auto" and x["trees"] == "off" and x["link"] == r["link"]
+                      and x["sessions"] == r["sessions"] and x["predraft"] == r["predraft"]
+                      and x["objective"] == r["objective"]), None)
+        if chain:
+            ratio = r["tokens_per_s"] / chain["tokens_per_s"]
+            out[f"{r['link']} sessions={r['sessions']} predraft={r['predraft']} objective={r['objective']}"] = {
+                "ratio": round(ratio, 3), "bar_met": ratio >= 1.0, "tree_round_share": r["tree_round_share"],
+                "paired_ratios": paired(r.get("tokens_per_s_slices"), chain.get("tokens_per_s_slices"))}
+    return out
+
+
 def _brief(r: dict) -> dict:
     return {k: r[k] for k in ("draft_len", "objective", "trees", "tree_nodes", "tokens_per_s", "tokens_per_call",
                               "mean_nodes", "predraft_hit_rate")}

@@ -266,6 +266,19 @@ def test_auto_takes_a_tree_only_where_it_beats_the_chain_pick_in_speed_and_token
                                                                                                None) is not None
 
 
+def test_auto_keeps_the_chain_a_session_drafts_at_its_own_acceptance_where_that_beats_the_tree():
+    """Trees are priced at the pooled rates; a session's chain at its own. A prompt the draft knows well drafts a
+    chain longer than the pooled one, which the tree beat in the model: one session over 50 ms, one such prompt
+    ran at 0.66-0.74x the chain policy's tokens/s under `--trees auto`. A tree must now beat that chain too."""
+    for objective in (Objective.SPEED, Objective.BALANCED):
+        est = edge(draft_s=0.002, rtt_s=0.05)
+        known = DraftPolicy(est, objective)
+        for _ in range(30):
+            known.observe_block(8, 8)
+        assert known.shape(48, "auto", None, None) is None and known.choose(48) > 8
+        assert DraftPolicy(est, objective).shape(48, "auto", None, None) is not None  # a fresh session: a tree
+
+
 def test_the_policy_stays_small():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "policy_size.py")], capture_output=True, text=True,
                          check=True).stdout

@@ -150,8 +150,7 @@ class DraftPolicy:
         self.timing = 0         # 1: the next round times a draft (after a guess); 2: the round in flight does
         self.own = AcceptanceCounts()  # this session's drafted blocks (not its opening, not its guesses at d = 0)
 
-    def rates(self, n: int) -> list[float]:
-        """a_0..a_{n-1}: the edge's pooled rates."""
+    def rates(self, n: int) -> list[float]:  # a_0..a_{n-1}: the edge's pooled rates
         return self.edge.acceptance.rates(n)
 
     def own_rates(self, n: int) -> list[float]:
@@ -208,8 +207,7 @@ class DraftPolicy:
         chain wins). depth / nodes: fixed by the caller; `after_tree` False: no tree pre-draft saved a level."""
         top = max(0, min(MAX_LEN, remaining - 1))
         est = self.edge
-        chains = chain_rows(est, self.rates(top + 1), top, cut=depth is None)  # pooled (a session's own drew big
-        # trees for the prompts the draft knows badly: their short chains were easy to beat); a depth given: kept
+        chains = chain_rows(est, self.rates(top + 1), top, cut=depth is None)  # pooled (own: docs/policy.md)
         top = len(chains) - 1  # no deeper than the longest chain worth drafting (MIN_VALUE)
         c1 = est.cloud.fit()[1] if est.cloud.known else 0.0
         node_cost = c1 * est.batch.value + est.draft.fit()[1] * est.rows.value  # one more node's seconds
@@ -226,9 +224,11 @@ class DraftPolicy:
         least = max(MIN_VALUE, floor or node_cost * max(e / max(t, 1e-12) for _, e, t, _ in rows))  # `auto`: a
         # grown tree's higher rate must not filter out every tree (after a tree round chains won, after a chain trees)
         rows = [r for r in rows if r[3] >= least] or rows
-        if trees == "auto":  # a tree replaces the chain the objective picks only if modelled no slower, no fewer
-            ec, tc = offered[pick(offered, self.objective)]  # tokens a call: else `balanced` took trees slower
-            rows = [(None, ec, tc, 1.0)] + [r for r in rows[len(offered):] if r[1] >= ec and r[1] * tc >= ec * r[2]]
+        if trees == "auto":  # a tree replaces the chain the objective picks (at the pooled rates, and the one the
+            own = chain_rows(est, self.own_rates(top + 1), top)  # session would draft at its own) only if modelled no
+            bars = [offered[pick(offered, self.objective)], own[pick(own, self.objective)]]  # slower, no fewer tokens
+            rows = [(None, *bars[0], 1.0)] + [r for r in rows[len(offered):]  # a call: else `balanced` took trees
+                                              if all(r[1] >= e and r[1] * t >= e * r[2] for e, t in bars)]  # slower
         best = pick([(e, t) for _, e, t, _ in rows], self.objective)
         if rows[best][0] is None:
             return None

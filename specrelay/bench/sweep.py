@@ -284,7 +284,7 @@ def make_row(args, link: LinkSpec, described: str, probe: dict, c: Config, tally
         "uplink_bits_per_token": round(8 * total("uplink_bytes") / tokens, 1),
         "downlink_bits_per_token": round(8 * total("downlink_bytes") / tokens, 1),
         "outputs_identical_to_target_alone": bool(ok) and all(r.ids == reference.get(r.prompt) for r in ok),
-        "errors": len(sessions) - len(ok),
+        "errors": len(sessions) - len(ok), "error_samples": sorted({r.error for r in sessions if r.error})[:3],
         **treesweep.fields(c, stats, tokens, tally.cloud.get("verify_requests", 0.0)),
         **wall_split(list(zip(tally.runs, tally.walls))),
     }

@@ -310,7 +310,10 @@ class CloudWorker(transport.Service):
     def _reply(self, item: Item, msg: P.Base) -> None:
         if isinstance(msg, P.Error):
             self._stats.errors[msg.code.name] += 1
-            self._stats.bad_requests += msg.code in (ErrorCode.BAD_REQUEST, ErrorCode.CHAINS_ONLY)  # an InvalidRequest
+            if msg.code in (ErrorCode.BAD_REQUEST, ErrorCode.CHAINS_ONLY):  # an InvalidRequest: say which, and why
+                self._stats.bad_requests += 1
+                self._errors_log.warning("bad request", peer=item.peer.hex(), session=msg.session, seq=msg.seq,
+                                         code=msg.code.name, message=msg.message)
         index, generation = item.conn
         conn = self.connections[index]
         if generation == conn.generation and conn.send(item.peer[1:], msg):  # the broker's own client id

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from structlog.testing import capture_logs
 import torch
 import zmq
 import zmq.asyncio
@@ -377,10 +378,13 @@ async def test_malformed_requests_get_bad_request_and_the_worker_keeps_serving(f
         (P.encode(P.Verify(21, 1, len(ids), [], [1], q=b"\x00\x00\xc0\x7f")), 21, 1, "q"),
     ]
     for frames, sid, seq, words in cases:
-        await broker.send(b"e", frames)
-        error = await broker.reply(b"e")
+        with capture_logs() as logs:
+            await broker.send(b"e", frames)
+            error = await broker.reply(b"e")
         assert isinstance(error, P.Error) and error.code == ErrorCode.BAD_REQUEST, (words, error)
         assert (error.session, error.seq) == (sid, seq) and words in error.message, (words, error)
+        said = [e for e in logs if e["event"] == "bad request"]  # the worker's log names it too
+        assert len(said) == 1 and said[0]["message"] == error.message and said[0]["seq"] == seq, logs
     await broker.send(b"e", P.Verify(21, 1, len(ids), [], [1, 2]))
     assert isinstance(await broker.reply(b"e"), P.Verdict)
     assert worker.stats["bad_requests"] == len(cases) == worker.stats["errors"]["BAD_REQUEST"]
@@ -724,8 +728,6 @@ def test_scheduler_yields_after_64_control_messages():
 async def test_a_worker_with_no_broker_says_it_is_waiting_for_it(zctx, tiny_runners):
     """A worker started before its broker (or pointed at the wrong address) says it waits for the broker at that
     address; it never claims to have lost a broker it never heard (issue 21)."""
-    from structlog.testing import capture_logs
-
     from specrelay.cluster import free_port
 
     endpoint = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specrelay.common.protocol import Mode
+from specrelay.common.protocol import MAX_DRAFT, Mode
 from specrelay.common.sampling import SamplingParams
 from specrelay.common.tree import Tree
 from specrelay.edge_worker.draft.kv import LockstepKV, SessionKV, TreeFeed, Workspace
@@ -118,3 +118,31 @@ def test_the_same_context_drafts_the_same_tree_again(tiny_runners):
     again = drafter.draft_batch([TreeJob(state, list(context), job.shape, Mode.SAMPLE, SamplingParams(1.0), 7,
                                          RankAcceptance())])[0]
     assert (again.ids, again.parents, again.q_tok, again.steps) == (first.ids, first.parents, first.q_tok, 0)
+
+
+@pytest.mark.parametrize("mode", [Mode.GREEDY, Mode.SAMPLE])
+def test_a_tree_grown_wider_before_sends_no_more_than_this_rounds_shape(tiny_runners, mode):
+    """A pre-draft grows the next tree under an earlier round's shape; the job keeps those nodes, but the VERIFY
+    carries only this round's shape's count of them (at most MAX_DRAFT, which a worker enforces): the most valuable,
+    each with its parent and earlier siblings (sample mode's draw order). Without the cap this tree went out with 68
+    nodes: a worker answers that BAD_REQUEST, which ends the generation."""
+    target, draft = tiny_runners
+    drafter = Drafter(draft, target.vocab_size)
+    context = draft.tokenizer(TEXTS[1]).input_ids
+    params = SamplingParams() if mode == Mode.GREEDY else SamplingParams(1.0)
+    (state,), (job,) = jobs_for(drafter, [context], TreeShape((4, 16, 44)), mode, params)
+    wide = drafter.draft_batch([job])[0]
+    assert len(wide.ids) == 64
+    for shape in (TreeShape((4, 16, 44, 4)), TreeShape((2, 2, 2, 2, 2))):
+        block = drafter.draft_batch([TreeJob(state, list(context), shape, mode, params, 7, RankAcceptance())])[0]
+        tree = state.tree
+        assert len(block.ids) == min(shape.nodes, MAX_DRAFT)
+        Tree.parse(block.ids, block.parents)
+        sent = set(block.nodes)
+        for u in [ROOT] + block.nodes:
+            kids = tree.kids(u)
+            assert [k for k in kids if k in sent] == kids[:len([k for k in kids if k in sent])]  # a prefix
+        dropped = [u for u in tree.sent_order(shape.depth, 10 ** 6) if u not in sent]
+        frontier = [u for u in dropped if tree.nodes[u].parent in sent | {ROOT}
+                    and all(k in sent for k in tree.kids(tree.nodes[u].parent)[:tree.nodes[u].rank])]
+        assert max(tree.nodes[u].value for u in frontier) <= min(tree.nodes[u].value for u in block.nodes)

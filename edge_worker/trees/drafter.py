@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...common.protocol import Mode
+from ...common.protocol import MAX_DRAFT, Mode
 from ...common.rng import Purpose, gumbel
 from ...common.sampling import SamplingParams, probs_from_logits
 from ...common.tree import draw_children
@@ -223,7 +223,7 @@ class Cursor:
         if self.job.plan is not None:
             return TreeBlock(steps=self.steps)
         tree, depth = self.job.state.tree, self.job.shape.depth
-        order = tree.sent_order(depth)
+        order = tree.sent_order(depth, min(self.job.shape.nodes, MAX_DRAFT))
         ids, parents = tree.wire(order)
         q = [tree.nodes[u].q for u in order] if self.job.mode == Mode.SAMPLE else []
         return TreeBlock(ids, parents, order, q, self.steps, min(self.reused, len(order)))

@@ -136,9 +136,24 @@ class DraftTree:
             level = [k for u in level for k in self.kids(u)]
         return out
 
-    def sent_order(self, depth: int) -> list[int]:
-        """The nodes a VERIFY of this depth carries, in wire order (each parent first, siblings in draw order)."""
-        return [u for level in self.levels(depth)[1:] for u in level]
+    def sent_order(self, depth: int, most: int) -> list[int]:
+        """The nodes a VERIFY of this depth carries, in wire order (each parent first, siblings in draw order): the
+        `most` most valuable, each with its parent and its earlier siblings (sample mode's draw order). A subtree a
+        pre-draft grew under an earlier shape may hold more than this round's shape prices, or than a VERIFY takes."""
+        order = [u for level in self.levels(depth)[1:] for u in level]
+        if len(order) <= most:
+            return order
+        sent = set(order)
+        kids = {u: [k for k in self.node(u).kids if k in sent] for u in [ROOT, *order]}
+        heap, keep = [(-self.nodes[kids[ROOT][0]].value, 0, ROOT)], set()
+        while heap and len(keep) < most:  # best first over the frontier: a parent's first child, a node's next sibling
+            _, rank, parent = heapq.heappop(heap)
+            u = kids[parent][rank]
+            keep.add(u)
+            for up, r in ((parent, rank + 1), (u, 0)):
+                if r < len(kids[up]):
+                    heapq.heappush(heap, (-self.nodes[kids[up][r]].value, r, up))
+        return [u for u in order if u in keep]
 
     def wire(self, order: list[int]) -> tuple[list[int], list[int]]:
         """(tokens, parents) as a VERIFY carries them: parents by index into `order`, -1 for the root."""

@@ -53,20 +53,19 @@ def chain_rows(est: EdgeEstimates, a: list[float], top: int, cut: bool = True) -
 
 
 @lru_cache(maxsize=256)
-def static_tree(p: tuple[float, ...], depth: int, nodes: int) -> tuple[tuple[float, tuple[int, ...]], ...]:
+def static_tree(p: tuple[float, ...], depth: int, nodes: int) -> tuple[tuple[float, ...], tuple[int, ...]]:
     """The best tree of at most `depth` levels at rank chances p (the same at every node), grown node by node by
-    value (the chance the accepted path passes it): (sum of values, widths per level) of its first n nodes."""
-    heap, out, total, count = [(-p[0], 1, 0, 1.0)], [], 0.0, [0] * depth
-    while heap and len(out) < nodes:
+    value (the chance the accepted path passes it): the sum of values of its first n nodes, and each node's depth."""
+    heap, totals, depths, total = [(-p[0], 1, 0, 1.0)], [], [], 0.0
+    while heap and len(totals) < nodes:
         v, k, r, up = heapq.heappop(heap)
-        total -= v
-        count[k - 1] += 1
-        out.append((total, tuple(c for c in count if c)))
+        totals.append(total := total - v)
+        depths.append(k)
         if k < depth:
             heapq.heappush(heap, (v * p[0], k + 1, 0, -v))
         if r + 1 < len(p):
             heapq.heappush(heap, (-up * p[r + 1], k, r + 1, up))
-    return tuple(out)
+    return tuple(totals), tuple(depths)
 
 
 def tree_time(est: EdgeEstimates, shape: TreeShape) -> float:
@@ -107,14 +106,15 @@ def tree_table(p: tuple[float, ...], saved: int, depth: int | None,
     for d in [depth] if depth is not None else range(1, MAX_LEN + 1):  # not by `top`: a miss costs ~3 ms
         if d < 1:
             continue
-        grown = static_tree(p, d, min(MAX_DRAFT, nodes or 4 * d))
+        totals, depths = static_tree(p, d, min(MAX_DRAFT, nodes or 4 * d))
         spine = sum(p[0] ** k for k in range(1, d + 1))  # a path's value: what the chain's E(d) - 1 scales
-        for n in sorted({min(nodes, len(grown))} if nodes else {math.ceil(f * d) for f in TREE_FILL}):
-            if d < n <= len(grown) or nodes:
-                value, widths = grown[n - 1]  # its first n nodes may not reach depth d
-                steps = len(widths) - min(len(widths), saved)
-                last = value - (grown[n - 2][0] if n > 1 else 0.0)
-                out.append((widths, d, value / max(spine, 1e-9), n, steps, waited_columns(widths, steps), last))
+        for n in sorted({min(nodes, len(totals))} if nodes else {math.ceil(f * d) for f in TREE_FILL}):
+            if d < n <= len(totals) or nodes:
+                first = depths[:n]  # its first n nodes, per level (they may not reach depth d)
+                value, w = totals[n - 1], tuple(map(first.count, range(1, max(first) + 1)))
+                steps = len(w) - min(len(w), saved)
+                last = value - (totals[n - 2] if n > 1 else 0.0)
+                out.append((w, d, value / max(spine, 1e-9), n, steps, waited_columns(w, steps), last))
     return tuple(sorted(out, key=lambda row: -row[-1]))
 
 

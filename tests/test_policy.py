@@ -375,12 +375,14 @@ def test_one_width_takes_the_workers_slope():
     assert flat.wait_line()[1] == 0.0
 
 
-def test_a_row_of_1_sets_the_slope_only_where_our_rows_are_the_workers_only_ones():
-    """A row of 1 timed at 10 ms, then rows of 8 waiting 40 ms. One session alone in the worker's forwards (hints:
-    1 row): the row of 1 bounds the slope from below ((40 - 10) / 7 a token), as a slow real target needs. Beside
-    other sessions (4 rows a forward) the row of 1 was timed under another load (a fresh edge's first rounds,
-    before the others joined: the demo pair's 8 sessions drafted d = 2-3 for a third of a run on that slope), so
-    the worker's line stands; and a round that ran a prompt already says how many rows the worker runs."""
+def test_a_row_of_1_prices_d_0_only_where_our_rows_are_the_workers_only_ones():
+    """A row of 1 timed at 10 ms, then rows of 8 waiting 40 ms in forwards whose tokens cost 0.5 ms each. One
+    session alone in the worker's forwards (hints: 1 row): d = 0 waits what the row of 1 waited, as a slow real
+    target needs, and the line's slope stays the worker's. A secant through the row of 1 ((40 - 10) / 7 a token)
+    read the jump of a forward from 1 token to a few (7 to 9 ms on loopback) as a slope up to 10x too steep and
+    held `--trees on` at depth 1. Beside other sessions (4 rows a forward) the row of 1 was timed under another
+    load (a fresh edge's first rounds, before the others joined), so the worker's line prices d = 0 too; and a
+    round that ran a prompt already says how many rows the worker runs."""
     def measured(rows: int) -> EdgeEstimates:
         est = EdgeEstimates()
         est.observe_round(3, 0.050, LoadHint(batch=rows, tokens=3 * rows, prefill=2 * rows), prefilled=True)
@@ -391,9 +393,13 @@ def test_a_row_of_1_sets_the_slope_only_where_our_rows_are_the_workers_only_ones
         return est
 
     alone, beside = measured(1), measured(4)
-    assert abs(alone.wait_line()[1] - 0.030 / 7) < 0.05 * 0.030 / 7
-    assert beside.batch.count and beside.wait_line()[1] < 0.030 / 7 / 2
-    assert abs(beside.wait_line()[1] - beside.cloud.fit()[1] * beside.batch.value) < 1e-12
+    assert abs(alone.wait(0) - 0.010) < 1e-9
+    assert abs(alone.wait_line()[1] - 0.0005) < 1e-9  # (1 + q) c1 B: no queue, c1 0.5 ms, B 1
+    w0, w1 = alone.wait_line()
+    assert abs(alone.wait(1) - (w0 + 2 * w1)) < 1e-12 and abs(alone.wait(8) - 0.040) < 0.002  # the rows of 8
+    assert beside.batch.count and abs(beside.wait_line()[1] - beside.cloud.fit()[1] * beside.batch.value) < 1e-12
+    w0, w1 = beside.wait_line()
+    assert abs(beside.wait(0) - (w0 + w1)) < 1e-12 and beside.wait(0) > 0.020
 
 
 def test_a_stall_is_not_the_draft_wait():

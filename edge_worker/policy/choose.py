@@ -12,8 +12,7 @@ from ...common.protocol import MAX_DRAFT, LoadHint, Objective
 from ..trees.tree import TreeShape
 from .estimates import CLIP, PREDRAFT_SHARE, AcceptanceCounts, EdgeEstimates
 
-MAX_LEN = 32           # the longest chain, the deepest tree auto drafts (past it a demo pair's chance of
-                       # reaching a position is ~0)
+MAX_LEN = 32           # the longest chain, the deepest tree auto drafts (past it a demo pair's reach is ~0)
 TREE_FILL = (1.5, 2, 3, 4)  # tree candidates per depth D: ceil(f x D) nodes (up to MAX_BRANCH per level on average)
 TOLERANCE = {Objective.SPEED: 0.0, Objective.BALANCED: 0.10, Objective.CLOUD: 1.0}  # share of the best modelled
                        # rate an objective gives up for more tokens per call (balanced's promise: within 10 %;
@@ -46,7 +45,7 @@ def chain_rows(est: EdgeEstimates, a: list[float], top: int, cut: bool = True) -
             break
         e += p
         p *= a[d]
-        wait = w0 + w1 * (d + 1)
+        wait = w0 + w1 * (d + 1) if d else est.wait(0)
         saved = p * min(d, max(0, int(share * wait) - 1))  # the guess, then the next block's start (predraft_budget)
         rows.append((e, wait_for(line, est.forwards(d + est.lookahead - saved)) * (d > 0) + wait))
     return rows

@@ -270,18 +270,19 @@ class EdgeEstimates:
         """(w0, w1): R + V = w0 + w1 (tokens + 1), seconds from sending a row of `tokens` draft tokens to its
         VERDICT: the mean wait at the mean row, per token (1 + q) c1 B more (the worker's forward and the wait for
         the one ahead, q of one, as every row of its batch drafts one more; without hints, the latency line's
-        slope), or what the wait of a row of 1 implies if more while our rows are the worker's only ones (beside
-        others, rows of 1 timed under other loads implied a slope 3-4x too steep)."""
+        slope)."""
         if not self.waits.count:  # 1 / DRAFT_PRIOR draft forwards (in-process: in units of one)
             return (self.step() if self.draft.known else 1.0) / DRAFT_PRIOR, 0.0
         slope = (1 + self.queue_share.value) * self.cloud.fit()[1] * self.batch.value \
             if self.cloud.known or self.cloud.slope else self.latency.fit()[1]
-        if self.single.count and self.widths.value > 1.5 and self.batch.count and self.batch.value < 1.5:
-            slope = max(slope, (self.waits.value - self.single.value) / (self.widths.value - 1))
         return max(0.0, self.waits.value - slope * self.widths.value), slope
 
     def wait(self, tokens: int) -> float:
-        return (line := self.wait_line())[0] + line[1] * (tokens + 1)
+        """The line at `tokens`; at d = 0 at most a row of 1's own wait while our rows are the worker's only ones (a
+        1-token forward can cost less than the line's low end; beside others, it was timed under other loads)."""
+        w = (line := self.wait_line())[0] + line[1] * (tokens + 1)
+        alone = tokens == 0 and self.single.count and self.batch.count and self.batch.value < 1.5
+        return min(w, self.single.value) if alone else w
 
     def predraft_budget(self, tokens: int) -> int:
         """Draft tokens the idle draft thread can pre-draft while a row of `tokens` is verified (0 without

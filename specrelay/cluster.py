@@ -192,8 +192,13 @@ class LocalCluster:
             time.sleep(0.2)
         raise TimeoutError(f"{what} not healthy after {self.startup_timeout:.0f}s")
 
+    def catch_sigterm(self) -> None:
+        """From here until `stop`, SIGTERM to this process raises SystemExit (_exit_on_sigterm). Call it from the main
+        thread where the cluster starts in another (bench sweep's `started`): there `__enter__` cannot install it."""
+        self._sigterm = self._sigterm or _exit_on_sigterm()
+
     def __enter__(self) -> "LocalCluster":
-        self._sigterm = _exit_on_sigterm()
+        self.catch_sigterm()
         try:
             self.place_caller()
             for index in range(len(self.frontends)):

@@ -22,14 +22,24 @@ def alive(pid: int) -> bool:
     return True
 
 
-def test_a_sigterm_to_the_process_holding_a_cluster_stops_its_children(tiny_pair):
+HOLDERS = {
+    "with": "with LocalCluster({target!r}, workers=0, threads=1) as c:\n",
+    # bench sweep starts its cluster in a pool thread while it loads the draft: there __enter__ cannot install
+    # the handler, and a SIGTERM'd sweep left its broker, worker and relay running
+    "sweep": "from specrelay.bench.sweep import started\nc = LocalCluster({target!r}, workers=0, threads=1)\n"
+             "with started(c, {draft!r}, None):\n",
+}
+
+
+@pytest.mark.parametrize("how", HOLDERS)
+def test_a_sigterm_to_the_process_holding_a_cluster_stops_its_children(tiny_pair, how):
     """With SIGTERM's default action the holder died and left its broker running (a killed `bench calls` left
     its broker, worker and relay up)."""
-    target, _ = tiny_pair
-    script = (f"import time\nfrom specrelay.cluster import LocalCluster\n"
-              f"with LocalCluster({str(target)!r}, workers=0, threads=1) as c:\n"
-              f"    print(' '.join(str(p.pid) for p in c.procs), flush=True)\n"
-              f"    time.sleep(100)\n")
+    target, draft = tiny_pair
+    script = ("import time\nfrom specrelay.cluster import LocalCluster\n"
+              + HOLDERS[how].format(target=str(target), draft=str(draft))
+              + "    print(' '.join(str(p.pid) for p in c.procs), flush=True)\n"
+              "    time.sleep(100)\n")
     holder = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     pids: list[int] = []
     try:

@@ -159,6 +159,7 @@ def started(cluster, draft: str, target_tokenizer: str | None):
     from ..edge_worker.loading import load_drafter
 
     try:
+        cluster.catch_sigterm()  # a SIGTERM now stops the children too (the pool's thread cannot install it)
         cluster.place_caller()  # here: this thread starts the edge's draft thread (torch threads per thread)
         with ThreadPoolExecutor(1) as pool:
             up = pool.submit(cluster.__enter__)

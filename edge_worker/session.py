@@ -307,7 +307,10 @@ class EdgeSession:
         self.prefill_due = 0
         self.stats.record_block(len(block.ids), n)
         self._hint = v.load
-        self.policy.observe_block(len(block.ids), n, self._bonus_match(n, v.next_token), opening=self._prefilled)
+        match = self._bonus_match(n, v.next_token)
+        if not block.ids and not match:  # a guess at d = 0 that missed: the draft rolls it back and realigns, so
+            self._guessed = False        # the next block catches up first (not a clean round: not timed)
+        self.policy.observe_block(len(block.ids), n, match, opening=self._prefilled)
         start = len(self.generated)
         self._commit(block.ids[:n])
         if v.next_token >= 0:

@@ -159,8 +159,7 @@ def test_exploring_at_d_0_samples_by_the_pre_drafts_guess_off_the_critical_path(
     token, after catching up on what it had not seen); the VERDICT's token scores the guess (position 0). The draft
     caught up, the next round drafts, and its wait is timed as a clean round's (at d = 0 nothing else times one).
     A guess that missed is rolled back and the draft realigns first: that round is a catch-up, not timed (across
-    vocabularies such rounds ran 1.7 more draft forwards than their tokens, and an edge timed on them stayed at
-    d = 0 for a whole run)."""
+    vocabularies such rounds ran 1.7 more draft forwards than their tokens: timed, they lift the cost lines)."""
     target, draft = tiny_runners
     est = EdgeEstimates(predraft=True)
     est.observe_draft(1, [(1, 0.010)])  # the draft is timed: a pre-draft may run

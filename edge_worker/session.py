@@ -209,8 +209,10 @@ class EdgeSession:
         self._width = len(self.tokens) - self.cloud_len + len(self._block.ids) + 1  # the row the cloud runs
         self.seq += 1
         self.stats.draft_tokens += len(self._block.ids)
-        if block.drafted:  # a cross-vocabulary block: forwards per target token
-            self.estimates.observe_block_steps(block.steps, len(block.ids), timed=not self._catchup)
+        if block.drafted:  # a cross-vocabulary block: its forwards against the target tokens its text formed, up
+            # to the tokens asked for (a block that ended the text: the tokens it holds)
+            asked = len(block.ids) if block.ids[-1:] and block.ids[-1] in self.drafter.eos_ids else self._job.d - reused
+            self.estimates.observe_block_steps(self.drafter.forwards_by_tokens(block, asked), not self._catchup)
         self.stats.predraft_tokens += reused
         self.stats.predraft_rounds += self._hit(reused)
         job = self._job

@@ -296,7 +296,7 @@ def test_a_prompt_prefill_first_does_not_make_a_slow_cross_vocabulary_draft_pay(
     policy = DraftPolicy(est, Objective.BALANCED)
     for i, (tokens, d, forward_ms, accepted) in enumerate(((14, 4, 354, 1), (3, 2, 159, 0), (5, 4, 267, 2),
                                                             (3, 2, 175, 0))):
-        est.observe_block_steps(d + 1, d)  # a draft forward per target token, one past the block
+        est.observe_block_steps([(d + 1, d + 1)])  # a draft forward per target token, one past the block
         est.observe_draft(1, [(1, 0.077)] * (d + 1))
         policy.observe_block(d, accepted)
         hint = LoadHint(batch=1, width=d + 1, forward_us=forward_ms * 1000, tokens=tokens, token_us=30_000)
@@ -328,16 +328,33 @@ def test_a_fixed_alignment_forward_per_round_prices_short_cross_vocabulary_draft
     against the tokens a block covers are a line: its intercept is the round's alignment forward."""
     est = EdgeEstimates()
     for _ in range(20):
-        est.observe_block_steps(3, 1)   # d = 1: 3 forwards for 2 target tokens (the lookahead one included)
-        est.observe_block_steps(4, 4)   # d = 4: ...
-        est.observe_block_steps(5, 4)   # ... 4-5 forwards for 5
+        est.observe_block_steps([(2, 3)])  # d = 1: 3 forwards for 2 target tokens (the lookahead one included)
+        est.observe_block_steps([(5, 4)])  # d = 4: ...
+        est.observe_block_steps([(5, 5)])  # ... 4-5 forwards for 5
     assert est.forwards(2) == pytest.approx(3.0, abs=0.3)
     assert est.forwards(5) == pytest.approx(4.5, abs=0.3)
     assert est.forwards(2) > 2 * est.steps_per_token.value + 0.5  # the ratio alone: ~2.2 forwards
     steady = EdgeEstimates()
     for _ in range(20):
-        steady.observe_block_steps(4, 4)  # one block length only: the line keeps the ratio
+        steady.observe_block_steps([(5, 4)])  # one block length only: the line keeps the ratio
     assert steady.forwards(5) == pytest.approx(4.0, abs=0.05)
+
+
+def test_a_cross_vocabulary_blocks_prefixes_price_short_blocks_where_long_ones_are_drafted():
+    """31 consecutive blocks of the demo cross pair (`bench calls --xv`): 6-16 target tokens each, their forwards
+    from a third to three times their tokens (a draft token that spells several target tokens; a run of
+    whitespace). Fitted to each block's final point alone, the line came out flat at ~10 forwards for any block, so
+    a 1-token block (2 with the lookahead) was priced at 5x its 2-3 forwards and every session stopped drafting.
+    Each block's prefixes (forwards until its text held 1, 2, ... target tokens) measure the short end."""
+    blocks = [(12, 6), (12, 15), (9, 8), (9, 11), (6, 18), (8, 16), (12, 6), (11, 13), (12, 14), (10, 19), (11, 10),
+              (8, 2), (10, 10), (12, 6), (13, 4), (12, 10), (7, 14), (8, 4), (16, 6), (11, 13), (9, 8), (12, 12),
+              (12, 14), (16, 7), (8, 16), (8, 2), (14, 4), (11, 11), (9, 11), (10, 12), (15, 4)]
+    final, prefixes = EdgeEstimates(), EdgeEstimates()
+    for x, y in blocks:
+        final.observe_block_steps([(x, y)])
+        prefixes.observe_block_steps([(k, max(1, round(k * y / x))) for k in range(1, x)] + [(x, y)])
+    assert final.forwards(2) > 6
+    assert 2 <= prefixes.forwards(2) < 3.5 and prefixes.forwards(9) > 2 * prefixes.forwards(2)
 
 
 def test_a_wide_catch_up_forward_is_not_a_dear_draft_step():

@@ -109,3 +109,35 @@ def test_predraft_continues_a_cross_vocab_chain_as_text():
     assert len(block.ids) == 2 and len(state.ids) > len(job.context)  # drafted, the K/V kept
     assert drafter.draft_context(state, prompt + chain) == more.context  # what the session will draft after
     assert drafter.continue_job(job, chain, 2) is not None  # the reuse check still gets the committed context
+
+
+def test_a_cross_vocabulary_block_times_its_prefixes_and_a_short_one_the_tokens_asked(tiny_runners, monkeypatch):
+    """A cross-vocabulary block's draft forwards teach the policy's forwards line at every count of target tokens
+    its text reached (the forwards until then) and last at the tokens asked for plus the one drafted past them. A
+    draft whose text forms fewer (a run of whitespace, a character cut short) stops at 3d + 3 forwards and hands
+    over a short block: it is timed at the tokens asked. Timed by the final point alone, blocks of 8-16 tokens
+    left the line's intercept to noise (6-10 forwards where a short block takes 2-3: every session of the edge then
+    priced d = 1 above d = 0 and stopped drafting), and a block that formed nothing sat at x = 1."""
+    from specrelay.common import protocol as P
+    from specrelay.edge_worker.policy import EdgeEstimates
+    from specrelay.edge_worker.session import EdgeSession
+    from specrelay.edge_worker.xvocab.drafter import CrossVocabDrafter
+    from specrelay.speculative import next_request
+
+    target, draft = tiny_runners
+    drafter, est, seen = CrossVocabDrafter(draft, target.tokenizer), EdgeEstimates(), []
+    monkeypatch.setattr(est, "observe_block_steps", lambda points, timed=True: seen.append((points, timed)))
+    text = {"ids": lambda drafted: [256 + t % 40 for t in drafted]}  # a target token per draft token (the random
+    monkeypatch.setattr(drafter, "_retokenized", lambda drafted: text["ids"](drafted))  # draft's bytes are no text)
+    session = EdgeSession(target.tokenizer("def add(a, b):").input_ids, SessionConfig(max_new_tokens=16, draft_len=3),
+                          drafter, estimates=est)
+    rounds = []
+    for ids in (text["ids"], lambda drafted: [256] * max(0, len(drafted) - 2), lambda drafted: []):
+        text["ids"] = ids  # the opening; then the first token forms at the third draft token; then none forms
+        request = next_request(session)
+        session.apply(P.Verdict(session.sid, request.seq, len(request.draft), 7))
+        rounds.append(len(request.draft))
+    assert rounds == [3, 3, 0] and [timed for _, timed in seen] == [False, True, True]
+    points, steps = seen[1][0], seen[1][0][-1][1]
+    assert [x for x, _ in points] == [1, 2, 3, 4] and [steps - y for _, y in points] == [3, 2, 1, 0]
+    assert seen[2][0] == [(4, 12)]  # 3 x 3 + 3 forwards, for the 3 tokens asked and the one past them

@@ -79,6 +79,7 @@ class DraftBlock:
     q_tok: list[float] = field(default_factory=list)           # q'(x_i) (sample mode)
     q_rows: list[torch.Tensor] = field(default_factory=list)   # q' over the target vocabulary, [V_target] each
     drafted: list[int] = field(default_factory=list)          # draft-vocabulary ids, when `finish` converts them
+    formed: list[int] = field(default_factory=list)           # target tokens their text held after each of them
     steps: int = 0  # draft-model forwards of the lockstep batch that drafted it (what its session waited for)
 
     def part(self, start: int, stop: int | None = None) -> "DraftBlock":

@@ -34,20 +34,24 @@ class EWMean:
 
 
 class EWLine:
-    """y = c + s * x by exponentially weighted least squares, its slope shrunk toward `slope` (a prior worth one
-    unit of x's variance: with x never varying, s is the prior; 0, flat, when none is known). The first
-    observation's y is at most `first`; each later one at CLIP x the line's value (one stall is not a trend)."""
+    """y = c + s * x by exponentially weighted least squares, its slope shrunk toward `slope` (a prior worth one unit
+    of x's variance; 0, flat, when none is known). The first observation's y is at most `first`, each later one CLIP x
+    the line's value (one stall is not a trend); one may hold several points (a block's prefixes), 1 / n each."""
 
     def __init__(self, slope: float = 0.0) -> None:
         self.slope, self.count = slope, 0
         self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
 
     def observe(self, x: float, y: float, first: float = float("inf")) -> None:
-        y = min(y, CLIP * self.at(x) if self.count else first)
-        self.count += 1
-        g = DECAY
-        self.sw, self.sx, self.sy = g * self.sw + 1, g * self.sx + x, g * self.sy + y
-        self.sxx, self.sxy = g * self.sxx + x * x, g * self.sxy + x * y
+        self.observe_points([(x, y)], first)
+
+    def observe_points(self, points: list[tuple[float, float]], first: float = float("inf")) -> None:
+        w, g, xs = 1 / len(points), DECAY, [x for x, _ in points]
+        ys = [min(y, CLIP * self.at(x) if self.count else first) for x, y in points]
+        self.count, self.sw = self.count + 1, g * self.sw + 1
+        self.sx, self.sy = g * self.sx + w * sum(xs), g * self.sy + w * sum(ys)
+        self.sxx = g * self.sxx + w * sum(x * x for x in xs)
+        self.sxy = g * self.sxy + w * sum(x * y for x, y in zip(xs, ys))
 
     @property
     def known(self) -> bool:
@@ -193,18 +197,14 @@ class EdgeEstimates:
         for columns, seconds in forwards:
             self.draft.observe(columns, seconds)
 
-    def observe_forward(self, columns: int, seconds: float) -> None:
-        """One draft forward of a tree job over `columns` fed tokens."""
-        self.draft.observe(columns, seconds)
-
-    def observe_block_steps(self, steps: int, tokens: int, timed: bool = True) -> None:
-        """A cross-vocabulary block of `tokens` target tokens took `steps` draft steps (it drafts one target token
-        past the block); `timed` False: the block first caught up on a stretch the draft had not seen."""
+    def observe_block_steps(self, points: list[tuple[int, int]], timed: bool = True) -> None:
+        """A cross-vocabulary block's (target tokens, draft forwards until its text held them), the last its own:
+        short blocks priced by measured prefixes; `timed` False: it first caught up on a stretch not seen."""
         self.lookahead = 1
         if timed:
-            self.steps_per_token.observe(steps / (tokens + 1))
+            self.steps_per_token.observe(points[-1][1] / points[-1][0])
             self.steps.slope = self.steps_per_token.value
-            self.steps.observe(tokens + 1, steps)
+            self.steps.observe_points(points)
 
     def observe_round(self, width: int, latency_s: float, hint: LoadHint | None, prefilled: bool = False) -> None:
         """One VERIFY round: `width` = our row's tokens, `latency_s` from sending it to its VERDICT, the worker's

@@ -93,7 +93,7 @@ class TreeRounds:
         st.predraft_tokens += block.reused
         st.predraft_rounds += s._hit(block.reused)
         for width, seconds in block.forwards:
-            self.edge().observe_forward(width, seconds)
+            self.edge().draft.observe(width, seconds)  # one draft forward of a tree job
         if self.shape.depth and grown:  # after a chain round nothing grew it: a switch's cost, not steady state
             self.edge().tree_saved.observe(max(0, self.shape.depth - block.steps))
         sample = s.mode == Mode.SAMPLE

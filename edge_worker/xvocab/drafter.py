@@ -115,9 +115,10 @@ class CrossVocabDrafter(Drafter):
         token = int(job.state.last_logits.argmax())  # the draft's own argmax, over its whole vocabulary
         block.drafted.append(token)
         context.append(token)
+        block.formed.append(len(self._retokenized(block.drafted)))
         if token in self._draft_eos or len(block.drafted) >= 3 * job.d + 3:
             return False
-        return len(self._retokenized(block.drafted)) <= job.d  # one more than needed: the last may still grow
+        return block.formed[-1] <= job.d  # one more than needed: the last may still grow
 
     def finish(self, job: DraftJob, block: DraftBlock) -> None:
         if not block.drafted:
@@ -129,6 +130,19 @@ class CrossVocabDrafter(Drafter):
         block.ids = ids[:job.d]
         if ended and len(block.ids) < job.d:
             block.ids += sorted(self.eos_ids)[:1]
+
+    @staticmethod
+    def forwards_by_tokens(block: DraftBlock, asked: int) -> list[tuple[int, int]]:
+        """(x, draft forwards until the block's text held x target tokens) for x = 1..asked + 1 (it drafts one past
+        the block), each draft token after the first drafted by a forward of its own; a count its text never
+        reached (a draft stops at 3d + 3) ends the list as (asked + 1, every forward the block ran)."""
+        points = []
+        for x in range(1, asked + 2):
+            at = next((i for i, n in enumerate(block.formed) if n >= x), None)
+            if at is None:
+                return points + [(asked + 1, block.steps)]
+            points.append((x, block.steps - (len(block.formed) - 1 - at)))
+        return points
 
     def _retokenized(self, drafted: list[int]) -> list[int]:
         """Target ids of the drafted text: complete UTF-8 characters up to the first invalid byte."""

@@ -136,13 +136,10 @@ class CrossVocabDrafter(Drafter):
         """(x, draft forwards until the block's text held x target tokens) for x = 1..asked + 1 (it drafts one past
         the block), each draft token after the first drafted by a forward of its own; a count its text never
         reached (a draft stops at 3d + 3) ends the list as (asked + 1, every forward the block ran)."""
-        points = []
-        for x in range(1, asked + 2):
-            at = next((i for i, n in enumerate(block.formed) if n >= x), None)
-            if at is None:
-                return points + [(asked + 1, block.steps)]
-            points.append((x, block.steps - (len(block.formed) - 1 - at)))
-        return points
+        points, last = [], len(block.formed) - 1
+        for i, n in enumerate(block.formed):  # one pass: x reached at draft token i, after steps - (last - i)
+            points += [(x, block.steps - (last - i)) for x in range(len(points) + 1, min(n, asked + 1) + 1)]
+        return points if len(points) > asked else points + [(asked + 1, block.steps)]
 
     def _retokenized(self, drafted: list[int]) -> list[int]:
         """Target ids of the drafted text: complete UTF-8 characters up to the first invalid byte."""

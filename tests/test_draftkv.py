@@ -253,3 +253,56 @@ def test_a_draft_that_arrives_while_a_batch_drafts_joins_it_unless_it_has_no_kv_
     assert (batcher.batches, batcher.joins) == ((2, 0) if fresh else (1, 1))
     if not fresh:
         assert other.steps == 3  # the forwards since it joined
+
+
+def test_a_chain_draft_that_waited_behind_tree_work_is_marked(tiny_runners):
+    """A chain block drafted after another session's tree batch (or tree pre-draft) held the draft thread timed
+    the trees' load, not a chain's: the batcher marks it (`behind_trees`), so it does not teach the chains' draft
+    wait line (with 16 sessions over 50 ms, chains priced behind trees kept the edge drafting trees at 0.90-0.94x
+    the chain policy's tokens/s). A chain drafted alone is not marked."""
+    import asyncio
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specrelay.edge_worker.draft.batcher import DraftBatcher
+    from specrelay.edge_worker.policy import RankAcceptance
+    from specrelay.edge_worker.trees.drafter import TreeJob
+    from specrelay.edge_worker.trees.tree import TreeShape
+
+    target, draft = tiny_runners
+    drafter = Drafter(draft, target.vocab_size)
+    contexts = [draft.tokenizer(t).input_ids for t in ("def add(a, b):\n", "class Point:\n")]
+    states = [drafter.new_state(c) for c in contexts]
+    tree = TreeJob(states[0], list(contexts[0]), TreeShape((2, 2, 2)), Mode.GREEDY, SamplingParams(), 0,
+                   RankAcceptance())
+    chain = lambda: DraftJob(states[1], list(contexts[1]), len(contexts[1]), 3, Mode.GREEDY,  # noqa: E731
+                             SamplingParams(), 0)
+    real, calls, queued = draft.model.forward, [], threading.Event()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        batcher, behind = DraftBatcher(drafter, ThreadPoolExecutor(1)), []
+
+        def start_chain():
+            behind.append(asyncio.ensure_future(batcher.draft(chain())))
+            loop.call_soon(queued.set)
+
+        def forward(*args, **kwargs):  # in the draft thread: the tree batch's 2nd forward waits for the chain job
+            calls.append(1)
+            if len(calls) == 2:
+                loop.call_soon_threadsafe(start_chain)
+                assert queued.wait(10)
+            return real(*args, **kwargs)
+
+        draft.model.forward = forward
+        await batcher.draft(tree)
+        first = await behind[0]
+        draft.model.forward = real
+        return first, await batcher.draft(chain())
+
+    try:
+        first, alone_block = asyncio.run(main())
+    finally:
+        draft.model.forward = real
+    assert first.ids and first.behind_trees
+    assert alone_block.ids and not alone_block.behind_trees

@@ -68,6 +68,7 @@ class DraftBatcher:
         self.batch_sizes: Counter = Counter()  # real draft batches by number of sessions (when they started)
         self.joins = 0                         # jobs that joined a batch under way
         self.predraft_chunks = 0
+        self._tree_epoch = 0  # odd while the draft thread runs tree work: a chain job that waited behind it is marked
 
     @property
     def queued(self) -> int:
@@ -77,11 +78,14 @@ class DraftBatcher:
         if job.d <= 0:
             return DraftBlock()
         self._ensure_running()
-        future = asyncio.get_running_loop().create_future()
+        future, epoch = asyncio.get_running_loop().create_future(), self._tree_epoch
         with self._lock:
             self._queue.append((job, future))
         self._wake.set()
-        return await future
+        block = await future
+        if isinstance(block, DraftBlock):  # its wait measured the trees' load, not a chain's (DraftBlock.behind_trees)
+            block.behind_trees = epoch % 2 == 1 or self._tree_epoch != epoch
+        return block
 
     def predraft(self, job: DraftJob | TreePreDraft) -> PreDraft | TreePreDraft:
         """Start drafting `job` in the background, whenever the draft thread has nothing better to do (a tree's
@@ -208,8 +212,12 @@ class DraftBatcher:
                admit=None) -> list[DraftBlock]:
         """`draft_batch`, in the draft thread; its rows (a real draft's) and forwards go to `on_timing` in the loop."""
         forwards: list[tuple[int, float]] = []
-        jobs = list(jobs)  # joiners are appended
-        blocks = self.drafter.draft_batch(jobs, ready, forwards, admit)
+        jobs, trees = list(jobs), any(isinstance(j, TreeJob) for j in jobs)  # joiners are appended
+        self._tree_epoch += trees
+        try:
+            blocks = self.drafter.draft_batch(jobs, ready, forwards, admit)
+        finally:
+            self._tree_epoch += trees
         warm, self._warm = self._warm, True  # the first batch of a process is slow (allocations): not a timing
         if self.on_timing is not None and warm:
             rows = _rows_per_forward(blocks, forwards) if admit is not None else 0.0

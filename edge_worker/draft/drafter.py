@@ -81,6 +81,7 @@ class DraftBlock:
     drafted: list[int] = field(default_factory=list)          # draft-vocabulary ids, when `finish` converts them
     formed: list[int] = field(default_factory=list)           # target tokens their text held after each of them
     steps: int = 0  # draft-model forwards of the lockstep batch that drafted it (what its session waited for)
+    behind_trees: bool = False  # the draft thread ran tree work (a tree batch, a tree pre-draft) while it waited
 
     def part(self, start: int, stop: int | None = None) -> "DraftBlock":
         """Tokens start..stop-1 with their q' (q lists are empty outside sample mode)."""

@@ -266,6 +266,18 @@ def test_auto_takes_a_tree_only_where_it_beats_the_chain_pick_in_speed_and_token
                                                                                                None) is not None
 
 
+def test_auto_drafts_the_block_after_the_prompt_as_a_chain():
+    """The opening is priced where chains are (the openings' own acceptance, the draft's catch-up on the prompt);
+    shape() models neither. Priced by shape() at an edge's first, unit-free prices, 16 fresh sessions over 50 ms
+    opened with trees, their pre-drafts grew trees, and in about 1 run of 3 the edge stayed in trees (86 % of its
+    rounds) at 0.94x the chain policy's tokens/s, its chains priced at waits measured behind the trees."""
+    for est in (edge(draft_s=0.002, rtt_s=0.05), EdgeEstimates()):
+        policy = DraftPolicy(est, Objective.BALANCED)
+        assert policy.shape(48, "auto", None, None) is not None  # a tree beats chains later on
+        assert policy.shape(48, "auto", None, None, opening=True) is None
+        assert policy.shape(48, "on", None, None, opening=True).nodes > 1  # `on`: trees only, the opening too
+
+
 def test_auto_keeps_the_chain_a_session_drafts_at_its_own_acceptance_where_that_beats_the_tree():
     """Trees are priced at the pooled rates; a session's chain at its own. A prompt the draft knows well drafts a
     chain longer than the pooled one, which the tree beat in the model: one session over 50 ms, one such prompt

@@ -195,21 +195,21 @@ class DraftPolicy:
         """The block right after the prompt, at the opening blocks' own acceptance (shrunk toward the pooled rates)
         and a drafting opening's catch-up on the prompt's `stretch` target tokens (d = 0 pays none: a pre-draft
         runs it during the wait, or a later round drafting pays it)."""
-        edge = self.edge
-        catchup = edge.step(stretch * edge.steps_per_token.value)
+        catchup, edge = self.edge.step(stretch * self.edge.steps_per_token.value), self.edge
         rows = chain_rows(edge, edge.opening.rates(top + 1, self.rates(top + 1)), top)
         return pick([(e, t + catchup * (d > 0)) for d, (e, t) in enumerate(rows)], self.objective)
 
-    def shape(self, remaining: int, trees: str, depth: int | None, nodes: int | None,
-              after_tree: bool = True) -> TreeShape | None:
+    def shape(self, remaining: int, trees: str, depth: int | None, nodes: int | None, after_tree: bool = True,
+              opening: bool = False) -> TreeShape | None:
         """The tree to draft (`--trees on|auto`): the objective's pick over trees and, with `auto`, chains (None: a
         chain wins). depth / nodes: fixed by the caller; `after_tree` False: no tree pre-draft saved a level."""
-        top = max(0, min(MAX_LEN, remaining - 1))
-        est = self.edge
+        top, est = max(0, min(MAX_LEN, remaining - 1)), self.edge
+        if trees == "auto" and opening:  # the block after the prompt (`opening`): priced by choose (the openings'
+            return None                  # acceptance, the catch-up), not here (16 sessions' first trees: policy.md)
         chains = chain_rows(est, self.rates(top + 1), top, cut=depth is None)  # pooled (own: docs/policy.md)
         top = len(chains) - 1  # no deeper than the longest chain worth drafting (MIN_VALUE)
-        c1 = est.cloud.fit()[1] if est.cloud.known else 0.0
-        node_cost = c1 * est.batch.value + est.draft.fit()[1] * est.rows.value  # one more node's seconds
+        c1 = est.cloud.fit()[1] if est.cloud.known else 0.0  # one more node's seconds: its verify and its draft
+        node_cost = c1 * est.batch.value + est.draft.fit()[1] * est.rows.value
         offered = chains if depth is None else chains[min(depth, top):min(depth, top) + 1]  # the chains `auto` weighs
         # a node worth less than its seconds at the best rate is not drafted: a tree whose least node is under it
         # would go out smaller than priced (trees of 3-4 nodes went out as chains of 2-3); `auto`: chains' best rate

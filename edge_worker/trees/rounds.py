@@ -61,7 +61,8 @@ class TreeRounds:
         nothing when no draft pays at all."""
         s, c = self.s, self.s.config
         retry = self.block is not None and self.root_len == len(s.tokens)
-        shape = self.shape if retry else self.next_shape(c.max_new_tokens - len(s.generated), self.last_tree)
+        shape = self.shape if retry else s.policy.shape(c.max_new_tokens - len(s.generated), self.trees, c.draft_len,
+                                                        self.nodes, self.last_tree, opening=s.prefill_due > 0)
         if shape is None or (not retry and self.trees == "auto" and shape.is_chain):
             return None
         if shape.depth == 0:

@@ -165,13 +165,18 @@ def _split(jobs: list[dict]) -> dict:
                                           for s in ("idle", "batch", "predraft")}}
 
 
+def _bucket(width: int) -> int:
+    """A row width's bucket: 1-4 alone (a row of 1 is a round at d = 0), then 5-8, 9-12, ..."""
+    return width if width <= 4 else (width - 1) // 4 * 4 + 1
+
+
 def _priced(rounds: list[dict]) -> dict:
-    """Measured against priced waits of the timed rounds, by shape and row width (tokens verified: 1-4, 5-8, ...)."""
+    """Measured against priced waits of the timed rounds, by shape and row width (tokens verified: _bucket)."""
     out = {}
-    for shape, low in sorted({(r["shape"], (r["width"] - 1) // 4 * 4 + 1) for r in rounds}):
-        mine = [r for r in rounds if r["shape"] == shape and (r["width"] - 1) // 4 * 4 + 1 == low]
+    for shape, low in sorted({(r["shape"], _bucket(r["width"])) for r in rounds}):
+        mine = [r for r in rounds if r["shape"] == shape and _bucket(r["width"]) == low]
         mean = lambda key: round(1000 * statistics.mean(r[key] for r in mine), 2)  # noqa: E731
-        out[f"{shape} {low}-{low + 3}"] = {
+        out[f"{shape} {low}" if low <= 4 else f"{shape} {low}-{low + 3}"] = {
             "rounds": len(mine), "draft_ms": mean("draft_s"), "priced_draft_ms": mean("priced_draft_s"),
             "verify_ms": mean("latency_s"), "priced_verify_ms": mean("priced_latency_s")}
     return out

@@ -192,3 +192,20 @@ def test_a_tree_round_is_an_acceptance_sample_of_its_first_ranked_chain(demo_run
     got = s.policy.edge.acceptance
     assert (got.reached, got.accepted) == (expected.reached, expected.accepted) and sum(got.accepted) > 0
     assert branched  # the test saw a verdict whose chain acceptance differs from the tree's
+
+
+def test_a_chain_block_that_waited_behind_trees_does_not_teach_the_chains_draft_line(tiny_runners):
+    """The batcher marks a chain block whose wait saw tree work in the draft thread (DraftBlock.behind_trees); its
+    round timed the trees' load, so the session does not feed it to the chains' draft wait line (with 16 sessions
+    over 50 ms such rounds priced chains above the trees they would replace). An unmarked round does teach it."""
+    s, verifier = session_and_verifier(tiny_runners, draft_len=3)
+    waited = s.policy.edge.waited
+    for behind in (None, True, False):  # the opening (a catch-up either way), then one marked, then one not
+        block = s.drafter.draft_batch([s.draft_job()])[0]
+        block.behind_trees = bool(behind)
+        reply = verifier.verify([((b"", 1), s.request_for(block))])[0]
+        before = waited.count
+        s.record_timing(0.01, 0.02)
+        s.apply(reply)
+        if behind is not None:
+            assert block.steps > 0 and waited.count == before + (not behind)

@@ -44,7 +44,8 @@ def _instrument() -> None:
         job.probe = {"submit": time.perf_counter(), "busy": getattr(self, "probe_busy", None) or "idle"}
         block = await draft(self, job)
         if job.d > 0 and "start" in job.probe and "ready" in job.probe:
-            _log(kind="job", end=time.perf_counter(), steps=block.steps, **job.probe)
+            _log(kind="job", end=time.perf_counter(), steps=block.steps, tree=not hasattr(block, "behind_trees"),
+                 behind_trees=getattr(block, "behind_trees", False), **job.probe)
         return block
 
     def probed_timed(self, jobs, loop, ready=None, admit=None):
@@ -195,7 +196,10 @@ def _yields(rounds: list[dict]) -> dict:
 
 def summary() -> dict:
     jobs = [e for e in EVENTS if e["kind"] == "job"]
-    out = {"all": _split(jobs), "priced_by_width": _priced([e for e in EVENTS if e["kind"] == "round"]),
+    chains = [j for j in jobs if not j["tree"]]
+    out = {"all": _split(jobs), "trees": _split([j for j in jobs if j["tree"]]),
+           "chains_behind_trees": _split([j for j in chains if j["behind_trees"]]),
+           "chains_not_behind_trees": _split([j for j in chains if not j["behind_trees"]]), "priced_by_width": _priced([e for e in EVENTS if e["kind"] == "round"]),
            "yield_by_modelled_e": _yields([e for e in EVENTS if e["kind"] == "yield"]), "runs": []}
     for run in _runs(jobs):
         t0 = run[0]["submit"]
@@ -221,6 +225,10 @@ def _print(result: dict) -> None:
             q = row["queued_ms_by_thread_state"]
             print(f"| {i} | {second} | " + " | ".join(str(row[c]) for c in cols)
                   + f" | {q['idle']} / {q['batch']} / {q['predraft']} |")
+    print("| jobs | " + " | ".join(cols) + " |")
+    print("|---" * (len(cols) + 1) + "|")
+    for key in ("trees", "chains_behind_trees", "chains_not_behind_trees"):
+        print(f"| {key} | " + " | ".join(str(result[key][c]) for c in cols) + " |")
     print("| shape, tokens verified | rounds | draft ms | priced | verify ms | priced |")
     print("|---" * 6 + "|")
     for width, row in result["priced_by_width"].items():

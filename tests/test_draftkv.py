@@ -4,7 +4,9 @@ be what the draft model drafts for that context alone (common.runner.Decoder: on
 
 from __future__ import annotations
 
+import asyncio
 import random
+import threading
 
 import pytest
 import torch
@@ -209,8 +211,6 @@ def test_a_draft_that_arrives_while_a_batch_drafts_joins_it_unless_it_has_no_kv_
     """The edge's batcher: a job queued while a chain batch drafts joins it at its next step (one batch, one
     join) when its draft K/V are held; a session's first draft (its prompt's catch-up) waits for a batch of its
     own. Both blocks are what the draft model drafts alone."""
-    import asyncio
-    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     from specrelay.edge_worker.draft.batcher import DraftBatcher
@@ -223,32 +223,12 @@ def test_a_draft_that_arrives_while_a_batch_drafts_joins_it_unless_it_has_no_kv_
         drafter.draft_batch([DraftJob(s, c, len(c), 1, Mode.GREEDY, SamplingParams(), 0)
                              for s, c in zip(states, contexts)])
     jobs = [DraftJob(s, c, len(c), d, Mode.GREEDY, SamplingParams(), 0) for s, c, d in zip(states, contexts, (8, 3))]
-    real, calls, queued = draft.model.forward, [], threading.Event()
 
     async def main():
-        loop = asyncio.get_running_loop()
         batcher = DraftBatcher(drafter, ThreadPoolExecutor(1))
-        second = []
+        return *await queued_mid_batch(draft, batcher, jobs[0], jobs[1]), batcher
 
-        def start_second():
-            second.append(asyncio.ensure_future(batcher.draft(jobs[1])))
-            loop.call_soon(queued.set)  # after the task's first step: the job is in the queue
-
-        def forward(*args, **kwargs):  # in the draft thread: the first batch's 2nd forward waits for job 1
-            calls.append(1)
-            if len(calls) == 2:
-                loop.call_soon_threadsafe(start_second)
-                assert queued.wait(10)
-            return real(*args, **kwargs)
-
-        draft.model.forward = forward
-        first = await batcher.draft(jobs[0])
-        return first, await second[0], batcher
-
-    try:
-        first, other, batcher = asyncio.run(main())
-    finally:
-        draft.model.forward = real
+    first, other, batcher = asyncio.run(main())
     assert first.ids == alone(draft, contexts[0], 8) and other.ids == alone(draft, contexts[1], 3)
     assert (batcher.batches, batcher.joins) == ((2, 0) if fresh else (1, 1))
     if not fresh:
@@ -260,8 +240,6 @@ def test_a_chain_draft_that_waited_behind_tree_work_is_marked(tiny_runners):
     the trees' load, not a chain's: the batcher marks it (`behind_trees`), so it does not teach the chains' draft
     wait line (with 16 sessions over 50 ms, chains priced behind trees kept the edge drafting trees at 0.90-0.94x
     the chain policy's tokens/s). A chain drafted alone is not marked."""
-    import asyncio
-    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     from specrelay.edge_worker.draft.batcher import DraftBatcher
@@ -277,32 +255,35 @@ def test_a_chain_draft_that_waited_behind_tree_work_is_marked(tiny_runners):
                    RankAcceptance())
     chain = lambda: DraftJob(states[1], list(contexts[1]), len(contexts[1]), 3, Mode.GREEDY,  # noqa: E731
                              SamplingParams(), 0)
-    real, calls, queued = draft.model.forward, [], threading.Event()
-
     async def main():
-        loop = asyncio.get_running_loop()
-        batcher, behind = DraftBatcher(drafter, ThreadPoolExecutor(1)), []
+        batcher = DraftBatcher(drafter, ThreadPoolExecutor(1))
+        _, behind = await queued_mid_batch(draft, batcher, tree, chain())
+        return behind, await batcher.draft(chain())
 
-        def start_chain():
-            behind.append(asyncio.ensure_future(batcher.draft(chain())))
-            loop.call_soon(queued.set)
-
-        def forward(*args, **kwargs):  # in the draft thread: the tree batch's 2nd forward waits for the chain job
-            calls.append(1)
-            if len(calls) == 2:
-                loop.call_soon_threadsafe(start_chain)
-                assert queued.wait(10)
-            return real(*args, **kwargs)
-
-        draft.model.forward = forward
-        await batcher.draft(tree)
-        first = await behind[0]
-        draft.model.forward = real
-        return first, await batcher.draft(chain())
-
-    try:
-        first, alone_block = asyncio.run(main())
-    finally:
-        draft.model.forward = real
+    first, alone_block = asyncio.run(main())
     assert first.ids and first.behind_trees
     assert alone_block.ids and not alone_block.behind_trees
+
+
+async def queued_mid_batch(runner, batcher, first_job, second_job):
+    """Draft `first_job` with `batcher`, queueing `second_job` during its batch's 2nd forward (in the draft thread,
+    which waits until the job is in the queue); both blocks. The runner's forward is restored."""
+    loop, real, calls, queued, second = asyncio.get_running_loop(), runner.model.forward, [], threading.Event(), []
+
+    def start_second():
+        second.append(asyncio.ensure_future(batcher.draft(second_job)))
+        loop.call_soon(queued.set)  # after the task's first step: the job is in the queue
+
+    def forward(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            loop.call_soon_threadsafe(start_second)
+            assert queued.wait(10)
+        return real(*args, **kwargs)
+
+    runner.model.forward = forward
+    try:
+        first = await batcher.draft(first_job)
+        return first, await second[0]
+    finally:
+        runner.model.forward = real

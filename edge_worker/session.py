@@ -200,11 +200,10 @@ class EdgeSession:
         self.trees.block, self.trees.last_steps, self.trees.last_tree = None, 0, False
         # a block drafted after the session's OPEN or a round at d = 0 (unless it guessed) first feeds the draft the
         # whole stretch it has not seen (the prompt, every token the target alone committed): a one-off cost that is
-        # not what a block of d costs while drafting goes on, so its steps do not teach s (edge_worker/policy)
-        self._catchup = self.prefill_due > 0 or self._block is None or not (self._block.ids or self._guessed)
-        # a block that waited behind tree work timed what trees cost the edge, not a chain: it does not teach the
-        # chains' draft line either (docs/policy.md: otherwise 16 sessions over 50 ms could stay with trees)
-        self._catchup = self._catchup or block.behind_trees
+        # not what a block of d costs while drafting goes on, so its steps do not teach s (edge_worker/policy); nor
+        # do a block's that waited behind tree work: they timed what trees cost the edge, not a chain (docs/policy.md)
+        self._catchup = self.prefill_due > 0 or self._block is None or not (self._block.ids or self._guessed) \
+            or block.behind_trees
         self._guessed = False
         self._prefilled = self.prefill_due > 0
         self._block, reused = self._reused + block, len(self._reused.ids)

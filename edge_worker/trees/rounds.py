@@ -50,10 +50,11 @@ class TreeRounds:
     def edge(self) -> EdgeEstimates:
         return self.s.policy.edge
 
-    def next_shape(self, remaining: int, after_tree: bool = True) -> TreeShape | None:
+    def next_shape(self, remaining: int, after_tree: bool = True, opening: bool = False) -> TreeShape | None:
         """The policy's tree (None: with `auto`, a chain pays more); `after_tree`: the round follows a tree round,
-        whose pre-draft grew this one (after a chain round a tree's levels are all drafted fresh)."""
-        return self.s.policy.shape(remaining, self.trees, self.s.config.draft_len, self.nodes, after_tree)
+        whose pre-draft grew this one (after a chain round a tree's levels are all drafted fresh); `opening`: the
+        block right after the prompt."""
+        return self.s.policy.shape(remaining, self.trees, self.s.config.draft_len, self.nodes, after_tree, opening)
 
     def job(self) -> TreeJob | DraftJob | None:
         """The next tree job; with `auto`, None when the shape policy finds no tree that pays (the session drafts
@@ -61,8 +62,8 @@ class TreeRounds:
         nothing when no draft pays at all."""
         s, c = self.s, self.s.config
         retry = self.block is not None and self.root_len == len(s.tokens)
-        shape = self.shape if retry else s.policy.shape(c.max_new_tokens - len(s.generated), self.trees, c.draft_len,
-                                                        self.nodes, self.last_tree, opening=s.prefill_due > 0)
+        shape = self.shape if retry else self.next_shape(c.max_new_tokens - len(s.generated), self.last_tree,
+                                                         opening=s.prefill_due > 0)
         if shape is None or (not retry and self.trees == "auto" and shape.is_chain):
             return None
         if shape.depth == 0:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from specrelay.common.protocol import LoadHint, Objective
-from specrelay.edge_worker.policy import TOLERANCE, DraftPolicy, EdgeEstimates, chain_rows, pick, tree_rows, tree_time
+from specrelay.edge_worker.policy import TOLERANCE, DraftPolicy, EdgeEstimates, chain_rows, pick, tree_rows
 from specrelay.edge_worker.policy.choose import tree_compute, tree_table, wait_for
 from specrelay.edge_worker.trees.tree import TreeShape
 
@@ -159,6 +159,27 @@ def test_tree_rounds_that_wait_more_than_their_compute_price_trees_not_chains():
     assert est.tree_line() == price
 
 
+def test_a_tree_pays_for_the_chain_jobs_that_wait_behind_it():
+    """With 16 sessions over 50 ms a few trees among the chains ran 0.91-0.93x the chain policy's tokens/s: another
+    session's chain job that comes in while a tree batch drafts cannot join it and waits for its end (72-130 ms,
+    against 42-44 ms behind chains). A tree's price carries that wait (est.blocking: chain jobs a second x its draft
+    time squared / 2); where none came in (one session) trees are priced as before."""
+    est = edge(draft_s=0.002, rtt_s=0.05)
+    policy = DraftPolicy(est, Objective.SPEED)
+    shape = policy.shape(48, "auto", None, None)
+    assert shape is not None and not shape.is_chain
+    for _ in range(10):  # a lone session's tree batches: no other chain job came in
+        est.observe_draft(0, [], 0.0)
+    assert policy.shape(48, "auto", None, None).widths == shape.widths
+    for _ in range(200):  # 15 other sessions drafting chains, each a round of ~100 ms
+        est.observe_draft(0, [], 150.0)
+    fresh = EdgeEstimates()
+    fresh.observe_draft(0, [], 150.0)
+    assert fresh.blocking(0.02) == pytest.approx(150 * 0.02 ** 2 / 2)
+    assert policy.shape(48, "auto", None, None) is None  # a chain wins
+    assert not DraftPolicy(est, Objective.SPEED).shape(48, "on", None, None).is_chain  # `on` still drafts trees
+
+
 def test_the_candidates_table_prices_each_tree_as_tree_time_does():
     """shape() prices ~60 candidates a round from a cached table (0.54 ms a call in a busy 16-session edge when
     each candidate was a TreeShape priced by tree_time): the table's T must be tree_time's, including a first-n-nodes
@@ -172,6 +193,13 @@ def test_the_candidates_table_prices_each_tree_as_tree_time_does():
         assert any(len(row[0]) < row[1] for row in tree_table(p, saved, None, None))  # shallower than its d
         for widths, _, t, _ in rows:
             assert t == pytest.approx(tree_time(est, TreeShape(widths)), rel=1e-12)
+
+
+def tree_time(est: EdgeEstimates, shape: TreeShape) -> float:
+    """T(S) as tree_rows states it, for one shape: the wait for the level forwards a pre-draft did not do, the
+    others' chain jobs' wait behind them, R + V over its nodes (the oracle the cached table is checked against)."""
+    (w0, w1), x = est.wait_line(), tree_compute(est, shape, shape.depth - min(shape.depth, round(est.tree_saved.value)))
+    return wait_for(est.tree_line(), x) + est.blocking(x) + w0 + w1 * (shape.nodes + 1)
 
 
 def saved_levels(est: EdgeEstimates, levels: float) -> None:

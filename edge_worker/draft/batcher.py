@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -53,9 +54,9 @@ class PreDraft:
 
 class DraftBatcher:
     def __init__(self, drafter: Drafter, pool: Executor, max_batch: int = 64, chunk: int = 1,
-                 on_timing: Callable[[float, list[tuple[int, float]]], None] | None = None) -> None:
+                 on_timing: Callable[[float, list[tuple[int, float]], float | None], None] | None = None) -> None:
         self.drafter, self.pool, self.max_batch, self.chunk = drafter, pool, max_batch, chunk
-        self.on_timing = on_timing  # (rows per chain forward: 0 for a pre-draft chunk; each (columns, seconds))
+        self.on_timing = on_timing  # (rows per chain forward: 0 for a pre-draft chunk; each (columns, seconds); _timed)
         self._warm = False          # set by the first batch (only the draft thread touches it)
         self._queue: list[tuple[DraftJob, asyncio.Future]] = []  # the draft thread takes joiners from it: _lock
         self._lock = threading.Lock()
@@ -69,6 +70,7 @@ class DraftBatcher:
         self.joins = 0                         # jobs that joined a batch under way
         self.predraft_chunks = 0
         self._tree_epoch = 0  # odd while the draft thread runs tree work: a chain job that waited behind it is marked
+        self._chains = 0      # chain jobs queued so far: those that came in during a tree batch could not join it
 
     @property
     def queued(self) -> int:
@@ -79,6 +81,7 @@ class DraftBatcher:
             return DraftBlock()
         self._ensure_running()
         future, epoch = asyncio.get_running_loop().create_future(), self._tree_epoch
+        self._chains += not isinstance(job, TreeJob)
         with self._lock:
             self._queue.append((job, future))
         self._wake.set()
@@ -210,19 +213,22 @@ class DraftBatcher:
 
     def _timed(self, jobs: list[DraftJob], loop: asyncio.AbstractEventLoop, ready=None,
                admit=None) -> list[DraftBlock]:
-        """`draft_batch`, in the draft thread; its rows (a real draft's) and forwards go to `on_timing` in the loop."""
+        """`draft_batch`, in the draft thread; its rows (a real draft's), forwards and, a real tree batch's, the chain
+        jobs a second that came in meanwhile (they could not join it: EdgeEstimates.blocking) go to `on_timing`."""
         forwards: list[tuple[int, float]] = []
         jobs, trees = list(jobs), any(isinstance(j, TreeJob) for j in jobs)  # joiners are appended
         self._tree_epoch += trees
+        chains, start = self._chains, time.perf_counter()
         try:
             blocks = self.drafter.draft_batch(jobs, ready, forwards, admit)
         finally:
             self._tree_epoch += trees
+        came = (self._chains - chains) / max(time.perf_counter() - start, 1e-6) if trees and admit else None
         warm, self._warm = self._warm, True  # the first batch of a process is slow (allocations): not a timing
         if self.on_timing is not None and warm:
             rows = _rows_per_forward(blocks, forwards) if admit is not None else 0.0
             try:
-                loop.call_soon_threadsafe(self.on_timing, rows, forwards)
+                loop.call_soon_threadsafe(self.on_timing, rows, forwards, came)
             except RuntimeError:  # the loop closed meanwhile (shutdown): nothing to learn any more
                 pass
         return blocks

@@ -3,7 +3,8 @@ whether to pre-draft. The whole model (docs/policy.md):
 
     E(d) = sum_{k=0..d} P_k,  P_k = prod_{j<k} a_j        tokens a chain of d commits per cloud call
     E(S) = 1 + sum over the tree's nodes of their reach    the same for a tree (reach from the rank chances P_r)
-    T    = D(F(d + lookahead - pre-drafted start)) + W(d) seconds a round takes (a tree: one forward a level)
+    T    = D(F(d + lookahead - pre-drafted start)) + W(d) seconds a round takes (a tree: one forward a level, and
+                                                          the wait of others' chain jobs behind it)
 
 with one set of estimators per edge (estimates.py), every session's rounds pooled: acceptance per draft position
 (a session's own shrunk toward it prices its length) and per confidence class and rank for trees; t, the draft's
@@ -18,8 +19,8 @@ objective's tolerance of the best, the most tokens per call (`speed` 0; `balance
 (EXPLORE_SHARE) and the block after the prompt (its own acceptance and catch-up): choose.DraftPolicy.
 """
 
-from .choose import MAX_LEN, TOLERANCE, DraftPolicy, chain_rows, pick, static_tree, tree_rows, tree_time
+from .choose import MAX_LEN, TOLERANCE, DraftPolicy, chain_rows, pick, static_tree, tree_rows
 from .estimates import PREDRAFT_SHARE, AcceptanceCounts, EdgeEstimates, EWLine, EWMean, RankAcceptance
 
 __all__ = ["MAX_LEN", "PREDRAFT_SHARE", "TOLERANCE", "AcceptanceCounts", "DraftPolicy", "EWLine", "EWMean",
-           "EdgeEstimates", "RankAcceptance", "chain_rows", "pick", "static_tree", "tree_rows", "tree_time"]
+           "EdgeEstimates", "RankAcceptance", "chain_rows", "pick", "static_tree", "tree_rows"]

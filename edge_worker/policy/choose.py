@@ -67,16 +67,6 @@ def static_tree(p: tuple[float, ...], depth: int, nodes: int) -> tuple[tuple[flo
     return tuple(totals), tuple(depths)
 
 
-def tree_time(est: EdgeEstimates, shape: TreeShape) -> float:
-    """T(S): the draft forwards a pre-draft did not do (one per level: the root's, then each level's nodes, for
-    every session of the lockstep batch) at the wait tree rounds measured against their compute (a part per round,
-    one per second of compute), then R + V over the tree's nodes (tree_rows prices its candidates so, from a table)."""
-    (c, s), (w0, w1) = est.step_line(), est.wait_line()
-    steps = shape.depth - min(shape.depth, round(est.tree_saved.value))
-    return wait_for(est.tree_line(), steps * c + s * est.rows.value * waited_columns(shape.widths, steps)) \
-        + w0 + w1 * (shape.nodes + 1)
-
-
 def wait_for(line: tuple[float, float], x: float) -> float:
     """A round's wait for its draft at a wait line (c, s): c + s x (x: fresh forwards, or levels' compute; 0: none)."""
     return line[0] + line[1] * x if x > 0 else 0.0
@@ -120,15 +110,17 @@ def tree_table(p: tuple[float, ...], saved: int, depth: int | None,
 def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | None, nodes: int | None,
               floor: float = 0.0, switch: float = 0.0) -> list[tuple[tuple[int, ...], float, float, float]]:
     """(widths, E, T, its least node's value) of the tree candidates whose least node is worth `floor` or more
-    (`chain`: the chains' E(d)), T as tree_time's, plus `switch` x E of a fresh tree's extra time (no level
-    pre-drafted, as after a chain round: 1 / tokens left pays a switch once over the generation's rest)."""
+    (`chain`: the chains' E(d)). T(S): the wait for the level forwards a pre-draft did not do (a level's: each
+    session's of the lockstep batch) at the tree rounds' measured line against their compute, the others' chain
+    jobs' wait behind them (est.blocking), then R + V over its nodes; plus `switch` x E of a fresh tree's extra time
+    (no level pre-drafted, as after a chain round: 1 / tokens left pays a switch once over the generation's rest)."""
     p = tuple(round(x, 2) for x in est.ranks.mean_p_rank())  # to the percent: the tables' cache hits
     (c, s), (w0, w1) = est.step_line(), est.wait_line()
     line, s_rows, depth = est.tree_line(), s * est.rows.value, None if depth is None else min(depth, top)
     grown, fresh = (tree_table(p, saved, depth, nodes) for saved in (round(est.tree_saved.value), 0))  # one order
 
-    def draft(steps: int, columns: int) -> float:  # the wait for a tree's level forwards not pre-drafted
-        return wait_for(line, steps * c + s_rows * columns)
+    def draft(steps: int, columns: int) -> float:  # the wait for a tree's level forwards not pre-drafted, and the
+        return wait_for(line, x := steps * c + s_rows * columns) + est.blocking(x)  # others' behind them
 
     out = []
     for (w, d, r, n, steps, cols, last), f in zip(takewhile(lambda row: row[-1] >= floor, grown), fresh):
@@ -152,8 +144,7 @@ class DraftPolicy:
     def rates(self, n: int) -> list[float]:  # a_0..a_{n-1}: the edge's pooled rates
         return self.edge.acceptance.rates(n)
 
-    def own_rates(self, n: int) -> list[float]:
-        """a_0..a_{n-1}: the session's own counts shrunk toward the pooled rates (AcceptanceCounts.rates)."""
+    def own_rates(self, n: int) -> list[float]:  # a_0..a_{n-1}: its own counts shrunk toward the pooled rates
         return self.own.rates(n, self.rates(n))
 
     def choose(self, remaining: int, explore: bool = True, stretch: int = 0, opening: bool = False) -> int:

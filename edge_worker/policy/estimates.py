@@ -161,9 +161,8 @@ class EdgeEstimates:
         self.opening = AcceptanceCounts()     # the blocks right after a prompt, apart (DraftPolicy.observe_block)
         self.draft = EWLine()                 # seconds per draft forward vs its columns (rows x new tokens)
         self.rows = EWMean(1.0)               # sessions per lockstep draft forward (one column each per step)
-        # the worker's forward, seconds vs its tokens (hints of forwards without a prompt chunk); its prior slope:
-        # the worker's own measure of a token (token_us): one session's one row width teaches no slope
-        self.cloud = EWLine()
+        self.cloud = EWLine()                 # the worker's forward, seconds vs its tokens (no prompt's; prior slope:
+                                              # the worker's token_us: one session's one row width teaches no slope)
         self.batch = EWMean(1.0)              # rows per worker forward
         self.queue_share = EWMean(clip=float("inf"))  # a VERIFY's wait at the worker over the worker's forward
                                               # (each at most CLIP: a backlog of forwards is not a trend)
@@ -182,13 +181,16 @@ class EdgeEstimates:
         self.drafting = 0                     # rounds at d > 0 (any session's) since the last one at d = 0
         self.tree_saved = EWMean(clip=float("inf"))  # levels a tree pre-draft had grown at the VERDICT (a count)
         self.tree_waited = EWLine(1.0)        # a tree round's wait for its draft vs its levels' modelled compute
+        self.others = EWMean(clip=float("inf"))  # chain jobs a second that came in while a tree batch drafted
         self.lookahead = 0                    # target tokens drafted past a block (1 across vocabularies)
 
     # ---------------------------------------------------------------- what the shell measured
-    def observe_draft(self, rows: float, forwards: list[tuple[int, float]]) -> None:
+    def observe_draft(self, rows: float, forwards: list[tuple[int, float]], others: float | None = None) -> None:
         """The draft thread ran a lockstep batch of `rows` sessions per forward on average (0: a pre-draft chunk)
         and its forwards, each (columns, seconds): a forward that first caught a session up on a long stretch is a
-        wide one, not a dear step."""
+        wide one, not a dear step; a tree batch's `others`: the chain jobs a second that came in meanwhile."""
+        if others is not None:
+            self.others.observe(others)
         if rows:
             self.rows.observe(rows)
         if forwards and not self.draft.known:  # the first forward (often a prompt's catch-up) sets no flat price:
@@ -252,6 +254,11 @@ class EdgeEstimates:
     def tree_line(self) -> tuple[float, float]:
         """(c, k): a tree round waits c + k x its levels' modelled compute (k no less than 1; 0 and 1 unmeasured)."""
         return _at_least(self.tree_waited, 1.0) if self.tree_waited.known else (0.0, 1.0)
+
+    def blocking(self, seconds: float) -> float:
+        """Seconds other sessions' chain jobs wait behind a tree batch of `seconds` (they join a chain's, not a tree's):
+        arrivals at `others` a second, each waiting the rest, half on average (a tree's price carries it)."""
+        return self.others.value * seconds * seconds / 2
 
     def draft_line(self) -> tuple[float, float]:
         """(c, s): a chain round waits c + s x n for n > 0 fresh forwards, s no less than a forward's compute t

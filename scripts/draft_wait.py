@@ -2,7 +2,8 @@
 or `sweep` with its edge in this process, times every real draft job (queued behind the draft thread's batch or
 pre-draft, drafting in its lockstep batch, handed back to the event loop), logs each timed round's waits for its
 draft and its VERDICT beside the model's price of them just before (a chain's D(n) and W, a tree's D_S and W:
-docs/policy.md) and the draft wait line D(n) = c + s n over time. Prints tables and writes JSON.
+docs/policy.md), the draft wait line D(n) = c + s n over time, and per tree batch the other sessions' chain jobs a
+second that came in meanwhile (what a tree's price charges for: EdgeEstimates.blocking). Prints tables, writes JSON.
 
     python scripts/draft_wait.py --out bench_results/draft_wait.json -- calls --max-new-tokens 48 --repeats 2 --xv
     python scripts/draft_wait.py -- sweep --no-plots --link 50ms --sessions 16 --draft-lens auto --trees auto
@@ -66,12 +67,20 @@ def _instrument() -> None:
             return _started(admit(rows))
         return draft_batch(self, jobs, probed_ready if ready else None, forwards, probed_admit if admit else None)
 
+    observe_draft = estimates.EdgeEstimates.observe_draft
+
+    def probed_observe_draft(self, rows, forwards, others=None):
+        observe_draft(self, rows, forwards, others)
+        if others is not None:  # a tree batch: other sessions' chain jobs a second that came in (blocking)
+            _log(kind="others", per_s=others, learnt=self.others.value)
+
     def probed_waited(self, steps, seconds):
         observe_waited(self, steps, seconds)
         _log(kind="line", t=time.perf_counter(), edge=id(self), line=self.draft_line(), step=self.step())
 
     batcher.DraftBatcher.draft, batcher.DraftBatcher._timed = probed_draft, probed_timed
     drafter.Drafter.draft_batch, estimates.EdgeEstimates.observe_waited = probed_batch, probed_waited
+    estimates.EdgeEstimates.observe_draft = probed_observe_draft
     _instrument_rounds()
 
 
@@ -199,13 +208,17 @@ def summary() -> dict:
     chains = [j for j in jobs if not j["tree"]]
     out = {"all": _split(jobs), "trees": _split([j for j in jobs if j["tree"]]),
            "chains_behind_trees": _split([j for j in chains if j["behind_trees"]]),
-           "chains_not_behind_trees": _split([j for j in chains if not j["behind_trees"]]), "priced_by_width": _priced([e for e in EVENTS if e["kind"] == "round"]),
+           "chains_not_behind_trees": _split([j for j in chains if not j["behind_trees"]]),
+           "priced_by_width": _priced([e for e in EVENTS if e["kind"] == "round"]),
            "yield_by_modelled_e": _yields([e for e in EVENTS if e["kind"] == "yield"]), "runs": []}
     for run in _runs(jobs):
         t0 = run[0]["submit"]
         seconds = sorted({int(j["submit"] - t0) for j in run})
         out["runs"].append({"by_second": {s: _split([j for j in run if int(j["submit"] - t0) == s])
                                           for s in seconds}})
+    others = [e for e in EVENTS if e["kind"] == "others"]
+    out["tree_batches"] = {"count": len(others), "chain_jobs_per_s": _spread([e["per_s"] for e in others]),
+                           "learnt_per_s": _spread([e["learnt"] for e in others])}
     lines = [e for e in EVENTS if e["kind"] == "line"]
     for edge in dict.fromkeys(e["edge"] for e in lines):
         mine = [e for e in lines if e["edge"] == edge]
@@ -214,6 +227,11 @@ def summary() -> dict:
             [{"t_s": round(e["t"] - mine[0]["t"], 2), "c_ms": round(1000 * e["line"][0], 2),
               "s_ms": round(1000 * e["line"][1], 2), "t_ms": round(1000 * e["step"], 2)} for e in mine[::step]])
     return out
+
+
+def _spread(xs: list[float]) -> list[float]:
+    """[min, median, max] of xs, to 0.1 ([] for none)."""
+    return [round(x, 1) for x in (min(xs), statistics.median(xs), max(xs))] if xs else []
 
 
 def _print(result: dict) -> None:
@@ -237,6 +255,9 @@ def _print(result: dict) -> None:
     print("|---" * 5 + "|")
     for key, row in result["yield_by_modelled_e"].items():
         print(f"| {key} | " + " | ".join(str(v) for v in row.values()) + " |")
+    b = result["tree_batches"]
+    print(f"tree batches: {b['count']}; other sessions' chain jobs that came in during one, a second (min, median, "
+          f"max): {b['chain_jobs_per_s']}; the edge's estimate after each: {b['learnt_per_s']}")
     for i, line in enumerate(result.get("draft_line", [])):
         print(f"edge {i}: draft wait line over time (s: c ms + s ms per forward; t: a forward's compute)")
         print("  " + ", ".join(f"{p['t_s']}: {p['c_ms']} + {p['s_ms']} ({p['t_ms']})" for p in line))

@@ -2,8 +2,8 @@
 or `sweep` with its edge in this process, times every real draft job (queued behind the draft thread's batch or
 pre-draft, drafting in its lockstep batch, handed back to the event loop), logs each timed round's waits for its
 draft and its VERDICT beside the model's price of them just before (a chain's D(n) and W, a tree's D_S and W:
-docs/policy.md), the draft wait line D(n) = c + s n over time, and per tree batch the other sessions' chain jobs a
-second that came in meanwhile (what a tree's price charges for: EdgeEstimates.blocking). Prints tables, writes JSON.
+docs/policy.md), the draft wait line D(n) = c + s n over time, and per draft batch the other sessions' chain jobs a
+second that came in meanwhile (what a tree batch holds up: EdgeEstimates.blocking). Prints tables, writes JSON.
 
     python scripts/draft_wait.py --out bench_results/draft_wait.json -- calls --max-new-tokens 48 --repeats 2 --xv
     python scripts/draft_wait.py -- sweep --no-plots --link 50ms --sessions 16 --draft-lens auto --trees auto
@@ -71,7 +71,7 @@ def _instrument() -> None:
 
     def probed_observe_draft(self, rows, forwards, others=None):
         observe_draft(self, rows, forwards, others)
-        if others is not None:  # a tree batch: other sessions' chain jobs a second that came in (blocking)
+        if others is not None:  # a real draft batch: other sessions' chain jobs a second that came in (blocking)
             _log(kind="others", per_s=others, learnt=self.others.value)
 
     def probed_waited(self, steps, seconds):
@@ -217,7 +217,7 @@ def summary() -> dict:
         out["runs"].append({"by_second": {s: _split([j for j in run if int(j["submit"] - t0) == s])
                                           for s in seconds}})
     others = [e for e in EVENTS if e["kind"] == "others"]
-    out["tree_batches"] = {"count": len(others), "chain_jobs_per_s": _spread([e["per_s"] for e in others]),
+    out["draft_batches"] = {"count": len(others), "chain_jobs_per_s": _spread([e["per_s"] for e in others]),
                            "learnt_per_s": _spread([e["learnt"] for e in others])}
     lines = [e for e in EVENTS if e["kind"] == "line"]
     for edge in dict.fromkeys(e["edge"] for e in lines):
@@ -255,8 +255,8 @@ def _print(result: dict) -> None:
     print("|---" * 5 + "|")
     for key, row in result["yield_by_modelled_e"].items():
         print(f"| {key} | " + " | ".join(str(v) for v in row.values()) + " |")
-    b = result["tree_batches"]
-    print(f"tree batches: {b['count']}; other sessions' chain jobs that came in during one, a second (min, median, "
+    b = result["draft_batches"]
+    print(f"draft batches: {b['count']}; other sessions' chain jobs that came in during one, a second (min, median, "
           f"max): {b['chain_jobs_per_s']}; the edge's estimate after each: {b['learnt_per_s']}")
     for i, line in enumerate(result.get("draft_line", [])):
         print(f"edge {i}: draft wait line over time (s: c ms + s ms per forward; t: a forward's compute)")

@@ -239,9 +239,9 @@ def test_a_chain_draft_that_waited_behind_tree_work_is_marked(tiny_runners):
     """A chain block drafted after another session's tree batch (or tree pre-draft) held the draft thread timed
     the trees' load, not a chain's: the batcher marks it (`behind_trees`), so it does not teach the chains' draft
     wait line (with 16 sessions over 50 ms, chains priced behind trees kept the edge drafting trees at 0.90-0.94x
-    the chain policy's tokens/s). A chain drafted alone is not marked. The tree batch reports the chain jobs a second
-    that came in while it drafted (what a tree's price charges for the others' wait: EdgeEstimates.blocking); a
-    chain batch reports none."""
+    the chain policy's tokens/s). A chain drafted alone is not marked. Each real batch reports the chain jobs a second
+    that came in while it drafted (what a tree batch holds up, which a tree's price charges: EdgeEstimates.blocking):
+    the tree batch one, the chain batches after it none."""
     from concurrent.futures import ThreadPoolExecutor
 
     from specrelay.edge_worker.draft.batcher import DraftBatcher
@@ -263,6 +263,7 @@ def test_a_chain_draft_that_waited_behind_tree_work_is_marked(tiny_runners):
         batcher = DraftBatcher(drafter, ThreadPoolExecutor(1), on_timing=lambda _r, _f, came: came_in.append(came))
         await batcher.draft(chain())  # a process's first batch times nothing
         _, behind = await queued_mid_batch(draft, batcher, tree, chain())
+        await asyncio.sleep(0.1)  # its batch ends (a block is handed back as its job leaves the batch)
         alone = await batcher.draft(chain())
         await asyncio.sleep(0.1)  # the last timing's callback
         return behind, alone
@@ -270,7 +271,7 @@ def test_a_chain_draft_that_waited_behind_tree_work_is_marked(tiny_runners):
     first, alone_block = asyncio.run(main())
     assert first.ids and first.behind_trees
     assert alone_block.ids and not alone_block.behind_trees
-    assert len(came_in) == 3 and came_in[0] > 0 and came_in[1:] == [None, None]  # the tree batch, then the chains'
+    assert len(came_in) == 3 and came_in[0] > 0 and came_in[1:] == [0.0, 0.0]  # the tree batch, then the chains'
 
 
 async def queued_mid_batch(runner, batcher, first_job, second_job):

@@ -163,12 +163,13 @@ def test_a_tree_pays_for_the_chain_jobs_that_wait_behind_it():
     """With 16 sessions over 50 ms a few trees among the chains ran 0.91-0.93x the chain policy's tokens/s: another
     session's chain job that comes in while a tree batch drafts cannot join it and waits for its end (72-130 ms,
     against 42-44 ms behind chains). A tree's price carries that wait (est.blocking: chain jobs a second x its draft
-    time squared / 2); where none came in (one session) trees are priced as before."""
+    time squared / 2, as many as come in during any draft batch); where none come in (one session) trees are priced
+    as before, and once the others are gone they are again."""
     est = edge(draft_s=0.002, rtt_s=0.05)
     policy = DraftPolicy(est, Objective.SPEED)
     shape = policy.shape(48, "auto", None, None)
     assert shape is not None and not shape.is_chain
-    for _ in range(10):  # a lone session's tree batches: no other chain job came in
+    for _ in range(10):  # a lone session's draft batches: no other chain job came in
         est.observe_draft(0, [], 0.0)
     assert policy.shape(48, "auto", None, None).widths == shape.widths
     for _ in range(200):  # 15 other sessions drafting chains, each a round of ~100 ms
@@ -178,6 +179,9 @@ def test_a_tree_pays_for_the_chain_jobs_that_wait_behind_it():
     assert fresh.blocking(0.02) == pytest.approx(150 * 0.02 ** 2 / 2)
     assert policy.shape(48, "auto", None, None) is None  # a chain wins
     assert not DraftPolicy(est, Objective.SPEED).shape(48, "on", None, None).is_chain  # `on` still drafts trees
+    for _ in range(200):  # the others ended: chain batches see no job come in
+        est.observe_draft(1.5, [(1, 0.002), (2, 0.002)], 0.0)
+    assert policy.shape(48, "auto", None, None) is not None
 
 
 def test_the_candidates_table_prices_each_tree_as_tree_time_does():

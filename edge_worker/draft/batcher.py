@@ -70,7 +70,7 @@ class DraftBatcher:
         self.joins = 0                         # jobs that joined a batch under way
         self.predraft_chunks = 0
         self._tree_epoch = 0  # odd while the draft thread runs tree work: a chain job that waited behind it is marked
-        self._chains = 0      # chain jobs queued so far: those that came in during a tree batch could not join it
+        self._chains = 0      # chain jobs queued so far: those that come in during a tree batch cannot join it
 
     @property
     def queued(self) -> int:
@@ -213,8 +213,8 @@ class DraftBatcher:
 
     def _timed(self, jobs: list[DraftJob], loop: asyncio.AbstractEventLoop, ready=None,
                admit=None) -> list[DraftBlock]:
-        """`draft_batch`, in the draft thread; its rows (a real draft's), forwards and, a real tree batch's, the chain
-        jobs a second that came in meanwhile (they could not join it: EdgeEstimates.blocking) go to `on_timing`."""
+        """`draft_batch`, in the draft thread; its rows and the chain jobs a second that came in meanwhile (a real
+        draft's: what a tree batch would hold up, EdgeEstimates.blocking) and its forwards go to `on_timing`."""
         forwards: list[tuple[int, float]] = []
         jobs, trees = list(jobs), any(isinstance(j, TreeJob) for j in jobs)  # joiners are appended
         self._tree_epoch += trees
@@ -223,7 +223,7 @@ class DraftBatcher:
             blocks = self.drafter.draft_batch(jobs, ready, forwards, admit)
         finally:
             self._tree_epoch += trees
-        came = (self._chains - chains) / max(time.perf_counter() - start, 1e-6) if trees and admit else None
+        came = (self._chains - chains) / max(time.perf_counter() - start, 1e-6) if admit else None
         warm, self._warm = self._warm, True  # the first batch of a process is slow (allocations): not a timing
         if self.on_timing is not None and warm:
             rows = _rows_per_forward(blocks, forwards) if admit is not None else 0.0

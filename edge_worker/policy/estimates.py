@@ -181,14 +181,14 @@ class EdgeEstimates:
         self.drafting = 0                     # rounds at d > 0 (any session's) since the last one at d = 0
         self.tree_saved = EWMean(clip=float("inf"))  # levels a tree pre-draft had grown at the VERDICT (a count)
         self.tree_waited = EWLine(1.0)        # a tree round's wait for its draft vs its levels' modelled compute
-        self.others = EWMean(clip=float("inf"))  # chain jobs a second that came in while a tree batch drafted
+        self.others = EWMean(clip=float("inf"))  # chain jobs a second that came in while a draft batch ran
         self.lookahead = 0                    # target tokens drafted past a block (1 across vocabularies)
 
     # ---------------------------------------------------------------- what the shell measured
     def observe_draft(self, rows: float, forwards: list[tuple[int, float]], others: float | None = None) -> None:
         """The draft thread ran a lockstep batch of `rows` sessions per forward on average (0: a pre-draft chunk)
         and its forwards, each (columns, seconds): a forward that first caught a session up on a long stretch is a
-        wide one, not a dear step; a tree batch's `others`: the chain jobs a second that came in meanwhile."""
+        wide one, not a dear step; `others`: the chain jobs a second that came in meanwhile (None: a pre-draft)."""
         if others is not None:
             self.others.observe(others)
         if rows:
@@ -257,7 +257,7 @@ class EdgeEstimates:
 
     def blocking(self, seconds: float) -> float:
         """Seconds other sessions' chain jobs wait behind a tree batch of `seconds` (they join a chain's, not a tree's):
-        arrivals at `others` a second, each waiting the rest, half on average (a tree's price carries it)."""
+        arrivals at `others` a second (as into any draft batch: 0 alone), each waiting the rest, half on average."""
         return self.others.value * seconds * seconds / 2
 
     def draft_line(self) -> tuple[float, float]:

@@ -515,26 +515,6 @@ def test_a_session_drafts_as_long_as_its_own_acceptance_pays_and_whether_as_the_
     assert 1 <= chosen.count(1) <= len(chosen) // 30
 
 
-def test_a_session_the_draft_knows_badly_rests_at_d_0_where_its_guesses_keep_it_measured():
-    """Where a pre-draft guesses the next token during a round at d = 0 (greedy, --predraft), a session's own rates
-    decide whether it drafts too: the cross-vocabulary pair's two prompts the draft knows badly ran at 0.55x d = 0's
-    tokens/s on one session over loopback, drafting the d >= 1 the pooled rates asked for. Its guesses are samples of
-    its own, so once they match it drafts again. Without guesses it drafts (at d = 0 it would learn nothing)."""
-    est = edge(draft_s=0.004, rtt_s=0.0002, predraft=True)
-    resting = {}
-    for guesses, least in ((True, 0), (False, 1)):
-        bad, good = DraftPolicy(est, guesses=guesses), DraftPolicy(est, guesses=guesses)
-        for _ in range(10):
-            bad.observe_block(4, 0)
-        assert good.choose(48) > 1 and bad.choose(48) == least and bad.guessing == (least == 0)
-        resting[guesses] = bad
-    bad = resting[True]
-    for _ in range(30):
-        bad.guessing = False
-        bad.observe_block(0, 0, bonus_match=True)  # its guesses at d = 0 match
-    assert bad.choose(48) >= 1
-
-
 def test_the_block_after_the_prompt_is_not_an_acceptance_sample():
     """The first block of a session starts where the prompt ends, where a draft of another tokenizer is almost
     never accepted: counted, a wave of fresh sessions took the edge to d = 0 before anything else was measured."""

@@ -139,7 +139,7 @@ class DraftPolicy:
         self.guesses = guesses  # a pre-draft's guess at the next token is an acceptance sample (not in sample mode)
         self.exploring = self.guessing = False  # the round in flight samples acceptance: d = 1 / a guess at d = 0
         self.timing = 0         # 1: the next round times a draft (after a guess); 2: the round in flight does
-        self.own = AcceptanceCounts()  # this session's blocks and guesses at d = 0 (not its opening)
+        self.own = AcceptanceCounts()  # this session's drafted blocks (not its opening, not its guesses at d = 0)
 
     def rates(self, n: int) -> list[float]:  # a_0..a_{n-1}: the edge's pooled rates
         return self.edge.acceptance.rates(n)
@@ -177,16 +177,15 @@ class DraftPolicy:
         if d and explore and edge.drafting * EXPLORE_SHARE >= 1 and edge.cloud.spread < 0.5:
             edge.drafting = 0  # the rows verified have kept one width: a row of 1 shows what d = 0 waits
             return 0
-        if d:  # how long: the session's own rates' call (the prompts the draft knows badly draft shorter); whether,
-            own = chain_rows(edge, self.own_rates(top + 1), top)  # too, where a pre-draft guesses the next token at
-            rest = self.guesses and edge.predraft and edge.draft.known  # d = 0 (its own sample, off the critical
-            d = pick(own, self.objective) if rest else 1 + pick(own[1:], self.objective) if len(own) > 1 else 1
-            self.guessing = self.guessing or (explore and not d)  # path; else at d = 0 it would learn nothing)
+        if d:  # whether to draft is the pooled rates' call (a session's own kept it at d = 0, where it learns
+            own = chain_rows(edge, self.own_rates(top + 1), top)  # nothing); how long, its own: the prompts
+            d = 1 + pick(own[1:], self.objective) if len(own) > 1 else 1  # the draft knows badly draft shorter
         return d
 
     def _opening(self, top: int, stretch: int) -> int:
-        """The block after the prompt, at the openings' own acceptance (shrunk toward the pooled rates) and a drafting
-        opening's catch-up on the prompt's `stretch` target tokens (d = 0 pays none: a pre-draft, a later round do)."""
+        """The block right after the prompt, at the opening blocks' own acceptance (shrunk toward the pooled rates)
+        and a drafting opening's catch-up on the prompt's `stretch` target tokens (d = 0 pays none: a pre-draft
+        runs it during the wait, or a later round drafting pays it)."""
         catchup, edge = self.edge.step(stretch * self.edge.steps_per_token.value), self.edge
         rows = chain_rows(edge, edge.opening.rates(top + 1, self.rates(top + 1)), top)
         return pick([(e, t + catchup * (d > 0)) for d, (e, t) in enumerate(rows)], self.objective)
@@ -237,7 +236,8 @@ class DraftPolicy:
         if d > 0 or bonus_match is not None:  # an acceptance sample, whichever session's: nothing to explore
             self.edge.acceptance.observe(d, n, bonus_match)
             self.edge.idle = 0
-            self.own.observe(d, n, bonus_match)
+            if d > 0:
+                self.own.observe(d, n, bonus_match)
         else:
             self.edge.idle += 1
         self.edge.drafting = self.edge.drafting + 1 if d > 0 else 0

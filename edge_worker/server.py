@@ -223,11 +223,12 @@ class EdgeWorker(transport.Service):
     async def _step(self, session: EdgeSession, route: Route) -> list[int]:
         """Draft (in the draft thread) or take the pending RESAMPLE, send it (pre-drafting on while it is in
         flight), apply the reply, and report the round's timings to the session's draft-length policy."""
+        start, waited = time.perf_counter(), 0.0
         request, draft_s = session.resample_request(), None  # a pending RESAMPLE goes before any draft
         if request is None:  # the job waits in the draft thread's queue until the edge scheduler batches it
-            t0 = time.perf_counter()
             request = session.request_for(await self._batcher.draft(session.draft_job()))
-            draft_s = time.perf_counter() - t0 if self._batcher.batches > 1 else None  # the first: warm-up
+            waited = time.perf_counter() - start
+            draft_s = waited if self._batcher.batches > 1 else None  # the first: warm-up
         if route.stash is not None:  # the OPEN already failed: do not send on top of it
             reply, route.stash = route.stash, None
             return session.apply(reply)
@@ -246,7 +247,7 @@ class EdgeWorker(transport.Service):
                 self._batcher.cancel(pre)
         new = session.apply(reply)  # an ERROR reply raises its RequestError
         if isinstance(reply, P.Verdict):
-            session.record_timing(draft_s, latency)
+            session.record_timing(draft_s, latency, time.perf_counter() - start - waited - latency)
             self.metrics.on_round(len(request.draft), reply.n_accepted, draft_s, latency)
         return new
 

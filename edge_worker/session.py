@@ -253,15 +253,16 @@ class EdgeSession:
                 self._guessed, self._seen = True, len(self.tokens)
             self._chain.extend(more)
 
-    def record_timing(self, draft_s: float | None, latency_s: float) -> None:
-        """What the shell measured for the last VERIFY round: seconds waited for its draft (None: not timed)
-        and from sending it to its VERDICT. Feeds the auto draft length."""
+    def record_timing(self, draft_s: float | None, latency_s: float, handled_s: float | None = None) -> None:
+        """What the shell measured for the last VERIFY round: seconds waited for its draft (None: not timed), from
+        sending it to its VERDICT, and the edge's own besides (taking the pre-draft back, applying the VERDICT).
+        Feeds the auto draft length."""
         self.stats.draft_s += draft_s or 0.0
         self.stats.verify_s += latency_s
         tree = self.trees.shape if self.trees.last_steps else None  # a tree engine's round (its forwards waited)
         steps = self.trees.last_steps if tree is not None else self._steps
         self.policy.observe_round(self._width, latency_s, self._hint, draft_s, steps, self._catchup, self._prefilled,
-                                  tree=tree)
+                                  tree=tree, handled_s=handled_s)
 
     # ---------------------------------------------------------------------------- replies
     def apply(self, reply: P.Base) -> list[int]:

@@ -141,6 +141,7 @@ async def test_speculation_metrics_and_load_hints(zctx, linked, twin_drafter, ti
         # VERDICTs carried the worker's load hint, with its measure of a verified token
         assert running.estimates.cloud.slope == 4321e-6
         assert running.estimates.draft.known and running.estimates.step() > 0  # the draft thread was timed
+        assert running.estimates.handled[1].count and running.estimates.handled[1].value > 0  # and the edge's own time
     drafts = sum(s["cloud_calls"] for _, s in results)
     accepted = sum(s["accepted_tokens"] for _, s in results)
     assert f"specrelay_edge_spec_decode_num_drafts_total {float(drafts)}" in text

@@ -35,10 +35,10 @@ def pick(rows: list[tuple[float, float]], objective: Objective) -> int:
 
 def chain_rows(est: EdgeEstimates, a: list[float], top: int, cut: bool = True) -> list[tuple[float, float]]:
     """(E(d), T(d)) for d = 0..top at acceptance a_0..a_top: E(d) = sum_{k<=d} P_k with P_k = prod_{j<k} a_j;
-    T(d) = D(F(d + lookahead less the pre-drafted start, P_{d+1} x what fits the wait)) + R + V(d), F the draft
+    T(d) = D(F(d + lookahead less the pre-drafted start, P_{d+1} x what fits the wait)) + R + V(d) + H, F the draft
     forwards that many target tokens take (est.forwards: d of them for a draft of the target's vocabulary), D(n)
     the measured wait for n fresh forwards (est.draft_line: a part per round, one per forward; 0 for none)."""
-    rows, e, p, t, line = [], 0.0, 1.0, est.per_token(), est.draft_line()
+    rows, e, p, t, line, h = [], 0.0, 1.0, est.per_token(), est.draft_line(), est.handled
     (w0, w1), share = est.wait_line(), PREDRAFT_SHARE / max(t, 1e-12) if est.predraft and est.draft.known else 0.0
     for d in range(top + 1):
         if cut and d and p < MIN_VALUE:  # the d-th token's chance to be accepted (P_d) under MIN_VALUE: no longer
@@ -47,7 +47,7 @@ def chain_rows(est: EdgeEstimates, a: list[float], top: int, cut: bool = True) -
         p *= a[d]
         wait = w0 + w1 * (d + 1) if d else est.wait(0)
         saved = p * min(d, max(0, int(share * wait) - 1))  # the guess, then the next block's start (predraft_budget)
-        rows.append((e, wait_for(line, est.forwards(d + est.lookahead - saved)) * (d > 0) + wait))
+        rows.append((e, wait_for(line, est.forwards(d + est.lookahead - saved)) * (d > 0) + wait + h[d > 0].value))
     return rows
 
 
@@ -112,10 +112,10 @@ def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | Non
     """(widths, E, T, its least node's value) of the tree candidates whose least node is worth `floor` or more
     (`chain`: the chains' E(d)). T(S): the wait for the level forwards a pre-draft did not do (a level's: each
     session's of the lockstep batch) at the tree rounds' measured line against their compute, the others' chain
-    jobs' wait behind them (est.blocking), then R + V over its nodes; plus `switch` x E of a fresh tree's extra time
-    (no level pre-drafted, as after a chain round: 1 / tokens left pays a switch once over the generation's rest)."""
+    jobs' wait behind them (est.blocking), then R + V over its nodes and H; plus `switch` x E of a fresh tree's extra
+    time (no level pre-drafted, as after a chain round: 1 / tokens left pays a switch once over the tokens left)."""
     p = tuple(round(x, 2) for x in est.ranks.mean_p_rank())  # to the percent: the tables' cache hits
-    (c, s), (w0, w1) = est.step_line(), est.wait_line()
+    (c, s), (w0, w1), h = est.step_line(), est.wait_line(), est.handled[1].value
     line, s_rows, depth = est.tree_line(), s * est.rows.value, None if depth is None else min(depth, top)
     grown, fresh = (tree_table(p, saved, depth, nodes) for saved in (round(est.tree_saved.value), 0))  # one order
 
@@ -126,7 +126,7 @@ def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | Non
     for (w, d, r, n, steps, cols, last), f in zip(takewhile(lambda row: row[-1] >= floor, grown), fresh):
         if d <= top:  # f: the same tree drafted fresh
             e, t = 1.0 + r * (chain[d] - 1.0), draft(steps, cols)
-            out.append((w, e, t + w0 + w1 * (n + 1) + min(1.0, e * switch) * (draft(f[4], f[5]) - t), last))
+            out.append((w, e, t + w0 + h + w1 * (n + 1) + min(1.0, e * switch) * (draft(f[4], f[5]) - t), last))
     return out
 
 
@@ -148,12 +148,12 @@ class DraftPolicy:
         return self.own.rates(n, self.rates(n))
 
     def choose(self, remaining: int, explore: bool = True, stretch: int = 0, opening: bool = False) -> int:
-        """The chain length d in 0..min(MAX_LEN, remaining - 1): fixed; when exploring is due (EXPLORE_SHARE; not
-        when `explore` is False: a pre-draft asks), d = 1, or d = 0 and `guessing` where the pre-draft can guess the
-        next token (its catch-up in the wait's shadow), then one round at the fastest d > 0 (`timing`: the draft
-        caught up, its wait is a clean round's); else the objective's pick, but d = 0 once in 1 / EXPLORE_SHARE drafting
-        rounds while the worker's cost line has seen one width only. `stretch`: target tokens the draft has not
-        seen (an exploring round's catch-up); `opening`: the block after the prompt (_opening)."""
+        """The chain length d in 0..min(MAX_LEN, remaining - 1): fixed; when exploring is due (EXPLORE_SHARE; not when
+        `explore` is False: a pre-draft asks), d = 1, or d = 0 and `guessing` where the pre-draft can guess the next
+        token (its catch-up in the wait's shadow), then one round at the fastest d > 0 (`timing`: the draft caught up,
+        its wait is a clean round's); else the objective's pick, but d = 0 once in 1 / EXPLORE_SHARE drafting rounds
+        while the worker's cost line has seen one width only. `stretch`: target tokens the draft has not seen (an
+        exploring round's catch-up); `opening`: the block after the prompt (_opening)."""
         top = max(0, min(MAX_LEN, remaining - 1))
         if self.fixed is not None:
             return min(self.fixed, top)
@@ -244,11 +244,13 @@ class DraftPolicy:
 
     def observe_round(self, width: int, latency_s: float, hint: LoadHint | None, draft_s: float | None,
                       steps: int = 0, catchup: bool = False, prefilled: bool = False,
-                      tree: TreeShape | None = None) -> None:
+                      tree: TreeShape | None = None, handled_s: float | None = None) -> None:
         """The round's timings: `draft_s` the wait for its chain's (or `tree`'s) `steps` fresh forwards (None: not
         timed), `catchup` whether they first caught the draft up on a stretch it had not seen (exploring's cost),
-        `prefilled` whether the worker ran the prompt before verifying."""
+        `prefilled` whether the worker ran the prompt before verifying, `handled_s` the edge's own time besides."""
         self.edge.observe_round(width, latency_s, hint, prefilled)
+        if handled_s is not None:
+            self.edge.handled[width > 1].observe(handled_s)
         if draft_s is not None and (self.exploring or self.timing == 2):
             self.edge.explore_s.observe(draft_s)  # exploring's cost (a timing round's also teaches the lines below)
         timed = draft_s is not None and steps > 0 and not self.exploring

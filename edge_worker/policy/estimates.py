@@ -183,6 +183,7 @@ class EdgeEstimates:
         self.tree_waited = EWLine(1.0)        # a tree round's wait for its draft vs its levels' modelled compute
         self.others = EWMean(clip=float("inf"))  # chain jobs a second that came in while a draft batch ran
         self.lookahead = 0                    # target tokens drafted past a block (1 across vocabularies)
+        self.handled = (EWMean(), EWMean())   # H: the edge's own seconds a round besides its waits: d = 0, d > 0
 
     # ---------------------------------------------------------------- what the shell measured
     def observe_draft(self, rows: float, forwards: list[tuple[int, float]], others: float | None = None) -> None:

@@ -89,7 +89,8 @@ def _instrument_rounds() -> None:
     (a chain's D(n) and W, a tree's D_S and W: edge_worker/policy/choose.py)."""
     observe_round = choose.DraftPolicy.observe_round
 
-    def probed_round(self, width, latency_s, hint, draft_s, steps=0, catchup=False, prefilled=False, tree=None):
+    def probed_round(self, width, latency_s, hint, draft_s, steps=0, catchup=False, prefilled=False, tree=None,
+                     handled_s=None):
         edge = self.edge
         if draft_s is not None and not prefilled and not catchup and edge.waits.count:
             w0, w1 = edge.wait_line()
@@ -99,7 +100,7 @@ def _instrument_rounds() -> None:
                 priced = choose.wait_for(edge.tree_line(), choose.tree_compute(edge, tree, steps))
             _log(kind="round", shape="chain" if tree is None else "tree", width=width, steps=steps, draft_s=draft_s,
                  latency_s=latency_s, priced_draft_s=priced, priced_latency_s=w0 + w1 * width)
-        observe_round(self, width, latency_s, hint, draft_s, steps, catchup, prefilled, tree)
+        observe_round(self, width, latency_s, hint, draft_s, steps, catchup, prefilled, tree, handled_s)
     choose.DraftPolicy.observe_round = probed_round
     _instrument_yield()
 

@@ -265,7 +265,7 @@ def make_row(args, link: LinkSpec, described: str, probe: dict, c: Config, tally
         "repeats": len(tally.tokens), "tokens_per_s": round(tps, 2),
         "tokens_per_s_runs": [round(x, 2) for x in tally.runs_tps],
         "tokens_per_s_slices": [round(x, 2) for x in tally.slices_tps], "target_alone_tokens_per_s": round(base_tps, 2),
-        "speedup_vs_target_alone": round(tps / base_tps, 3), "generated_tokens": tokens,
+        "speedup_vs_target_alone": round(tps / base_tps, 3) if base_tps else None, "generated_tokens": tokens,
         "cloud_calls_per_token": round(calls, 4),
         "cloud_forward_passes_per_token": round(tally.cloud.get("forward_passes", 0.0) / tokens, 4),
         "cloud_forward_ms_per_token": round(tally.cloud.get("forward_seconds", 0.0) * 1e3 / tokens, 3),

@@ -241,9 +241,8 @@ class EdgeSession:
         remaining = self.config.max_new_tokens - len(self.generated) - len(chain.block.ids)
         d_next = self.policy.choose(remaining - 1, explore=False)  # if the block and the bonus guess are accepted
         k = min(1 + d_next, remaining - 1, max(guess, self.estimates.predraft_budget(len(chain.block.ids))))
-        # on the idle draft thread a pre-draft is free; at d = 0 nothing is (the next round drafts nothing), and a
-        # round at d = 0 pre-drafts only a guess: its wait is then what d = 0 waits (EdgeEstimates.single)
-        if k <= 0 or ((d_next <= 0 or not chain.block.ids) and not guess):
+        # on the idle draft thread a pre-draft is free; at d = 0 nothing is (the next round drafts nothing)
+        if k <= 0 or (d_next <= 0 and not guess):
             return None
         return self.drafter.continue_job(job, chain.block.ids, k)
 
@@ -254,17 +253,16 @@ class EdgeSession:
                 self._guessed, self._seen = True, len(self.tokens)
             self._chain.extend(more)
 
-    def record_timing(self, draft_s: float | None, latency_s: float, handled_s: float | None = None,
-                      predrafted: bool = False) -> None:
+    def record_timing(self, draft_s: float | None, latency_s: float, handled_s: float | None = None) -> None:
         """What the shell measured for the last VERIFY round: seconds waited for its draft (None: not timed), from
-        sending it to its VERDICT, and the edge's own besides (taking the pre-draft back, applying the VERDICT);
-        whether a pre-draft ran during its wait. Feeds the auto draft length."""
+        sending it to its VERDICT, and the edge's own besides (taking the pre-draft back, applying the VERDICT).
+        Feeds the auto draft length."""
         self.stats.draft_s += draft_s or 0.0
         self.stats.verify_s += latency_s
         tree = self.trees.shape if self.trees.last_steps else None  # a tree engine's round (its forwards waited)
         steps = self.trees.last_steps if tree is not None else self._steps
         self.policy.observe_round(self._width, latency_s, self._hint, draft_s, steps, self._catchup, self._prefilled,
-                                  tree=tree, handled_s=handled_s, predrafted=predrafted)
+                                  tree=tree, handled_s=handled_s)
 
     # ---------------------------------------------------------------------------- replies
     def apply(self, reply: P.Base) -> list[int]:

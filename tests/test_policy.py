@@ -529,22 +529,6 @@ def test_a_round_is_priced_with_the_edges_own_time_besides_its_waits():
     assert policy.choose(48) == 0
 
 
-def test_a_row_of_1_that_waited_beside_a_pre_draft_prices_no_d_0():
-    """A pre-draft running during a VERIFY takes the GIL the edge's event loop needs to take the VERDICT: on the
-    cross-vocabulary pair, one session on loopback, rows of 1 verified beside one (the rounds at d = 0 between
-    drafting ones) waited 10.1 ms against 8.5 ms for d = 0 alone, so d = 0 was priced 16 % dear and never drafted
-    (auto 0.89-0.94x d = 0). Those rows price no d = 0 (nor its H); clean ones do."""
-    est = edge(draft_s=0.003, rtt_s=0.0002)
-    policy = DraftPolicy(est)
-    single, handled = est.single.count, est.handled[0].count
-    for _ in range(20):
-        policy.observe_round(1, 0.0101, None, None, handled_s=0.0006, predrafted=True)
-    assert (est.single.count, est.handled[0].count) == (single, handled)
-    for _ in range(20):
-        policy.observe_round(1, 0.0085, None, None, handled_s=0.0002)
-    assert est.wait(0) <= 0.0085 + 1e-9 and est.handled[0].value == pytest.approx(0.0002)
-
-
 def test_the_block_after_the_prompt_is_not_an_acceptance_sample():
     """The first block of a session starts where the prompt ends, where a draft of another tokenizer is almost
     never accepted: counted, a wave of fresh sessions took the edge to d = 0 before anything else was measured."""

@@ -244,13 +244,12 @@ class DraftPolicy:
 
     def observe_round(self, width: int, latency_s: float, hint: LoadHint | None, draft_s: float | None,
                       steps: int = 0, catchup: bool = False, prefilled: bool = False,
-                      tree: TreeShape | None = None, handled_s: float | None = None, predrafted: bool = False) -> None:
+                      tree: TreeShape | None = None, handled_s: float | None = None) -> None:
         """The round's timings: `draft_s` the wait for its chain's (or `tree`'s) `steps` fresh forwards (None: not
         timed), `catchup` whether they first caught the draft up on a stretch it had not seen (exploring's cost),
-        `prefilled` whether the worker ran the prompt before verifying, `handled_s` the edge's own time besides,
-        `predrafted` whether a pre-draft ran meanwhile (its GIL slows the wait: a row of 1's then prices no d = 0)."""
-        self.edge.observe_round(width, latency_s, hint, prefilled, clean := width > 1 or not predrafted)
-        if handled_s is not None and clean:
+        `prefilled` whether the worker ran the prompt before verifying, `handled_s` the edge's own time besides."""
+        self.edge.observe_round(width, latency_s, hint, prefilled)
+        if handled_s is not None:
             self.edge.handled[width > 1].observe(handled_s)
         if draft_s is not None and (self.exploring or self.timing == 2):
             self.edge.explore_s.observe(draft_s)  # exploring's cost (a timing round's also teaches the lines below)

@@ -164,9 +164,11 @@ class EdgeEstimates:
         self.cloud = EWLine()                 # the worker's forward, seconds vs its tokens (no prompt's; prior slope:
                                               # the worker's token_us: one session's one row width teaches no slope)
         self.batch = EWMean(1.0)              # rows per worker forward
-        self.queue_share = EWMean(clip=float("inf"))  # a VERIFY's wait at the worker over its forward (each <= CLIP)
+        self.queue_share = EWMean(clip=float("inf"))  # a VERIFY's wait at the worker over the worker's forward
+                                              # (each at most CLIP: a backlog of forwards is not a trend)
         self.latency = EWLine()               # seconds from VERIFY to VERDICT vs our row (its slope: no hints)
-        self.waits, self.widths = EWMean(), EWMean()  # that latency and the row's tokens: the wait line's anchor
+        self.waits, self.widths = EWMean(), EWMean()  # that latency and the row's tokens, means: the wait line's
+                                              # anchor (the link, the worker's queue and forward as they are now)
         self.provisional = False              # the anchor is a round that also ran its prompt (nothing else yet)
         self.single = EWMean()                # the wait of a row of 1 (a round at d = 0): the line's low end
         self.steps_per_token = EWMean(1.0)    # draft forwards per target token (a cross-vocabulary draft: > 1)
@@ -207,11 +209,10 @@ class EdgeEstimates:
             self.steps.slope = self.steps_per_token.value
             self.steps.observe_points(points)
 
-    def observe_round(self, width: int, latency_s: float, hint: LoadHint | None, prefilled: bool = False,
-                      clean: bool = True) -> None:
+    def observe_round(self, width: int, latency_s: float, hint: LoadHint | None, prefilled: bool = False) -> None:
         """One VERIFY round: `width` = our row's tokens, `latency_s` from sending it to its VERDICT, the worker's
         hint; `prefilled`: the worker ran the session's prompt first (its time is not a verify's: it stands in for
-        one only until a round without a prompt is measured); `clean`: a row of 1 that prices d = 0."""
+        one only until a round without a prompt is measured)."""
         if hint is not None and hint.token_us:
             self.cloud.slope = hint.token_us * 1e-6
         if hint is not None and hint.batch >= 1:  # rows per worker forward: a round that ran its prompt shows it too
@@ -227,7 +228,7 @@ class EdgeEstimates:
         self.latency.observe(width, latency_s)
         self.waits.observe(latency_s)
         self.widths.observe(width)
-        if width == 1 and clean:
+        if width == 1:
             self.single.observe(latency_s)
         if hint is not None and hint.batch >= 1 and not hint.prefill:
             self.cloud.observe(hint.tokens or hint.batch * (hint.width or width), hint.forward_us * 1e-6)

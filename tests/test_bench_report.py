@@ -182,6 +182,17 @@ def test_each_objective_is_held_to_its_own_bar_and_the_slices_are_compared_pairw
     assert "0.947x its tokens/s (bar >= 1.0x: not met; slice by slice 0.987x median, 0.909-1.065x" in line
 
 
+def test_a_sweep_whose_every_generation_failed_reports_no_ratio_instead_of_crashing():
+    """Found when an edge raised on every round: the sweep divided by a fixed length's 0 tokens/s and printed a
+    ZeroDivisionError in place of its table, whose errors column says what failed."""
+    from specrelay.bench.sweep import evaluate
+
+    failed = dict(calls_vs_theory=None, trees="off", tree_nodes=None, shape="chain", speedup_vs_target_alone=None,
+                  tokens_per_s_slices=[0.0], errors=8)
+    rows = [row(0, 0.0, **failed), row(4, 0.0, **failed), row("auto", 0.0, objective="speed", **failed)]
+    assert evaluate(rows)["auto_vs_best_fixed"] == {}
+
+
 def test_report_embeds_only_the_plots_a_benchmark_writes(tmp_path):
     import json
 

@@ -309,14 +309,15 @@ def evaluate(rows: list[dict]) -> dict:
     for (link, predraft, _), group in _groups(rows).items():
         fixed = [r for r in group if r["draft_len"] != AUTO]
         best = max(fixed, key=lambda r: r["tokens_per_s"]) if fixed else None
-        for auto in (r for r in group if r["draft_len"] == AUTO and best):
+        # a group whose every fixed run failed has nothing to compare with: its rows' errors say why
+        for auto in (r for r in group if r["draft_len"] == AUTO and best and best["tokens_per_s"]):
             bar = auto_bar(auto["objective"])
             out["auto_vs_best_fixed"][f"{link} predraft={predraft} objective={auto['objective']}"] = {
                 "auto": auto["tokens_per_s"], "best_fixed_draft_len": best["draft_len"],
                 "best_fixed": best["tokens_per_s"], "ratio": round(auto["tokens_per_s"] / best["tokens_per_s"], 3),
                 "bar": bar, "auto_ge_bar": auto["tokens_per_s"] >= bar * best["tokens_per_s"],
                 "paired_ratios": paired(auto.get("tokens_per_s_slices"), best.get("tokens_per_s_slices")),
-                "auto_ge_target_alone": auto["speedup_vs_target_alone"] >= 1.0,
+                "auto_ge_target_alone": (auto["speedup_vs_target_alone"] or 0.0) >= 1.0,
                 "speedup_vs_target_alone": auto["speedup_vs_target_alone"],
                 "cloud_calls_per_token": auto["cloud_calls_per_token"],
                 "best_fixed_cloud_calls_per_token": best["cloud_calls_per_token"]}

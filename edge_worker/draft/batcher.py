@@ -56,7 +56,8 @@ class DraftBatcher:
     def __init__(self, drafter: Drafter, pool: Executor, max_batch: int = 64, chunk: int = 1,
                  on_timing: Callable[[float, list[tuple[int, float]], float | None], None] | None = None) -> None:
         self.drafter, self.pool, self.max_batch, self.chunk = drafter, pool, max_batch, chunk
-        self.on_timing = on_timing  # (rows per chain forward: 0 for a pre-draft chunk; each (columns, seconds); _timed)
+        self.on_timing = on_timing  # _timed's (rows per chain forward, 0 for a pre-draft chunk; each (columns,
+                                    # seconds); the chain jobs a second that came in meanwhile, None for a pre-draft)
         self._warm = False          # set by the first batch (only the draft thread touches it)
         self._queue: list[tuple[DraftJob, asyncio.Future]] = []  # the draft thread takes joiners from it: _lock
         self._lock = threading.Lock()

@@ -171,7 +171,7 @@ def test_exploring_at_d_0_samples_by_the_pre_drafts_guess_off_the_critical_path(
                           estimates=est)
     first = next_request(session)
     session.apply(P.Verdict(session.sid, first.seq, 0, 5))  # the opening: no sample
-    est.idle = 10**6  # rounds at d = 0 since the last sample: exploring is due
+    session.policy.idle = 10**6  # its rounds at d = 0 since its last sample: exploring is due
     request = next_request(session)
     assert request.draft == [] and session.policy.guessing and not session.policy.exploring
     job = session.predraft_job()
@@ -183,7 +183,7 @@ def test_exploring_at_d_0_samples_by_the_pre_drafts_guess_off_the_critical_path(
     session.apply(P.Verdict(session.sid, request.seq, 0, token))
     assert sum(est.acceptance.reached) == pytest.approx(reached * 0.995 + 1)
     assert est.acceptance.accepted[0] == pytest.approx(accepted * 0.995 + hit)
-    assert est.idle == 0
+    assert session.policy.idle == 0
     # a guess that hit caught the draft up: the next round drafts (once), a clean round whose wait the draft line
     # learns; one that missed: the same round, a catch-up
     after = next_request(session)

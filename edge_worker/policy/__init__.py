@@ -7,7 +7,7 @@ whether to pre-draft. The whole model (docs/policy.md):
                                                               and the others' chain jobs' wait behind it)
 
 with one set of estimators per edge (estimates.py), every session's rounds pooled: acceptance per draft position (a
-session's own, shrunk toward it, prices its length) and per confidence class and rank for trees; t, the draft's
+session's own, shrunk toward it, prices its chain) and per confidence class and rank for trees; t, the draft's
 seconds per forward against its columns; D(n), a round's measured wait for n fresh forwards (a line: a part per
 round, one per forward); F(n), the draft forwards n target tokens take (across vocabularies a line: an alignment
 forward and a slope); W(d), the wait from VERIFY to VERDICT, the mean wait at the mean row plus (1 + q) c1 B per

@@ -10,7 +10,7 @@ from itertools import takewhile
 
 from ...common.protocol import MAX_DRAFT, LoadHint, Objective
 from ..trees.tree import TreeShape
-from .estimates import CLIP, PREDRAFT_SHARE, AcceptanceCounts, EdgeEstimates
+from .estimates import CLIP, PREDRAFT_SHARE, PRIOR_WEIGHT, AcceptanceCounts, EdgeEstimates
 
 MAX_LEN = 32           # the longest chain, the deepest tree auto drafts (past it a demo pair's reach is ~0)
 TREE_FILL = (1.5, 2, 3, 4)  # tree candidates per depth D: ceil(f x D) nodes (up to MAX_BRANCH per level on average)
@@ -131,7 +131,7 @@ def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | Non
 
 
 class DraftPolicy:
-    """One session's draft: whether at the edge's pooled acceptance, how long at its own; whether it explores."""
+    """One session's draft at its own acceptance (shrunk toward the edge's pooled rates); whether it explores."""
 
     def __init__(self, edge: EdgeEstimates | None = None, objective: Objective = Objective.BALANCED,
                  fixed: int | None = None, guesses: bool = False) -> None:
@@ -139,7 +139,8 @@ class DraftPolicy:
         self.guesses = guesses  # a pre-draft's guess at the next token is an acceptance sample (not in sample mode)
         self.exploring = self.guessing = False  # the round in flight samples acceptance: d = 1 / a guess at d = 0
         self.timing = 0         # 1: the next round times a draft (after a guess); 2: the round in flight does
-        self.own = AcceptanceCounts()  # this session's drafted blocks (not its opening, not its guesses at d = 0)
+        self.own = AcceptanceCounts()  # this session's acceptance samples (blocks, guesses; not its opening)
+        self.idle = 0           # its rounds at d = 0 since its last sample (its own: its own rates decide whether)
 
     def rates(self, n: int) -> list[float]:  # a_0..a_{n-1}: the edge's pooled rates
         return self.edge.acceptance.rates(n)
@@ -151,35 +152,36 @@ class DraftPolicy:
         """The chain length d in 0..min(MAX_LEN, remaining - 1): fixed; when exploring is due (EXPLORE_SHARE; not when
         `explore` is False: a pre-draft asks), d = 1, or d = 0 and `guessing` where the pre-draft can guess the next
         token (its catch-up in the wait's shadow), then one round at the fastest d > 0 (`timing`: the draft caught up,
-        its wait is a clean round's); else the objective's pick, but d = 0 once in 1 / EXPLORE_SHARE drafting rounds
-        while the worker's cost line has seen one width only. `stretch`: target tokens the draft has not seen (an
-        exploring round's catch-up); `opening`: the block after the prompt (_opening)."""
+        its wait is a clean round's); else the objective's pick at its own rates (whether: the pooled rates' until its
+        own samples weigh PRIOR_WEIGHT), but d = 0 once in 1 / EXPLORE_SHARE drafting rounds while the worker's cost
+        line has seen one width only. `stretch`: target tokens the draft has not seen (an exploring round's catch-up);
+        `opening`: the block after the prompt (_opening)."""
         top = max(0, min(MAX_LEN, remaining - 1))
         if self.fixed is not None:
             return min(self.fixed, top)
         round_s, edge = self.edge.wait(0), self.edge
         if opening and stretch and not edge.provisional:  # no acceptance sample: an opening is not one
             return self._opening(top, stretch)
-        rows = chain_rows(self.edge, self.rates(top + 1), top)
+        rows = chain_rows(edge, self.own_rates(top + 1), top)  # its own: the prompts the draft knows badly rest
         cost = edge.explore_s.value if edge.explore_s.count else edge.step(stretch * edge.steps_per_token.value)
         cost = max(round_s, cost, rows[min(1, len(rows) - 1)][1] - rows[0][1])  # >= T(1) - T(0): a timing round
-        if explore and top and edge.idle * round_s * EXPLORE_SHARE >= cost:
-            edge.idle = 0  # where a pre-draft can guess the next token, it samples off the critical path
+        if explore and top and self.idle * round_s * EXPLORE_SHARE >= cost:
+            self.idle = 0  # where a pre-draft can guess the next token, it samples off the critical path
             self.guessing = self.guesses and edge.predraft and edge.draft.known
             self.exploring, self.timing = not self.guessing, int(self.guessing)
             return int(self.exploring)
         if edge.provisional:  # the only wait measured also ran a prompt: measure a verify (a row of 1) first
             return 0
         d = pick(rows, self.objective)
+        if not d and (self.own.reached or [0.0])[0] < PRIOR_WEIGHT and len(rows) > 1:  # too few samples of its own
+            pooled = chain_rows(edge, self.rates(top + 1), top)  # to rest on: whether is the pooled rates' call
+            d = 1 + pick(rows[1:], self.objective) if pick(pooled, self.objective) else 0
         if explore and self.timing == 1 and len(rows) > 1:  # else a d = 0 chosen at a start's costs keeps them
             self.timing = 2  # for ever: nothing at d = 0 times a draft
             return d or 1 + pick(rows[1:], Objective.SPEED)  # the fastest draft (real pair, balanced: d = 14)
         if d and explore and edge.drafting * EXPLORE_SHARE >= 1 and edge.cloud.spread < 0.5:
             edge.drafting = 0  # the rows verified have kept one width: a row of 1 shows what d = 0 waits
             return 0
-        if d:  # whether to draft is the pooled rates' call (a session's own kept it at d = 0, where it learns
-            own = chain_rows(edge, self.own_rates(top + 1), top)  # nothing); how long, its own: the prompts
-            d = 1 + pick(own[1:], self.objective) if len(own) > 1 else 1  # the draft knows badly draft shorter
         return d
 
     def _opening(self, top: int, stretch: int) -> int:
@@ -233,13 +235,12 @@ class DraftPolicy:
             if d > 0 or bonus_match is not None:
                 self.edge.opening.observe(d, n, bonus_match)
             return
-        if d > 0 or bonus_match is not None:  # an acceptance sample, whichever session's: nothing to explore
+        if d > 0 or bonus_match is not None:  # an acceptance sample, the edge's and its own: nothing to explore
             self.edge.acceptance.observe(d, n, bonus_match)
-            self.edge.idle = 0
-            if d > 0:
-                self.own.observe(d, n, bonus_match)
+            self.own.observe(d, n, bonus_match)
+            self.idle = 0
         else:
-            self.edge.idle += 1
+            self.idle += 1
         self.edge.drafting = self.edge.drafting + 1 if d > 0 else 0
 
     def observe_round(self, width: int, latency_s: float, hint: LoadHint | None, draft_s: float | None,

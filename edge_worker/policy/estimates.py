@@ -177,7 +177,6 @@ class EdgeEstimates:
         self.waited = EWLine()                # a chain round's wait for its draft vs its fresh forwards: a part per
                                               # round (the loop, other sessions' batches) and one per forward
         self.explore_s = EWMean()             # the draft wait of a round exploring from d = 0 (its catch-up)
-        self.idle = 0                         # rounds at d = 0 (any session's) since the last acceptance sample
         self.drafting = 0                     # rounds at d > 0 (any session's) since the last one at d = 0
         self.tree_saved = EWMean(clip=float("inf"))  # levels a tree pre-draft had grown at the VERDICT (a count)
         self.tree_waited = EWLine(1.0)        # a tree round's wait for its draft vs its levels' modelled compute

@@ -349,8 +349,8 @@ async def serve(broker: str | Sequence[str], draft_model: str, listen: str | Non
                     "request past it is not refused up front; it ends with finish_reason length where the context "
                     "ends")
     stats = HttpStats()
-    services = [edge] + ([HttpFrontend(edge, *http, served_model_name, stats, http_limits)] if http else [])
-    services += [EdgeHealth(edge, stats, health_host, health_port)] if health_port is not None else []
+    services = [edge] + ([EdgeHealth(edge, stats, health_host, health_port)] if health_port is not None else [])
+    services += [HttpFrontend(edge, *http, served_model_name, stats, http_limits)] if http else []  # after health
     await transport.serve_all(*services)
 
 

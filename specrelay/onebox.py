@@ -30,9 +30,10 @@ async def serve(args, http_limits=None) -> None:
                                              default_objective=args.objective, default_trees=args.trees),
                            context=ctx)
     stats = HttpStats()
+    # the health port before the API's: a probe or a test that sees the API up finds /readyz up too
     await transport.serve_all(Broker(frontend, backend, context=ctx), worker, edge,
-                    HttpFrontend(edge, *args.http, args.served_model_name, stats, http_limits),
-                    EdgeHealth(edge, stats, args.health_host, health_port(args)))
+                              EdgeHealth(edge, stats, args.health_host, health_port(args)),
+                              HttpFrontend(edge, *args.http, args.served_model_name, stats, http_limits))
 
 
 def health_port(args) -> int:

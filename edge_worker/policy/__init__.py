@@ -16,8 +16,7 @@ own time a round besides them (d = 0, d > 0). A pre-draft runs on the idle draft
 start it drafted costs nothing. One objective rule picks among chains (d = 0 included) and trees alike (choose.pick):
 of the candidates whose rate E / T is within the objective's tolerance of the best, the most tokens per call (`speed`
 0; `balanced` 10 %; `cloud` any); with `--trees auto` a tree replaces the chain only if modelled no slower and no
-fewer tokens per call. Exploring d = 0 (EXPLORE_SHARE) and the block after the prompt (its own acceptance and
-catch-up): choose.DraftPolicy.
+fewer tokens per call. Exploring at d = 0 (EXPLORE_SHARE) and the openings (after the prompt): choose.DraftPolicy.
 """
 
 from .choose import MAX_LEN, TOLERANCE, DraftPolicy, chain_rows, pick, static_tree, tree_rows

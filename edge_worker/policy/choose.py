@@ -140,6 +140,7 @@ class DraftPolicy:
         self.exploring = self.guessing = False  # the round in flight samples acceptance: d = 1 / a guess at d = 0
         self.timing = 0         # 1: the next round times a draft (after a guess); 2: the round in flight does
         self.own = AcceptanceCounts()  # this session's acceptance samples (blocks, guesses; not its opening)
+        self.second = False     # its next block opens too (after an opening at d = 0: one token past the prompt)
         self.idle = 0           # its rounds at d = 0 since its last sample (its own: its own rates decide whether)
 
     def rates(self, n: int) -> list[float]:  # a_0..a_{n-1}: the edge's pooled rates
@@ -154,13 +155,13 @@ class DraftPolicy:
         token (its catch-up in the wait's shadow), then one round at the fastest d > 0 (`timing`: the draft caught up,
         its wait is a clean round's); else the objective's pick at its own rates (whether: the pooled rates' until its
         own samples weigh PRIOR_WEIGHT), but d = 0 once in 1 / EXPLORE_SHARE drafting rounds while the worker's cost
-        line has seen one width only. `stretch`: target tokens the draft has not seen (an exploring round's catch-up);
-        `opening`: the block after the prompt (_opening)."""
+        line has seen one width only. `stretch`: target tokens the draft has not seen; `opening`: the block after the
+        prompt (_opening, as is the next one after an opening at d = 0)."""
         top = max(0, min(MAX_LEN, remaining - 1))
         if self.fixed is not None:
             return min(self.fixed, top)
         round_s, edge = self.edge.wait(0), self.edge
-        if opening and stretch and not edge.provisional:  # no acceptance sample: an opening is not one
+        if (opening or self.second) and stretch and not edge.provisional:  # an opening is no acceptance sample
             return self._opening(top, stretch)
         rows = chain_rows(edge, self.own_rates(top + 1), top)  # its own: the prompts the draft knows badly rest
         cost = edge.explore_s.value if edge.explore_s.count else edge.step(stretch * edge.steps_per_token.value)
@@ -228,10 +229,11 @@ class DraftPolicy:
 
     def observe_block(self, d: int, n: int, bonus_match: bool | None = None, opening: bool = False) -> None:
         """A VERDICT on a block of d drafts (n accepted; the pre-drafted guess's match after a full block).
-        `opening`: the block right after the prompt, counted apart (a prompt may end where the target's tokenizer
-        never stops: a draft of another tokenizer is then almost never accepted there; demo pair: 3 %, 65 % later;
-        counted, a wave of fresh sessions took the edge to d = 0 with nothing else measured)."""
-        if opening:  # counted apart: what the next opening is priced at
+        `opening`: the block right after the prompt, counted apart, and so is the next one after an opening at d = 0
+        (a prompt may end where the target's tokenizer never stops; demo pair's draft: 3 %, one token on 10 %, 68 %
+        later; counted, a wave of fresh sessions took the edge to d = 0, and a session rested on a sure rejection)."""
+        if opening or self.second:  # counted apart: what the next opening (and the block after one at d = 0) is
+            self.second = opening and not d  # priced at
             if d > 0 or bonus_match is not None:
                 self.edge.opening.observe(d, n, bonus_match)
             return

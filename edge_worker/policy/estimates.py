@@ -274,10 +274,9 @@ class EdgeEstimates:
         return self.steps.at(tokens) if tokens > 0 else 0.0
 
     def wait_line(self) -> tuple[float, float]:
-        """(w0, w1): R + V = w0 + w1 (tokens + 1), seconds from sending a row of `tokens` draft tokens to its
-        VERDICT: the mean wait at the mean row, per token (1 + q) c1 B more (the worker's forward and the wait for
-        the one ahead, q of one, as every row of its batch drafts one more; without hints, the latency line's
-        slope)."""
+        """(w0, w1): R + V = w0 + w1 (tokens + 1), seconds from sending a row of `tokens` draft tokens to its VERDICT:
+        the mean wait at the mean row, per token (1 + q) c1 B more (the worker's forward and the wait for the one
+        ahead, q of one, as every row of its batch drafts one more; without hints, the latency line's slope)."""
         if not self.waits.count:  # 1 / DRAFT_PRIOR draft forwards (in-process: in units of one)
             return (self.step() if self.draft.known else 1.0) / DRAFT_PRIOR, 0.0
         slope = (1 + self.queue_share.value) * self.cloud.fit()[1] * self.batch.value \

@@ -139,7 +139,7 @@ class DraftPolicy:
         self.guesses = guesses  # a pre-draft's guess at the next token is an acceptance sample (not in sample mode)
         self.exploring = self.guessing = False  # the round in flight samples acceptance: d = 1 / a guess at d = 0
         self.timing = 0         # 1: the next round times a draft (after a guess); 2: the round in flight does
-        self.own = AcceptanceCounts()  # this session's acceptance samples (blocks, guesses; not its opening)
+        self.own = AcceptanceCounts()  # this session's acceptance samples (blocks, guesses; not its openings)
         self.second = False     # its next block opens too (after an opening at d = 0: one token past the prompt)
         self.idle = 0           # its rounds at d = 0 since its last sample (its own: its own rates decide whether)
 

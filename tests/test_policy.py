@@ -321,7 +321,13 @@ def test_auto_keeps_the_chain_a_session_drafts_at_its_own_acceptance_where_that_
         for _ in range(30):
             known.observe_block(8, 8)
         assert known.shape(48, "auto", None, None) is None and known.choose(48) > 8
-        assert DraftPolicy(est, objective).shape(48, "auto", None, None) is not None  # a fresh session: a tree
+        fresh = DraftPolicy(est, objective)
+        assert fresh.shape(48, "auto", None, None) is not None  # a fresh session: a tree
+        assert fresh.shape(48, "auto", None, None, opening=True) is None  # but not right after the prompt
+        fresh.observe_block(0, 0, opening=True)  # nor one token past it, after an opening at d = 0 (choose prices
+        assert fresh.shape(48, "auto", None, None) is None  # both blocks at the openings' acceptance)
+        fresh.observe_block(0, 0)
+        assert fresh.shape(48, "auto", None, None) is not None
 
 
 def test_the_policy_stays_small():

@@ -199,7 +199,7 @@ class DraftPolicy:
         chain wins). depth / nodes: fixed by the caller; `after_tree` False: no tree pre-draft saved a level."""
         top, est = max(0, min(MAX_LEN, remaining - 1)), self.edge
         if trees == "auto" and (opening or self.second):  # a block after the prompt (DraftPolicy.second too):
-            return None  # priced by choose (the openings' acceptance, the catch-up), not here (16 sessions' first trees)
+            return None  # priced by choose (the openings' acceptance, the catch-up), not here (16 sessions: policy.md)
         chains = chain_rows(est, self.rates(top + 1), top, cut=depth is None)  # pooled (own: docs/policy.md)
         top = len(chains) - 1  # no deeper than the longest chain worth drafting (MIN_VALUE)
         c1 = est.cloud.fit()[1] if est.cloud.known else 0.0  # one more node's seconds: its verify and its draft

@@ -6,7 +6,6 @@ from __future__ import annotations
 import heapq
 import math
 from functools import lru_cache
-from itertools import takewhile
 
 from ...common.protocol import MAX_DRAFT, LoadHint, Objective
 from ..trees.tree import TreeShape
@@ -108,12 +107,12 @@ def tree_table(p: tuple[float, ...], saved: int, depth: int | None,
 
 
 def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | None, nodes: int | None,
-              floor: float = 0.0, switch: float = 0.0) -> list[tuple[tuple[int, ...], float, float, float]]:
-    """(widths, E, T, its least node's value) of the tree candidates whose least node is worth `floor` or more
-    (`chain`: the chains' E(d)). T(S): the wait for the level forwards a pre-draft did not do (a level's: each
-    session's of the lockstep batch) at the tree rounds' measured line against their compute, the others' chain
-    jobs' wait behind them (est.blocking), then R + V over its nodes and H; plus `switch` x E of a fresh tree's extra
-    time (no level pre-drafted, as after a chain round: 1 / tokens left pays a switch once over the tokens left)."""
+              floor: float = 0.0, switch: float = 0.0) -> list[tuple[tuple[int, ...], float, float, float, float]]:
+    """(widths, E, T, its least node's value x scale, scale) of the candidates where that is `floor` or more (scale:
+    E(d) - 1, `chain` the chains' E(d), over a path's value at the rank chances). T(S): the wait for the level forwards
+    a pre-draft did not do (a level's: each session's of the lockstep batch) at the tree rounds' measured line against
+    their compute, the others' chain jobs' wait behind them (est.blocking), then R + V over its nodes and H; plus
+    `switch` x E of a fresh tree's extra time (f: none pre-drafted, as after a chain round: 1 / tokens left)."""
     p = tuple(round(x, 2) for x in est.ranks.mean_p_rank())  # to the percent: the tables' cache hits
     (c, s), (w0, w1), h = est.step_line(), est.wait_line(), est.handled[1].value
     line, s_rows, depth = est.tree_line(), s * est.rows.value, None if depth is None else min(depth, top)
@@ -123,10 +122,11 @@ def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | Non
         return wait_for(line, x := steps * c + s_rows * columns) + est.blocking(x)  # others' behind them
 
     out = []
-    for (w, d, r, n, steps, cols, last), f in zip(takewhile(lambda row: row[-1] >= floor, grown), fresh):
-        if d <= top:  # f: the same tree drafted fresh
+    for (w, d, r, n, steps, cols, last), f in zip(grown, fresh):
+        if d <= top and last * (scale := (chain[d] - 1.0) / sum(p[0] ** k for k in range(1, d + 1))) >= floor:
             e, t = 1.0 + r * (chain[d] - 1.0), draft(steps, cols)
-            out.append((w, e, t + w0 + h + w1 * (n + 1) + min(1.0, e * switch) * (draft(f[4], f[5]) - t), last))
+            t += w0 + h + w1 * (n + 1) + min(1.0, e * switch) * (draft(f[4], f[5]) - t)
+            out.append((w, e, t, last * scale, scale))
     return out
 
 
@@ -211,21 +211,21 @@ class DraftPolicy:
         switch = 0.0 if after_tree else 1 / max(1, remaining)  # a tree after a chain: its fresh levels, once
         rows = tree_rows(est, [e for e, _ in chains], top, depth, nodes, floor, switch)
         if trees == "auto":
-            rows = [(None, e, t, 1.0) for e, t in offered] + rows
+            rows = [(None, e, t, 1.0, 1.0) for e, t in offered] + rows
         if not rows:
             return None if trees == "auto" else TreeShape()
-        least = max(MIN_VALUE, floor or node_cost * max(e / max(t, 1e-12) for _, e, t, _ in rows))  # `auto`: a
+        least = max(MIN_VALUE, floor or node_cost * max(e / max(t, 1e-12) for _, e, t, *_ in rows))  # `auto`: a
         # grown tree's higher rate must not filter out every tree (after a tree round chains won, after a chain trees)
         rows = [r for r in rows if r[3] >= least] or rows
         if trees == "auto":  # a tree replaces the chain the objective picks (at the pooled rates, and the one the
             own = chain_rows(est, self.own_rates(top + 1), top)  # session would draft at its own) only if modelled no
             bars = [offered[pick(offered, self.objective)], own[pick(own, self.objective)]]  # slower, no fewer tokens
-            rows = [(None, *bars[0], 1.0)] + [r for r in rows[len(offered):]  # a call: else `balanced` took trees
+            rows = [(None, *bars[0], 1.0, 1.0)] + [r for r in rows[len(offered):]  # a call: else `balanced` took trees
                                               if all(r[1] >= e and r[1] * t >= e * r[2] for e, t in bars)]  # slower
-        best = pick([(e, t) for _, e, t, _ in rows], self.objective)
+        best = pick([(e, t) for _, e, t, *_ in rows], self.objective)
         if rows[best][0] is None:
             return None
-        return TreeShape(rows[best][0], min_value=least)
+        return TreeShape(rows[best][0], min_value=least / rows[best][4])  # the engine's nodes are unscaled
 
     def observe_block(self, d: int, n: int, bonus_match: bool | None = None, opening: bool = False) -> None:
         """A VERDICT on a block of d drafts (n accepted; the pre-drafted guess's match after a full block).

@@ -182,6 +182,31 @@ def test_each_objective_is_held_to_its_own_bar_and_the_slices_are_compared_pairw
     assert "0.947x its tokens/s (bar >= 1.0x: not met; slice by slice 0.987x median, 0.909-1.065x" in line
 
 
+def test_a_control_copy_of_the_chain_policy_shows_the_noise_and_enters_no_other_bar():
+    """`bench sweep --control`: the chain policy runs twice, each on an edge of its own. The copy's row is compared
+    with the first only (the bar `control`: on loopback the same code read 0.94-1.08x of itself, as far from 1.0x as
+    the `--trees auto` bar's loopback cells); it must not stand in for the chain policy in any other bar."""
+    from specrelay.bench.sweep import evaluate
+
+    def sweep_row(d, tps, slices, objective=None, **extra):
+        return row(d, tps, objective=objective, calls_vs_theory=1.0, trees="off", tree_nodes=None, shape="chain",
+                   speedup_vs_target_alone=tps / 10, tokens_per_s_slices=slices, **extra)
+
+    rows = [sweep_row(0, 10.0, [10.0, 10.0]), sweep_row(4, 20.0, [16.0, 24.0]),
+            sweep_row("auto", 19.0, [17.6, 21.6], "speed"),
+            sweep_row("auto", 25.0, [30.0, 20.0], "speed", copy=1),
+            sweep_row("auto", 18.0, [16.0, 23.0], "speed") | {"trees": "auto", "tree_round_share": 0.0}]
+    bars = evaluate(rows)
+    assert bars["auto_vs_best_fixed"]["10 ms predraft=True objective=speed"]["ratio"] == 0.95  # not the copy's 1.25x
+    assert bars["auto_vs_best_fixed"]["10 ms predraft=True objective=speed trees=auto"]["ratio"] == 1.8  # apart
+    assert bars["trees_auto_vs_chain_policy"]["10 ms sessions=1 predraft=True objective=speed"]["ratio"] == 0.947
+    control = bars["control"]["10 ms sessions=1 predraft=True objective=speed"]
+    assert control == {"ratio": 0.76, "paired_ratios": {"median": 0.833, "min": 0.587, "max": 1.08, "slices": 2}}
+    line = bar_lines({"control": bars["control"]})[0]
+    assert line.startswith("control, 10 ms sessions=1 predraft=True objective=speed: the chain policy at 0.760x")
+    assert evaluate(rows[:3])["control"] == {}
+
+
 def test_a_sweep_whose_every_generation_failed_reports_no_ratio_instead_of_crashing():
     """Found when an edge raised on every round: the sweep divided by a fixed length's 0 tokens/s and printed a
     ZeroDivisionError in place of its table, whose errors column says what failed."""

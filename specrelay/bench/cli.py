@@ -119,6 +119,9 @@ def _sweep_flags(p: argparse.ArgumentParser, links: str = "0") -> None:
     p.add_argument("--trees", choices=("off", "on", "auto", "compare"), default="off",
                    help="token trees: off (chains), on (trees at every length), auto (auto lengths choose their "
                         "shape, chains included), compare (chains and trees); rows carry `shape`")
+    p.add_argument("--control", action="store_true",
+                   help="run each auto chain configuration twice, on edges of their own: the bar `control` (the "
+                        "first's tokens/s over its copy's) is the noise any bar line between two configurations has")
     p.add_argument("--tree-nodes", default=None, metavar="N[,N...]",
                    help="node budgets of the tree rows at fixed lengths (default: the shape policy's)")
     p.add_argument("--repeat", type=int, default=1,

@@ -58,7 +58,7 @@ def configuration(row: dict) -> str:
         base += ", no pre-draft"
     if row.get("trees", "off") != "off":
         base += f", trees {row['trees']}" + (f" {row['tree_nodes']} nodes" if row.get("tree_nodes") else "")
-    return base
+    return base + (", copy" if row.get("copy") else "")
 
 
 def in_flight(row: dict) -> int:

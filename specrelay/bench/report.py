@@ -145,7 +145,13 @@ def _trees_auto_words(bars: dict) -> list[str]:
             for where, t in bars["trees_auto_vs_chain_policy"].items()]
 
 
-_BAR_WORDS = {"calls_vs_theory_max": _calls_words, "calls_le_1.02x_theory": lambda _: [],
+def _control_words(bars: dict) -> list[str]:
+    return [f"control, {where}: the chain policy at {t['ratio']:.3f}x its own copy's tokens/s (the same code on an "
+            f"edge of its own: the noise any bar line between two configurations carries"
+            f"{_paired_words(t.get('paired_ratios'))})" for where, t in bars["control"].items()]
+
+
+_BAR_WORDS = {"calls_vs_theory_max": _calls_words, "calls_le_1.02x_theory": lambda _: [], "control": _control_words,
               "trees_auto_vs_chain_policy": _trees_auto_words,
               "auto_vs_best_fixed": _auto_words, "predraft_gain": _predraft_words, "trees_vs_chains": _trees_words}
 

@@ -51,6 +51,7 @@ SWEEP_ROW: dict[str, tuple[tuple[type, ...], str]] = {
     "errors": ((int,), "generations that failed"),
     "trees": ((str,), "token trees: off (chains), on (trees only), auto (the shape policy, chains included)"),
     "tree_nodes": ((int, type(None)), "a tree's fixed node budget (null: the shape policy's)"),
+    "copy": ((int,), "1: the control (--control), a second copy of an auto chain row on an edge of its own"),
     "shape": ((str,), "chain or tree: what most VERIFY rounds carried"),
     "tree_round_share": (NUM, "share of VERIFY rounds that carried a tree"),
     "mean_nodes": (NUM, "draft tokens (tree nodes) per VERIFY"),

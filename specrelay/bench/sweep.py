@@ -119,6 +119,8 @@ def run(args) -> dict:
     texts = load_prompts(args.prompts, args.num_prompts or max(8, 2 * args.sessions))
     configs = treesweep.expand([Config(d, p) for d in lens for p in _predraft_modes(args.predraft, d)],
                                args.trees, args.tree_nodes)
+    if getattr(args, "control", False):  # the chain policy twice: the noise of a bar line (treesweep.control)
+        configs += [c._replace(copy=1) for c in configs if is_auto(c.d) and c.trees == "off"]
     rows, itl, tpot = [], {}, {}
     cluster = LocalCluster(args.target, workers=args.workers, max_batch=args.max_batch, threads=args.threads,
                            pin=not args.no_pin)
@@ -223,7 +225,7 @@ async def _sweep_link(args, endpoint: str, worker_ports: list[int], pids: list[i
 
 def _edge_key(c: Config) -> tuple:
     """Each auto configuration and each trees setting on an edge of its own (its own estimates)."""
-    return (c.d if is_auto(c.d) else "fixed", c.predraft, c.trees)
+    return (c.d if is_auto(c.d) else "fixed", c.predraft, c.trees, c.copy)
 
 
 def _session_config(args, c: Config):
@@ -299,20 +301,23 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 def evaluate(rows: list[dict]) -> dict:
-    """The issue's bars, from this run's rows."""
+    """The issue's bars, from this run's rows (a copy's, --control, only in `control`)."""
+    copies, rows = rows, [r for r in rows if not r.get("copy")]
     calls = [r["calls_vs_theory"] for r in rows  # chains: theory is a chain's E(d) (a tree row's is shown only)
              if r["draft_len"] != 0 and r["calls_vs_theory"] is not None and r.get("trees", "off") == "off"]
     out: dict = {"calls_vs_theory_max": max(calls) if calls else None,
                  "calls_le_1.02x_theory": bool(calls) and max(calls) <= 1.02, "auto_vs_best_fixed": {},
                  "predraft_gain": {}, "trees_vs_chains": treesweep.trees_vs_chains(rows),
-                 "trees_auto_vs_chain_policy": treesweep.auto_vs_chain_policy(rows, paired)}
+                 "trees_auto_vs_chain_policy": treesweep.auto_vs_chain_policy(rows, paired),
+                 "control": treesweep.control(copies, paired)}
     for (link, predraft, _), group in _groups(rows).items():
         fixed = [r for r in group if r["draft_len"] != AUTO]
         best = max(fixed, key=lambda r: r["tokens_per_s"]) if fixed else None
         # a group whose every fixed run failed has nothing to compare with: its rows' errors say why
         for auto in (r for r in group if r["draft_len"] == AUTO and best and best["tokens_per_s"]):
             bar = auto_bar(auto["objective"])
-            out["auto_vs_best_fixed"][f"{link} predraft={predraft} objective={auto['objective']}"] = {
+            trees = f" trees={auto['trees']}" if auto["trees"] != "off" else ""  # apart from the chain policy's
+            out["auto_vs_best_fixed"][f"{link} predraft={predraft} objective={auto['objective']}{trees}"] = {
                 "auto": auto["tokens_per_s"], "best_fixed_draft_len": best["draft_len"],
                 "best_fixed": best["tokens_per_s"], "ratio": round(auto["tokens_per_s"] / best["tokens_per_s"], 3),
                 "bar": bar, "auto_ge_bar": auto["tokens_per_s"] >= bar * best["tokens_per_s"],

@@ -15,11 +15,12 @@ class Config(NamedTuple):
     predraft: bool
     trees: str = "off"
     nodes: int | None = None
+    copy: int = 0  # 1: the control (--control), a second copy of an auto chain configuration on an edge of its own
 
     @property
     def label(self) -> str:
         tree = "" if self.trees == "off" else f" trees={self.trees}" + (f" nodes={self.nodes}" if self.nodes else "")
-        return f"d={self.d}{'' if self.predraft else ' no-predraft'}{tree}"
+        return f"d={self.d}{'' if self.predraft else ' no-predraft'}{tree}{' copy' if self.copy else ''}"
 
 
 def expand(configs: list[Config], trees: str, nodes: str | None) -> list[Config]:
@@ -46,7 +47,7 @@ def fields(config: Config, stats: list[dict], tokens: int, verify_requests: floa
     rounds = max(1, total("cloud_calls"))
     tries = total("predraft_tries")
     return {
-        "trees": config.trees, "tree_nodes": config.nodes,
+        "trees": config.trees, "tree_nodes": config.nodes, "copy": config.copy,
         "shape": "tree" if total("tree_rounds") * 2 > rounds else "chain",
         "tree_round_share": round(total("tree_rounds") / rounds, 4),
         "mean_nodes": round(total("draft_tokens") / rounds, 3),
@@ -104,6 +105,21 @@ def auto_vs_chain_policy(rows: list[dict], paired) -> dict:
             out[f"{r['link']} sessions={r['sessions']} predraft={r['predraft']} objective={r['objective']}"] = {
                 "ratio": round(ratio, 3), "bar_met": ratio >= 1.0, "tree_round_share": r["tree_round_share"],
                 "paired_ratios": paired(r.get("tokens_per_s_slices"), chain.get("tokens_per_s_slices"))}
+    return out
+
+
+def control(rows: list[dict], paired) -> dict:
+    """Per link, sessions, pre-drafting and objective: the chain policy against its own copy (`--control`), the same
+    code on an edge of its own: the run-to-run noise that a bar line between two configurations carries."""
+    out = {}
+    for r in (r for r in rows if r.get("copy")):
+        first = next((x for x in rows if not x.get("copy") and x["draft_len"] == r["draft_len"] and x["trees"] == "off"
+                      and x["link"] == r["link"] and x["sessions"] == r["sessions"] and x["predraft"] == r["predraft"]
+                      and x["objective"] == r["objective"]), None)
+        if first and r["tokens_per_s"]:
+            out[f"{r['link']} sessions={r['sessions']} predraft={r['predraft']} objective={r['objective']}"] = {
+                "ratio": round(first["tokens_per_s"] / r["tokens_per_s"], 3),
+                "paired_ratios": paired(first.get("tokens_per_s_slices"), r.get("tokens_per_s_slices"))}
     return out
 
 

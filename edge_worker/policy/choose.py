@@ -84,9 +84,9 @@ def tree_compute(est: EdgeEstimates, shape: TreeShape, steps: int, line: tuple[f
 
 @lru_cache(maxsize=512)
 def tree_table(p: tuple[float, ...], saved: int, depth: int | None,
-               nodes: int | None) -> tuple[tuple[tuple[int, ...], int, float, int, int, int, float], ...]:
+               nodes: int | None) -> tuple[tuple[tuple[int, ...], int, float, int, int, int, float, float], ...]:
     """The tree candidates at rank chances p (what tree_rows prices, less the estimates that change every round):
-    (widths, depth d, value / spine, nodes, level forwards waited for, their columns, the value of its least
+    (widths, depth d, value / spine, nodes, level forwards waited for, their columns, spine, the value of its least
     valuable node: the last one grown), the most valuable least node first. A candidate's E is
     1 + value x (E_chain(d) - 1) / spine: scaled so that a tree of one node per level has its chain's E (the
     positions' acceptance: one estimate of how deep drafts go, the ranks only add the side branches' share)."""
@@ -102,7 +102,7 @@ def tree_table(p: tuple[float, ...], saved: int, depth: int | None,
                 value, w = totals[n - 1], tuple(map(first.count, range(1, max(first) + 1)))
                 steps = len(w) - min(len(w), saved)
                 last = value - (totals[n - 2] if n > 1 else 0.0)
-                out.append((w, d, value / max(spine, 1e-9), n, steps, waited_columns(w, steps), last))
+                out.append((w, d, value / max(spine, 1e-9), n, steps, waited_columns(w, steps), spine, last))
     return tuple(sorted(out, key=lambda row: -row[-1]))
 
 
@@ -122,8 +122,8 @@ def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | Non
         return wait_for(line, x := steps * c + s_rows * columns) + est.blocking(x)  # others' behind them
 
     out = []
-    for (w, d, r, n, steps, cols, last), f in zip(grown, fresh):
-        if d <= top and last * (scale := (chain[d] - 1.0) / sum(p[0] ** k for k in range(1, d + 1))) >= floor:
+    for (w, d, r, n, steps, cols, spine, last), f in zip(grown, fresh):
+        if d <= top and last * (scale := (chain[d] - 1.0) / max(spine, 1e-9)) >= floor:
             e, t = 1.0 + r * (chain[d] - 1.0), draft(steps, cols)
             t += w0 + h + w1 * (n + 1) + min(1.0, e * switch) * (draft(f[4], f[5]) - t)
             out.append((w, e, t, last * scale, scale))

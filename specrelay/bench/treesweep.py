@@ -97,10 +97,7 @@ def auto_vs_chain_policy(rows: list[dict], paired) -> dict:
     off), tokens/s over the whole run and slice by slice (`paired`); the bar: no slower (>= 1.0x)."""
     out = {}
     for r in (r for r in rows if r["draft_len"] == "auto" and r["trees"] == "auto"):
-        chain = next((x for x in rows if x["draft_len"] == "auto" and x["trees"] == "off" and x["link"] == r["link"]
-                      and x["sessions"] == r["sessions"] and x["predraft"] == r["predraft"]
-                      and x["objective"] == r["objective"]), None)
-        if chain:
+        if chain := _chain_policy(rows, r):
             ratio = r["tokens_per_s"] / chain["tokens_per_s"]
             out[f"{r['link']} sessions={r['sessions']} predraft={r['predraft']} objective={r['objective']}"] = {
                 "ratio": round(ratio, 3), "bar_met": ratio >= 1.0, "tree_round_share": r["tree_round_share"],
@@ -113,14 +110,19 @@ def control(rows: list[dict], paired) -> dict:
     code on an edge of its own: the run-to-run noise that a bar line between two configurations carries."""
     out = {}
     for r in (r for r in rows if r.get("copy")):
-        first = next((x for x in rows if not x.get("copy") and x["draft_len"] == r["draft_len"] and x["trees"] == "off"
-                      and x["link"] == r["link"] and x["sessions"] == r["sessions"] and x["predraft"] == r["predraft"]
-                      and x["objective"] == r["objective"]), None)
-        if first and r["tokens_per_s"]:
+        if (first := _chain_policy(rows, r)) and r["tokens_per_s"]:
             out[f"{r['link']} sessions={r['sessions']} predraft={r['predraft']} objective={r['objective']}"] = {
                 "ratio": round(first["tokens_per_s"] / r["tokens_per_s"], 3),
                 "paired_ratios": paired(first.get("tokens_per_s_slices"), r.get("tokens_per_s_slices"))}
     return out
+
+
+def _chain_policy(rows: list[dict], r: dict) -> dict | None:
+    """The chain policy's row (`auto`, trees off; not a --control copy) of `r`'s link, sessions, pre-drafting and
+    objective."""
+    return next((x for x in rows if x["draft_len"] == "auto" and x["trees"] == "off" and not x.get("copy")
+                 and x["link"] == r["link"] and x["sessions"] == r["sessions"] and x["predraft"] == r["predraft"]
+                 and x["objective"] == r["objective"]), None)
 
 
 def _brief(r: dict) -> dict:

@@ -194,8 +194,10 @@ class EdgeSession:
 
     def request_for(self, block: DraftBlock | TreeBlock) -> P.Verify:
         """The VERIFY for the freshly drafted `block` (after whatever the chain provided)."""
-        if isinstance(block, TreeBlock):
-            self._catchup, self._steps = False, 0  # a tree round is timed by its own steps (trees.last_steps)
+        if isinstance(block, TreeBlock):  # a tree round is timed by its own steps (trees.last_steps), but not where
+            # it first caught up on the prompt, or on what a round at d = 0 committed (a chain's catch-up, below)
+            self._catchup = self.prefill_due > 0 or self._block is None or not (self._block.ids or self._guessed)
+            self._guessed, self._steps = False, 0
             return self.trees.request(block)
         self.trees.block, self.trees.last_steps, self.trees.last_tree = None, 0, False
         # a block drafted after the session's OPEN or a round at d = 0 (unless it guessed) first feeds the draft the

@@ -11,6 +11,7 @@ import pytest
 
 from specrelay.common.protocol import LoadHint, Objective
 from specrelay.edge_worker.policy import TOLERANCE, DraftPolicy, EdgeEstimates, chain_rows, pick, tree_rows
+from specrelay.edge_worker.policy import choose
 from specrelay.edge_worker.policy.choose import tree_compute, tree_table, wait_for
 from specrelay.edge_worker.policy.estimates import PRIOR_WEIGHT
 from specrelay.edge_worker.trees.tree import TreeShape
@@ -235,6 +236,29 @@ def test_after_a_chain_round_a_tree_pays_its_fresh_levels_once_over_the_tokens_l
         assert o[2] == pytest.approx(g[2] + g[1] / 48 * (f[2] - g[2]), rel=1e-9)
 
 
+def test_after_a_tree_round_a_chain_pays_its_fresh_drafts_once_over_the_tokens_left(monkeypatch):
+    """A tree round's pre-draft grows the next tree, not a chain: a chain right after a tree round drafts its whole
+    block fresh, as a tree does after a chain round. Priced as pre-drafted, `--trees auto` over 50 ms, 1 session
+    went back to chains that a tree beat: 69-80 % tree rounds where `--trees on` ran 88-96 % at 1.06-1.10x its
+    tokens/s (`bench sweep --trees compare`). The switch is paid once: 1 / tokens left of the extra per token."""
+    est, bare = edge(draft_s=0.002, rtt_s=0.05, predraft=True), edge(draft_s=0.002, rtt_s=0.05)  # bare: no pre-draft
+    a = DraftPolicy(est).rates(17)
+    steady, fresh, once = (chain_rows(est, a, 16, False, switch) for switch in (0.0, 1.0, 1 / 48))
+    assert [t for _, t in fresh] == pytest.approx([t for _, t in chain_rows(bare, a, 16, False)], rel=1e-12)
+    assert all(s[1] <= o[1] <= f[1] for s, o, f in zip(steady, once, fresh))
+    assert sum(s[1] < o[1] < f[1] for s, o, f in zip(steady, once, fresh)) >= 8
+    for (e, s), (_, o), (_, f) in zip(steady, once, fresh):
+        assert o == pytest.approx(s + min(1.0, e / 48) * (f - s), rel=1e-9)
+
+    est = edge(draft_s=0.004, rtt_s=0.05, forward_s=0.01, accept=0.9, predraft=True)
+    saved_levels(est, 4)
+    for compute in (0.002, 0.004, 0.008, 0.016):  # tree rounds waited 6 x their levels' compute
+        est.tree_waited.observe(compute, 6 * compute)
+    assert DraftPolicy(est).shape(12, "auto", None, None, after_tree=True) is not None
+    monkeypatch.setattr(choose, "chain_rows", lambda est, a, top, cut=True, switch=0.0: chain_rows(est, a, top, cut))
+    assert DraftPolicy(est).shape(12, "auto", None, None, after_tree=True) is None  # priced as pre-drafted
+
+
 def test_auto_keeps_a_tree_it_would_switch_to_from_a_chain():
     """A tree grown by its predecessor's pre-draft is priced cheaper than one drafted fresh after a chain round, so
     where `auto` leaves a chain for a tree it must keep drafting trees. The nodes' value floor rose with the best
@@ -313,16 +337,46 @@ def test_auto_takes_a_tree_only_where_it_beats_the_chain_pick_in_speed_and_token
                                                                                                None) is not None
 
 
-def test_auto_drafts_the_block_after_the_prompt_as_a_chain():
-    """The opening is priced where chains are (the openings' own acceptance, the draft's catch-up on the prompt);
-    shape() models neither. Priced by shape() at an edge's first, unit-free prices, 16 fresh sessions over 50 ms
-    opened with trees, their pre-drafts grew trees, and in about 1 run of 3 the edge stayed in trees (86 % of its
-    rounds) at 0.94x the chain policy's tokens/s, its chains priced at waits measured behind the trees."""
-    for est in (edge(draft_s=0.002, rtt_s=0.05), EdgeEstimates()):
-        policy = DraftPolicy(est, Objective.BALANCED)
-        assert policy.shape(48, "auto", None, None) is not None  # a tree beats chains later on
-        assert policy.shape(48, "auto", None, None, opening=True) is None
-        assert policy.shape(48, "on", None, None, opening=True).nodes > 1  # `on`: trees only, the opening too
+def test_auto_prices_a_tree_after_the_prompt_as_the_chain_it_must_beat():
+    """The block right after the prompt is priced at the openings' own acceptance and with the draft's catch-up on
+    the prompt, a tree as the chain it must beat, and a tree there is drafted fresh (no pre-draft grew it). Under
+    `--trees auto` that block was a chain: one session over 50 ms drafted trees in 69-80 % of its rounds at 0.91-0.95x
+    `--trees on`'s tokens/s. At an edge that has measured no verify yet (its first, unit-free prices) it stays a
+    chain: 16 fresh sessions over 50 ms opened with trees and in about 1 run of 3 the edge stayed in trees (86 % of
+    its rounds) at 0.94x the chain policy's tokens/s, its chains priced at waits measured behind the trees."""
+    est = edge(draft_s=0.002, rtt_s=0.05)
+    policy = DraftPolicy(est, Objective.BALANCED)
+    assert policy.shape(48, "auto", None, None) is not None  # a tree beats chains later on
+    assert policy.shape(48, "auto", None, None, opening=True) is None  # no stretch given: choose's opening path
+    opened = policy.shape(48, "auto", None, None, opening=True, stretch=20)
+    assert opened is not None and opened.nodes > opened.depth  # at 50 ms a tree pays right after the prompt too
+    catchup, chains = est.step(20), chain_rows(est, est.opening.rates(48, policy.rates(48)), 47)
+    fresh = [(e, t) for w, e, t, *_ in tree_rows(est, [e for e, _ in chains], len(chains) - 1, None, None, switch=1.0)
+             if w == opened.widths]  # priced fresh, with the catch-up: no slower than the chain choose would draft
+    opening_chains = [(e, t + catchup * (d > 0)) for d, (e, t) in enumerate(chains)]
+    ec, tc = opening_chains[pick(opening_chains, Objective.BALANCED)]
+    assert any(e >= ec and e / (t + catchup) >= ec / tc * (1 - 1e-9) for e, t in fresh)
+    assert policy.shape(48, "auto", None, None, opening=True, stretch=100000) is None  # a dear catch-up: a chain
+    for _ in range(20):  # openings the target rarely accepts: a shallower tree, or a chain, after the prompt
+        policy.observe_block(4, 0, opening=True)
+    rare = policy.shape(48, "auto", None, None, opening=True, stretch=20)
+    assert rare is None or rare.depth < opened.depth
+    assert policy.shape(48, "auto", None, None) is not None
+    unmeasured = DraftPolicy(EdgeEstimates(), Objective.BALANCED)
+    assert unmeasured.shape(48, "auto", None, None) is not None
+    assert unmeasured.shape(48, "auto", None, None, opening=True, stretch=20) is None
+    assert unmeasured.shape(48, "on", None, None, opening=True).nodes > 1  # `on`: trees only, the opening too
+
+
+def test_a_tree_round_that_first_caught_up_teaches_no_tree_price():
+    """A tree round right after the prompt (or after a round at d = 0) first runs the stretch the draft has not seen:
+    a one-off, as a chain's catch-up is, so its wait does not teach the tree rounds' wait line."""
+    est = edge(draft_s=0.002, rtt_s=0.05)
+    policy, shape = DraftPolicy(est), TreeShape((2, 2, 1))
+    policy.observe_round(6, 0.06, None, 0.5, steps=3, catchup=True, tree=shape)
+    assert not est.tree_waited.known
+    policy.observe_round(6, 0.06, None, 0.01, steps=3, tree=shape)
+    assert est.tree_waited.count == 1
 
 
 def test_auto_keeps_the_chain_a_session_drafts_at_its_own_acceptance_where_that_beats_the_tree():
@@ -337,9 +391,9 @@ def test_auto_keeps_the_chain_a_session_drafts_at_its_own_acceptance_where_that_
         assert known.shape(48, "auto", None, None) is None and known.choose(48) > 8
         fresh = DraftPolicy(est, objective)
         assert fresh.shape(48, "auto", None, None) is not None  # a fresh session: a tree
-        assert fresh.shape(48, "auto", None, None, opening=True) is None  # but not right after the prompt
-        fresh.observe_block(0, 0, opening=True)  # nor one token past it, after an opening at d = 0 (choose prices
-        assert fresh.shape(48, "auto", None, None) is None  # both blocks at the openings' acceptance)
+        fresh.observe_block(0, 0, opening=True)  # one token past the prompt after an opening at d = 0: priced as
+        assert fresh.shape(48, "auto", None, None) is None  # an opening (it has no stretch here: a chain)
+        assert fresh.shape(48, "auto", None, None, stretch=20) is not None
         fresh.observe_block(0, 0)
         assert fresh.shape(48, "auto", None, None) is not None
 

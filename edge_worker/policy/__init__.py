@@ -13,7 +13,8 @@ round, one per forward); F(n), the draft forwards n target tokens take (across v
 forward and a slope); W(d), the wait from VERIFY to VERDICT, the mean wait at the mean row plus (1 + q) c1 B per
 token (the worker's forward if every row drafted one more, and q of one ahead; from the load hints); H, the edge's
 own time a round besides them (d = 0, d > 0). A pre-draft runs on the idle draft thread during the wait, so a block's
-start it drafted costs nothing. One objective rule picks among chains (d = 0 included) and trees alike (choose.pick):
+start it drafted costs nothing (a chain after a tree round, or a tree after a chain round, has none: that switch is
+paid once over the tokens left). One objective rule picks among chains (d = 0 included) and trees alike (choose.pick):
 of the candidates whose rate E / T is within the objective's tolerance of the best, the most tokens per call (`speed`
 0; `balanced` 10 %; `cloud` any); with `--trees auto` a tree replaces the chain only if modelled no slower and no
 fewer tokens per call. Exploring at d = 0 (EXPLORE_SHARE) and the openings (after the prompt): choose.DraftPolicy.

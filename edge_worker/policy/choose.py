@@ -32,11 +32,13 @@ def pick(rows: list[tuple[float, float]], objective: Objective) -> int:
     return max((i for i, r in enumerate(rates) if r >= floor), key=lambda i: (rows[i][0], -i))
 
 
-def chain_rows(est: EdgeEstimates, a: list[float], top: int, cut: bool = True) -> list[tuple[float, float]]:
+def chain_rows(est: EdgeEstimates, a: list[float], top: int, cut: bool = True,
+               switch: float = 0.0) -> list[tuple[float, float]]:
     """(E(d), T(d)) for d = 0..top at acceptance a_0..a_top: E(d) = sum_{k<=d} P_k with P_k = prod_{j<k} a_j;
-    T(d) = D(F(d + lookahead less the pre-drafted start, P_{d+1} x what fits the wait)) + R + V(d) + H, F the draft
-    forwards that many target tokens take (est.forwards: d of them for a draft of the target's vocabulary), D(n)
-    the measured wait for n fresh forwards (est.draft_line: a part per round, one per forward; 0 for none)."""
+    T(d) = D(F(d + lookahead less the pre-drafted start: P_{d+1} x what fits the wait, x 1 - `switch` x E(d))) + R +
+    V(d) + H, F the draft forwards that many target tokens take (est.forwards), D(n) the measured wait for n fresh
+    forwards (est.draft_line: a part per round, one per forward; 0: none). `switch`: after a tree round, 1 / tokens
+    left (nothing was pre-drafted: a fresh chain's extra time is paid once, as a tree's after a chain round)."""
     rows, e, p, t, line, h = [], 0.0, 1.0, est.per_token(), est.draft_line(), est.handled
     (w0, w1), share = est.wait_line(), PREDRAFT_SHARE / max(t, 1e-12) if est.predraft and est.draft.known else 0.0
     for d in range(top + 1):
@@ -45,7 +47,7 @@ def chain_rows(est: EdgeEstimates, a: list[float], top: int, cut: bool = True) -
         e += p
         p *= a[d]
         wait = w0 + w1 * (d + 1) if d else est.wait(0)
-        saved = p * min(d, max(0, int(share * wait) - 1))  # the guess, then the next block's start (predraft_budget)
+        saved = p * min(d, max(0, int(share * wait) - 1)) * (1 - min(1.0, e * switch))  # the guess, the next start
         rows.append((e, wait_for(line, est.forwards(d + est.lookahead - saved)) * (d > 0) + wait + h[d > 0].value))
     return rows
 
@@ -156,13 +158,13 @@ class DraftPolicy:
         its wait is a clean round's); else the objective's pick at its own rates (whether: the pooled rates' until its
         own samples weigh PRIOR_WEIGHT), but d = 0 once in 1 / EXPLORE_SHARE drafting rounds while the worker's cost
         line has seen one width only. `stretch`: target tokens the draft has not seen; `opening`: the block after the
-        prompt (_opening, as is the next one after an opening at d = 0)."""
+        prompt (_chains, as is the next one after an opening at d = 0)."""
         top = max(0, min(MAX_LEN, remaining - 1))
         if self.fixed is not None:
             return min(self.fixed, top)
         round_s, edge = self.edge.wait(0), self.edge
         if (opening or self.second) and stretch and not edge.provisional:  # an opening is no acceptance sample
-            return self._opening(top, stretch)
+            return pick(self._chains(top, stretch)[0], self.objective)
         rows = chain_rows(edge, self.own_rates(top + 1), top)  # its own: the prompts the draft knows badly rest
         cost = edge.explore_s.value if edge.explore_s.count else edge.step(stretch * edge.steps_per_token.value)
         cost = max(round_s, cost, rows[min(1, len(rows) - 1)][1] - rows[0][1])  # >= T(1) - T(0): a timing round
@@ -185,22 +187,26 @@ class DraftPolicy:
             return 0
         return d
 
-    def _opening(self, top: int, stretch: int) -> int:
-        """The block right after the prompt, at the opening blocks' own acceptance (shrunk toward the pooled rates)
-        and a drafting opening's catch-up on the prompt's `stretch` target tokens (d = 0 pays none: a pre-draft
-        runs it during the wait, or a later round drafting pays it)."""
-        catchup, edge = self.edge.step(stretch * self.edge.steps_per_token.value), self.edge
-        rows = chain_rows(edge, edge.opening.rates(top + 1, self.rates(top + 1)), top)
-        return pick([(e, t + catchup * (d > 0)) for d, (e, t) in enumerate(rows)], self.objective)
+    def _chains(self, top: int, stretch: int = 0, switch: float = 0.0, cut: bool = True) -> tuple[list, float]:
+        """(E, T) of chains d = 0..top at the pooled rates (chain_rows' `switch`), and a drafting block's catch-up: with
+        `stretch`, the block after the prompt's, at the openings' own acceptance (shrunk toward the pooled rates), the
+        catch-up on the prompt's `stretch` target tokens added (d = 0 pays none: a pre-draft runs it in the wait)."""
+        a, est = self.rates(top + 1), self.edge
+        catchup = est.step(stretch * est.steps_per_token.value) if stretch else 0.0
+        rows = chain_rows(est, est.opening.rates(top + 1, a) if stretch else a, top, cut, switch)
+        return [(e, t + catchup * (d > 0)) for d, (e, t) in enumerate(rows)], catchup
 
     def shape(self, remaining: int, trees: str, depth: int | None, nodes: int | None, after_tree: bool = True,
-              opening: bool = False) -> TreeShape | None:
+              opening: bool = False, stretch: int = 0) -> TreeShape | None:
         """The tree to draft (`--trees on|auto`): the objective's pick over trees and, with `auto`, chains (None: a
-        chain wins). depth / nodes: fixed by the caller; `after_tree` False: no tree pre-draft saved a level."""
+        chain wins). depth / nodes: fixed by the caller; `after_tree` False: no tree pre-draft saved a level; a block
+        after the prompt (`opening`, DraftPolicy.second) priced as choose prices it (`stretch`: its catch-up)."""
         top, est = max(0, min(MAX_LEN, remaining - 1)), self.edge
-        if trees == "auto" and (opening or self.second):  # a block after the prompt (DraftPolicy.second too):
-            return None  # priced by choose (the openings' acceptance, the catch-up), not here (16 sessions: policy.md)
-        chains = chain_rows(est, self.rates(top + 1), top, cut=depth is None)  # pooled (own: docs/policy.md)
+        opens = (opening or self.second) and stretch > 0 and est.waits.count > 0 and not est.provisional  # as
+        if trees == "auto" and (opening or self.second) and not opens:  # choose prices it, once a verify is measured
+            return None  # (at a fresh edge's unit-free prices 16 sessions opened with trees: docs/policy.md)
+        fresh = 1 / max(1, remaining)  # a switch's fresh drafts, once: a tree's after a chain, a chain's after a tree
+        chains, catchup = self._chains(top, stretch * opens, fresh * after_tree, depth is None)  # pooled (policy.md)
         top = len(chains) - 1  # no deeper than the longest chain worth drafting (MIN_VALUE)
         c1 = est.cloud.fit()[1] if est.cloud.known else 0.0  # one more node's seconds: its verify and its draft
         node_cost = c1 * est.batch.value + est.draft.fit()[1] * est.rows.value
@@ -208,24 +214,21 @@ class DraftPolicy:
         # a node worth less than its seconds at the best rate is not drafted: a tree whose least node is under it
         # would go out smaller than priced (trees of 3-4 nodes went out as chains of 2-3); `auto`: chains' best rate
         floor = node_cost * max(e / max(t, 1e-12) for e, t in offered) if trees == "auto" else 0.0
-        switch = 0.0 if after_tree else 1 / max(1, remaining)  # a tree after a chain: its fresh levels, once
-        rows = tree_rows(est, [e for e, _ in chains], top, depth, nodes, floor, switch)
-        if trees == "auto":
-            rows = [(None, e, t, 1.0, 1.0) for e, t in offered] + rows
-        if not rows:
-            return None if trees == "auto" else TreeShape()
+        rows = [(w, e, t + catchup, *r) for w, e, t, *r in tree_rows(est, [e for e, _ in chains], top, depth, nodes,
+                floor, 1.0 if opens else fresh * (not after_tree))]  # an opening's tree: fresh, with its catch-up
+        rows = [(None, e, t, 1.0, 1.0) for e, t in offered] * (trees == "auto") + rows
+        if not rows:  # `on`, and no tree at all: a chain of nothing
+            return TreeShape()
         least = max(MIN_VALUE, floor or node_cost * max(e / max(t, 1e-12) for _, e, t, *_ in rows))  # `auto`: a
         # grown tree's higher rate must not filter out every tree (after a tree round chains won, after a chain trees)
         rows = [r for r in rows if r[3] >= least] or rows
-        if trees == "auto":  # a tree replaces the chain the objective picks (at the pooled rates, and the one the
-            own = chain_rows(est, self.own_rates(top + 1), top)  # session would draft at its own) only if modelled no
-            bars = [offered[pick(offered, self.objective)], own[pick(own, self.objective)]]  # slower, no fewer tokens
-            rows = [(None, *bars[0], 1.0, 1.0)] + [r for r in rows[len(offered):]  # a call: else `balanced` took trees
-                                              if all(r[1] >= e and r[1] * t >= e * r[2] for e, t in bars)]  # slower
-        best = pick([(e, t) for _, e, t, *_ in rows], self.objective)
-        if rows[best][0] is None:
-            return None
-        return TreeShape(rows[best][0], min_value=least / rows[best][4])  # the engine's nodes are unscaled
+        if trees == "auto":  # a tree replaces the chain the objective picks (pooled; and the one the session drafts
+            own = chains if opens else chain_rows(est, self.own_rates(top + 1), top, True, fresh * after_tree)  # at
+            bars = [offered[pick(offered, self.objective)], own[pick(own, self.objective)]]  # its own rates) only if
+            rows = [(None, *bars[0], 1.0, 1.0)] + [r for r in rows[len(offered):]  # modelled no slower and no fewer
+                    if all(r[1] >= e and r[1] * t >= e * r[2] for e, t in bars)]  # tokens a call (else `balanced`
+        best = pick([(e, t) for _, e, t, *_ in rows], self.objective)  # took trees slower, within its tolerance)
+        return None if rows[best][0] is None else TreeShape(rows[best][0], min_value=least / rows[best][4])  # unscaled
 
     def observe_block(self, d: int, n: int, bonus_match: bool | None = None, opening: bool = False) -> None:
         """A VERDICT on a block of d drafts (n accepted; the pre-drafted guess's match after a full block).
@@ -256,10 +259,10 @@ class DraftPolicy:
             self.edge.handled[width > 1].observe(handled_s)
         if draft_s is not None and (self.exploring or self.timing == 2):
             self.edge.explore_s.observe(draft_s)  # exploring's cost (a timing round's also teaches the lines below)
-        timed = draft_s is not None and steps > 0 and not self.exploring
+        timed = draft_s is not None and steps > 0 and not self.exploring and not catchup
         if timed and tree is not None:  # the tree engine's rounds (paths too) price trees, as chains' rounds chains
             compute = tree_compute(self.edge, tree, steps)  # the first at most CLIP x it (as a chain's)
             self.edge.tree_waited.observe(compute, draft_s, CLIP * compute)
-        elif timed and tree is None and not catchup:
+        elif timed:
             self.edge.observe_waited(steps, draft_s)
         self.exploring, self.timing = False, 0 if self.timing == 2 else self.timing

@@ -71,16 +71,14 @@ class EWLine:
         return max(0.0, my - s * mx), s
 
     def at(self, x: float) -> float:
-        c, s = self.fit()
-        return c + s * x
+        return (line := self.fit())[0] + line[1] * x
 
 
 class AcceptanceCounts:
     """Decayed counts per draft position: how often position j was reached and accepted."""
 
     def __init__(self) -> None:
-        self.reached: list[float] = []
-        self.accepted: list[float] = []
+        self.reached, self.accepted = [], []  # decayed counts (floats) per position
 
     def observe(self, d: int, n: int, bonus_match: bool | None = None) -> None:
         """A block of d drafts, n accepted; bonus_match: the guess past a full block matched (None: no guess)."""
@@ -301,11 +299,8 @@ class EdgeEstimates:
 def _at_least(line: EWLine, least: float) -> tuple[float, float]:
     """A measured wait line's (c, s), s no less than `least` (the compute it waits for: a slope under it is noise),
     then through the measured mean."""
-    c, s = line.fit()
-    if s < least:
-        mx, my = line.sx / line.sw, line.sy / line.sw
-        c, s = max(0.0, my - least * mx), least
-    return c, s
+    (c, s), mx, my = line.fit(), line.sx / line.sw, line.sy / line.sw
+    return (c, s) if s >= least else (max(0.0, my - least * mx), least)
 
 
 PREDRAFT_SHARE = 0.8   # pre-drafting stops this far into the expected wait, so the draft thread is idle (and the

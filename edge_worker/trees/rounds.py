@@ -53,8 +53,10 @@ class TreeRounds:
     def next_shape(self, remaining: int, after_tree: bool = True, opening: bool = False) -> TreeShape | None:
         """The policy's tree (None: with `auto`, a chain pays more); `after_tree`: the round follows a tree round,
         whose pre-draft grew this one (after a chain round a tree's levels are all drafted fresh); `opening`: the
-        block right after the prompt."""
-        return self.s.policy.shape(remaining, self.trees, self.s.config.draft_len, self.nodes, after_tree, opening)
+        block right after the prompt (priced with the draft's catch-up on the tokens it has not seen)."""
+        s = self.s
+        return s.policy.shape(remaining, self.trees, s.config.draft_len, self.nodes, after_tree, opening,
+                              stretch=len(s.tokens) - s._seen)
 
     def job(self) -> TreeJob | DraftJob | None:
         """The next tree job; with `auto`, None when the shape policy finds no tree that pays (the session drafts
@@ -69,7 +71,7 @@ class TreeRounds:
         if shape.depth == 0:
             s._job = DraftJob(s.state, list(s.tokens), len(s.tokens), 0, s.mode, c.params, c.seed)
             return s._job
-        self.shape, s._job = shape, None
+        self.shape, s._job, s._seen = shape, None, len(s.tokens)  # the tree job catches the draft up
         return TreeJob(s.state, list(s.tokens), shape, s.mode, c.params, c.seed, self.edge().ranks,
                        branching=self._rows_left())
 

@@ -194,19 +194,18 @@ class EdgeSession:
 
     def request_for(self, block: DraftBlock | TreeBlock) -> P.Verify:
         """The VERIFY for the freshly drafted `block` (after whatever the chain provided)."""
-        if isinstance(block, TreeBlock):  # a tree round is timed by its own steps (trees.last_steps), but not where
-            # it first caught up on the prompt, or on what a round at d = 0 committed (a chain's catch-up, below)
-            self._catchup = self.prefill_due > 0 or self._block is None or not (self._block.ids or self._guessed)
-            self._guessed, self._steps = False, 0
-            return self.trees.request(block)
-        self.trees.block, self.trees.last_steps, self.trees.last_tree = None, 0, False
         # a block drafted after the session's OPEN or a round at d = 0 (unless it guessed) first feeds the draft the
         # whole stretch it has not seen (the prompt, every token the target alone committed): a one-off cost that is
-        # not what a block of d costs while drafting goes on, so its steps do not teach s (edge_worker/policy); nor
-        # do a block's that waited behind tree work: they timed what trees cost the edge, not a chain (docs/policy.md)
-        self._catchup = self.prefill_due > 0 or self._block is None or not (self._block.ids or self._guessed) \
-            or block.behind_trees
+        # not what a block of d (or a tree) costs while drafting goes on, so its steps do not teach s (edge_worker/
+        # policy); nor do a chain block's that waited behind tree work: they timed what trees cost the edge, not a
+        # chain (docs/policy.md). A tree round is timed by its own steps (trees.last_steps).
+        self._catchup = self.prefill_due > 0 or self._block is None or not (self._block.ids or self._guessed)
         self._guessed = False
+        if isinstance(block, TreeBlock):
+            self._steps = 0
+            return self.trees.request(block)
+        self.trees.block, self.trees.last_steps, self.trees.last_tree = None, 0, False
+        self._catchup = self._catchup or block.behind_trees
         self._prefilled = self.prefill_due > 0
         self._block, reused = self._reused + block, len(self._reused.ids)
         self._reused, self._steps = DraftBlock(), block.steps  # draft forwards waited for

@@ -451,13 +451,13 @@ def test_a_fixed_alignment_forward_per_round_prices_short_cross_vocabulary_draft
         est.observe_block_steps([(2, 3)])  # d = 1: 3 forwards for 2 target tokens (the lookahead one included)
         est.observe_block_steps([(5, 4)])  # d = 4: ...
         est.observe_block_steps([(5, 5)])  # ... 4-5 forwards for 5
-    assert est.forwards(2) == pytest.approx(3.0, abs=0.3)
-    assert est.forwards(5) == pytest.approx(4.5, abs=0.3)
-    assert est.forwards(2) > 2 * est.steps_per_token.value + 0.5  # the ratio alone: ~2.2 forwards
+    assert est.steps.at(2) == pytest.approx(3.0, abs=0.3)
+    assert est.steps.at(5) == pytest.approx(4.5, abs=0.3)
+    assert est.steps.at(2) > 2 * est.steps_per_token.value + 0.5  # the ratio alone: ~2.2 forwards
     steady = EdgeEstimates()
     for _ in range(20):
         steady.observe_block_steps([(5, 4)])  # one block length only: the line keeps the ratio
-    assert steady.forwards(5) == pytest.approx(4.0, abs=0.05)
+    assert steady.steps.at(5) == pytest.approx(4.0, abs=0.05)
 
 
 def test_a_cross_vocabulary_blocks_prefixes_price_short_blocks_where_long_ones_are_drafted():
@@ -473,8 +473,8 @@ def test_a_cross_vocabulary_blocks_prefixes_price_short_blocks_where_long_ones_a
     for x, y in blocks:
         final.observe_block_steps([(x, y)])
         prefixes.observe_block_steps([(k, max(1, round(k * y / x))) for k in range(1, x)] + [(x, y)])
-    assert final.forwards(2) > 6
-    assert 2 <= prefixes.forwards(2) < 3.5 and prefixes.forwards(9) > 2 * prefixes.forwards(2)
+    assert final.steps.at(2) > 6
+    assert 2 <= prefixes.steps.at(2) < 3.5 and prefixes.steps.at(9) > 2 * prefixes.steps.at(2)
 
 
 def test_a_wide_catch_up_forward_is_not_a_dear_draft_step():
@@ -747,3 +747,39 @@ def test_a_tree_rounds_fixed_draft_wait_is_priced_once_a_round_too():
     assert c == pytest.approx(0.020, rel=0.05) and k == pytest.approx(1.0, rel=0.05)
     compute = tree_compute(est, deep, deep.depth)
     assert wait_for(est.tree_line(), compute) == pytest.approx(0.020 + compute, rel=0.05)
+
+
+def test_tree_rows_stops_early_only_where_no_candidate_reaches_the_floor():
+    """shape() weighs trees every round (with 16 sessions on loopback ~6 % of the edge's time, ~40 % of it building
+    rank tables for a tree none of which reached the floor). tree_rows now stops at the first candidate whose least
+    node cannot reach the floor at any depth's scale, and skips the tables where every tree's side node is under it:
+    what it returns must be exactly the full scan's rows at or over the floor, for falling ranks and for others."""
+    for accept, ranks in ((0.8, [(0, 4, 0)] * 30), (0.5, [(0, 4, 1)] * 30), (0.8, [(1, 3, 2), (2, 4, None)] * 20)):
+        est = edge(draft_s=0.004, rtt_s=0.0005, accept=accept, predraft=True)
+        for bucket, children, accepted in ranks:
+            est.ranks.observe(bucket, children, accepted)
+        chain = [e for e, _ in chain_rows(est, est.acceptance.rates(33), 32)]
+        top = len(chain) - 1
+        full = tree_rows(est, chain, top, None, None, 0.0, 0.05)
+        values = sorted({r[3] for r in full})
+        assert len(values) > 3
+        for floor in (0.0, values[0], values[len(values) // 2], values[-1], values[-1] * 1.01, 10.0):
+            assert tree_rows(est, chain, top, None, None, floor, 0.05) == [r for r in full if r[3] >= floor]
+
+
+def test_the_estimators_cached_reads_follow_every_observation_and_prior():
+    """EWLine.fit and RankAcceptance.mean_p_rank are read tens of times a round and cached between observations:
+    a new point, a new prior slope (the worker's token_us, the draft's first forward) or a tree verdict must show."""
+    est = edge(draft_s=0.004, rtt_s=0.0005)
+    before = est.cloud.fit()
+    est.cloud.slope = 0.01  # a hint's token_us
+    assert est.cloud.fit()[1] > before[1]
+    est.cloud.observe(40, 1.0)
+    assert est.cloud.fit() != before
+    p = list(est.ranks.mean_p_rank())
+    est.ranks.observe(0, 4, None)
+    assert est.ranks.mean_p_rank() != p
+    p = list(est.ranks.mean_p_rank())
+    est.ranks.decay()
+    est.ranks.observe(0, 4, 3)
+    assert est.ranks.mean_p_rank() != p

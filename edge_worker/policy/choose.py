@@ -6,6 +6,7 @@ from __future__ import annotations
 import heapq
 import math
 from functools import lru_cache
+from itertools import accumulate
 
 from ...common.protocol import MAX_DRAFT, LoadHint, Objective
 from ..trees.tree import TreeShape
@@ -36,19 +37,18 @@ def chain_rows(est: EdgeEstimates, a: list[float], top: int, cut: bool = True,
                switch: float = 0.0) -> list[tuple[float, float]]:
     """(E(d), T(d)) for d = 0..top at acceptance a_0..a_top: E(d) = sum_{k<=d} P_k with P_k = prod_{j<k} a_j;
     T(d) = D(F(d + lookahead less the pre-drafted start: P_{d+1} x what fits the wait, x 1 - `switch` x E(d))) + R +
-    V(d) + H, F the draft forwards that many target tokens take (est.forwards), D(n) the measured wait for n fresh
+    V(d) + H, F the draft forwards that many target tokens take (est.steps), D(n) the measured wait for n fresh
     forwards (est.draft_line: a part per round, one per forward; 0: none). `switch`: after a tree round, 1 / tokens
     left (nothing was pre-drafted: a fresh chain's extra time is paid once, as a tree's after a chain round)."""
-    rows, e, p, t, line, h = [], 0.0, 1.0, est.per_token(), est.draft_line(), est.handled
-    (w0, w1), share = est.wait_line(), PREDRAFT_SHARE / max(t, 1e-12) if est.predraft and est.draft.known else 0.0
-    for d in range(top + 1):
-        if cut and d and p < MIN_VALUE:  # the d-th token's chance to be accepted (P_d) under MIN_VALUE: no longer
+    rows, e, p, line, h = [(1.0, est.wait(0) + est.handled[0].value)], 1.0, a[0], est.draft_line(), est.handled[1].value
+    share = PREDRAFT_SHARE / max(est.per_token(), 1e-12) if est.predraft and est.draft.known else 0.0
+    (f0, f1), (w0, w1), ahead = est.steps.fit(), est.wait_line(), est.lookahead  # F(x) = f0 + f1 x (x > 0 tokens)
+    for d in range(1, top + 1):
+        if cut and p < MIN_VALUE:  # the d-th token's chance to be accepted (P_d) under MIN_VALUE: no longer drafted
             break
-        e += p
-        p *= a[d]
-        wait = w0 + w1 * (d + 1) if d else est.wait(0)
+        e, p, wait = e + p, p * a[d], w0 + w1 * (d + 1)
         saved = p * min(d, max(0, int(share * wait) - 1)) * (1 - min(1.0, e * switch))  # the guess, the next start
-        rows.append((e, wait_for(line, est.forwards(d + est.lookahead - saved)) * (d > 0) + wait + h[d > 0].value))
+        rows.append((e, wait_for(line, f0 + f1 * x if (x := d + ahead - saved) > 0 else 0.0) + wait + h))
     return rows
 
 
@@ -116,6 +116,10 @@ def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | Non
     their compute, the others' chain jobs' wait behind them (est.blocking), then R + V over its nodes and H; plus
     `switch` x E of a fresh tree's extra time (f: none pre-drafted, as after a chain round: 1 / tokens left)."""
     p = tuple(round(x, 2) for x in est.ranks.mean_p_rank())  # to the percent: the tables' cache hits
+    spines = accumulate(p[0] ** k for k in range(1, top + 1))  # a path's value per depth, as tree_table's
+    out, bound = [], max(((e - 1.0) / max(v, 1e-9) for e, v in zip(chain[1:], spines)), default=0.0)  # the most scale
+    if not nodes and list(p) == sorted(p, reverse=True) and (p[1] + 1e-12) * bound < floor:  # more nodes than
+        return out  # levels: a side node, and where ranks fall the least is worth <= p_1: none reaches floor
     (c, s), (w0, w1), h = est.step_line(), est.wait_line(), est.handled[1].value
     line, s_rows, depth = est.tree_line(), s * est.rows.value, None if depth is None else min(depth, top)
     grown, fresh = (tree_table(p, saved, depth, nodes) for saved in (round(est.tree_saved.value), 0))  # one order
@@ -123,8 +127,9 @@ def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | Non
     def draft(steps: int, columns: int) -> float:  # the wait for a tree's level forwards not pre-drafted, and the
         return wait_for(line, x := steps * c + s_rows * columns) + est.blocking(x)  # others' behind them
 
-    out = []
     for (w, d, r, n, steps, cols, spine, last), f in zip(grown, fresh):
+        if last * bound < floor:  # the least nodes only fall from here on
+            break
         if d <= top and last * (scale := (chain[d] - 1.0) / max(spine, 1e-9)) >= floor:
             e, t = 1.0 + r * (chain[d] - 1.0), draft(steps, cols)
             t += w0 + h + w1 * (n + 1) + min(1.0, e * switch) * (draft(f[4], f[5]) - t)

@@ -39,7 +39,7 @@ class EWLine:
     the line's value (one stall is not a trend); one may hold several points (a block's prefixes), 1 / n each."""
 
     def __init__(self, slope: float = 0.0) -> None:
-        self.slope, self.count = slope, 0
+        self.slope, self.count, self._fit = slope, 0, (None, (0.0, 0.0))  # fit()'s at (count, slope): read often
         self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
 
     def observe(self, x: float, y: float, first: float = float("inf")) -> None:
@@ -66,9 +66,11 @@ class EWLine:
         """(c, s): through the weighted means, s = (S_xy + s0 / 2) / (S_xx + 1 / 2) over the centred sums."""
         if not self.count:
             return 0.0, self.slope
-        mx, my = self.sx / self.sw, self.sy / self.sw
-        s = max(0.0, (self.sxy - self.sw * mx * my + self.slope / 2) / (self.spread + 0.5))
-        return max(0.0, my - s * mx), s
+        if self._fit[0] != (key := (self.count, self.slope)):
+            mx, my = self.sx / self.sw, self.sy / self.sw
+            s = max(0.0, (self.sxy - self.sw * mx * my + self.slope / 2) / (self.spread + 0.5))
+            self._fit = key, (max(0.0, my - s * mx), s)
+        return self._fit[1]
 
     def at(self, x: float) -> float:
         return (line := self.fit())[0] + line[1] * x
@@ -111,18 +113,18 @@ class RankAcceptance:
         b = len(BUCKETS) + 1
         self.reached = [[0.0] * MAX_BRANCH for _ in range(b)]
         self.accepted = [[0.0] * MAX_BRANCH for _ in range(b)]
-        self.seen = [0.0] * b
+        self.seen, self._mean = [0.0] * b, None  # mean_p_rank's (read every round; changed by tree rounds only)
 
     def decay(self) -> None:
         for rows in (self.reached, self.accepted):
             for row in rows:
                 row[:] = [x * ACCEPT_DECAY for x in row]
-        self.seen = [x * ACCEPT_DECAY for x in self.seen]
+        self.seen, self._mean = [x * ACCEPT_DECAY for x in self.seen], None
 
     def observe(self, bucket: int, children: int, accepted: int | None) -> None:
         """A node of class `bucket` the verdict's walk reached with `children` sent; `accepted`: the rank the path
         followed (None: all rejected)."""
-        self.seen[bucket] += 1.0
+        self.seen[bucket], self._mean = self.seen[bucket] + 1.0, None
         for r in range(min(children if accepted is None else accepted + 1, MAX_BRANCH)):
             self.reached[bucket][r] += 1.0
         if accepted is not None and accepted < MAX_BRANCH:
@@ -142,10 +144,11 @@ class RankAcceptance:
 
     def mean_p_rank(self) -> list[float]:
         """P_r averaged over the classes the accepted path met (uniform before any verdict)."""
-        total = sum(self.seen)
-        weights = [s / total if total else 1 / len(self.seen) for s in self.seen]
-        ranks = [self.p_rank(b) for b in range(len(self.seen))]
-        return [sum(w * p[r] for w, p in zip(weights, ranks)) for r in range(MAX_BRANCH)]
+        if self._mean is None:
+            total, ranks = sum(self.seen), [self.p_rank(b) for b in range(len(self.seen))]
+            weights = [s / total if total else 1 / len(self.seen) for s in self.seen]
+            self._mean = [sum(w * p[r] for w, p in zip(weights, ranks)) for r in range(MAX_BRANCH)]
+        return self._mean
 
 
 class EdgeEstimates:
@@ -192,8 +195,7 @@ class EdgeEstimates:
         if rows:
             self.rows.observe(rows)
         if forwards and not self.draft.known:  # the first forward (often a prompt's catch-up) sets no flat price:
-            columns, seconds = forwards[0]    # until widths vary, a forward costs in proportion to its columns
-            self.draft.slope = seconds / max(1, columns)
+            self.draft.slope = forwards[0][1] / max(1, forwards[0][0])  # until widths vary: as its columns
         for columns, seconds in forwards:
             self.draft.observe(columns, seconds)
 
@@ -218,13 +220,11 @@ class EdgeEstimates:
             if self.waits.count and not self.provisional:
                 return
             self.waits, self.widths, self.provisional = EWMean(), EWMean(), prefilled
-            if prefilled:
-                self.waits.observe(latency_s)
-                self.widths.observe(width)
-                return
-        self.latency.observe(width, latency_s)
         self.waits.observe(latency_s)
         self.widths.observe(width)
+        if prefilled:
+            return
+        self.latency.observe(width, latency_s)
         if width == 1:
             self.single.observe(latency_s)
         if hint is not None and hint.batch >= 1 and not hint.prefill:
@@ -266,10 +266,6 @@ class EdgeEstimates:
     def per_token(self) -> float:
         """A chain's draft token on the critical path, at the margin: the draft line's slope x forwards per token."""
         return self.draft_line()[1] * self.steps_per_token.value
-
-    def forwards(self, tokens: float) -> float:
-        """Draft forwards a chain round runs to cover `tokens` target tokens (the lookahead included; 0: none)."""
-        return self.steps.at(tokens) if tokens > 0 else 0.0
 
     def wait_line(self) -> tuple[float, float]:
         """(w0, w1): R + V = w0 + w1 (tokens + 1), seconds from sending a row of `tokens` draft tokens to its VERDICT:

@@ -92,11 +92,11 @@ def tree_table(p: tuple[float, ...], saved: int, depth: int | None,
     valuable node: the last one grown), the most valuable least node first. A candidate's E is
     1 + value x (E_chain(d) - 1) / spine: scaled so that a tree of one node per level has its chain's E (the
     positions' acceptance: one estimate of how deep drafts go, the ranks only add the side branches' share)."""
-    out = []
-    for d in [depth] if depth is not None else range(1, MAX_LEN + 1):  # not by `top`: a miss costs ~3 ms
-        if d < 1:
-            continue
-        totals, depths = static_tree(p, d, min(MAX_DRAFT, nodes or 4 * d))
+    out, big = [], ((), (MAX_DRAFT + 1,))  # the last tree grown (deepest first); a sentinel as deep as none can be
+    for d in [depth] if depth else [] if depth is not None else range(MAX_LEN, 0, -1):  # not by `top`: a miss costs
+        if max(big[1][:(grow := min(MAX_DRAFT, nodes or 4 * d))], default=0) > d:  # ~1 ms; a deeper tree's first
+            big = static_tree(p, d, grow)  # `grow` nodes within d levels are this one's (its heap popped the same)
+        totals, depths = big[0][:grow], big[1][:grow]
         spine = sum(p[0] ** k for k in range(1, d + 1))  # a path's value: what the chain's E(d) - 1 scales
         for n in sorted({min(nodes, len(totals))} if nodes else {math.ceil(f * d) for f in TREE_FILL}):
             if d < n <= len(totals) or nodes:
@@ -105,7 +105,7 @@ def tree_table(p: tuple[float, ...], saved: int, depth: int | None,
                 steps = len(w) - min(len(w), saved)
                 last = value - (totals[n - 2] if n > 1 else 0.0)
                 out.append((w, d, value / max(spine, 1e-9), n, steps, waited_columns(w, steps), spine, last))
-    return tuple(sorted(out, key=lambda row: -row[-1]))
+    return tuple(sorted(out, key=lambda row: (-row[-1], row[1], row[3])))  # ties: the shallower, the smaller first
 
 
 def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | None, nodes: int | None,

@@ -221,9 +221,9 @@ class DraftPolicy:
         floor = node_cost * max(e / max(t, 1e-12) for e, t in offered) if trees == "auto" else 0.0
         rows = [(w, e, t + catchup, *r) for w, e, t, *r in tree_rows(est, [e for e, _ in chains], top, depth, nodes,
                 floor, 1.0 if opens else fresh * (not after_tree))]  # an opening's tree: fresh, with its catch-up
+        if not rows:  # no tree at all (with `auto`: none reaches the floor): `auto` drafts its chain, `on` nothing
+            return None if trees == "auto" else TreeShape()
         rows = [(None, e, t, 1.0, 1.0) for e, t in offered] * (trees == "auto") + rows
-        if not rows:  # `on`, and no tree at all: a chain of nothing
-            return TreeShape()
         least = max(MIN_VALUE, floor or node_cost * max(e / max(t, 1e-12) for _, e, t, *_ in rows))  # `auto`: a
         # grown tree's higher rate must not filter out every tree (after a tree round chains won, after a chain trees)
         rows = [r for r in rows if r[3] >= least] or rows

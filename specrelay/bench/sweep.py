@@ -201,6 +201,11 @@ async def _sweep_link(args, endpoint: str, worker_ports: list[int], pids: list[i
     slices = [texts[i:i + args.sessions] for i in range(0, len(texts), args.sessions)]
     async with AsyncExitStack() as stack:
         edges = {}
+        # A throwaway edge takes the process's first drafts (torch's cold start), not the first measured edge's
+        # warm-up: without it the edge made first ran ahead of those made after it (docs/limits.md).
+        for c in [c for c in configs if c.d != 0][:1]:
+            async with EdgeWorker(endpoint, drafter, tokenizer, EdgeConfig(request_timeout_s=120.0)) as cold:
+                await run_sessions(cold, slices[0], _session_config(args, c), args.sessions)
         for c in configs:
             key = _edge_key(c)
             if key in edges:

@@ -1,0 +1,134 @@
+"""Why `--trees auto` drafts trees or not: runs a `specrelay bench sweep` with its edges in this process and logs, for
+every `--trees auto` shape() call, whether a tree reached the node floor and came out, beside the cloud's per-token
+slope c1 the edge priced it at (est.cloud: a tree's nodes and the floor are priced at it); and for every tree round
+its modelled tokens a call E, the pooled chain's E(d) at its depth, the spine's agreement and the path committed
+(where an overestimate of E comes from: the chain part or the side branches). Prints tables, writes JSON.
+
+    python scripts/tree_decisions.py -- sweep --no-plots --link 50ms --sessions 1 --draft-lens auto \\
+        --objectives balanced --trees compare --control --num-prompts 8 --max-new-tokens 48 --repeat 2
+
+`--slope-cap MS` reprices `--trees auto`'s shape() at a cloud slope of at most MS milliseconds a token (an
+experiment, not in the code: what the decisions would be if the edge knew the worker's marginal cost at a tree's
+width; `scripts/forward_widths.py` measures that cost, which is not a line in the tokens verified).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from specrelay.edge_worker import session
+from specrelay.edge_worker.policy import choose
+from specrelay.edge_worker.trees import rounds
+
+SHAPES: list[dict] = []
+TREES: list[dict] = []
+_LAST: dict = {}
+
+
+def _instrument(cap_s: float | None) -> None:
+    pick, tree_rows, shape = choose.pick, choose.tree_rows, choose.DraftPolicy.shape
+    count, request_for = rounds.TreeRounds._count, session.EdgeSession.request_for
+
+    def probed_pick(rows, objective):
+        best = pick(rows, objective)
+        _LAST["pick"] = rows[best]
+        return best
+
+    def probed_tree_rows(est, chain, *args, **kwargs):
+        out = tree_rows(est, chain, *args, **kwargs)
+        _LAST["chain"], _LAST["trees"] = list(chain), len(out)
+        return out
+
+    def probed_shape(self, remaining, trees, *args, **kwargs):
+        if trees != "auto":
+            return shape(self, remaining, trees, *args, **kwargs)
+        cloud, fit = self.edge.cloud, self.edge.cloud.fit
+        if cap_s is not None:
+            cloud.fit = lambda: (lambda f: (f[0], min(f[1], cap_s)))(fit())
+        _LAST.update(chain=None, trees=0, pick=None)
+        try:
+            out = shape(self, remaining, trees, *args, **kwargs)
+            c1 = cloud.fit()[1] if cloud.known else None
+        finally:
+            if cap_s is not None:
+                del cloud.fit  # the instance attribute: the class's fit again
+        tree = out is not None and bool(out.widths) and _LAST["chain"] is not None
+        SHAPES.append({"edge": id(self.edge), "c1_ms": None if c1 is None else 1000 * c1, "trees_over_floor":
+                       _LAST["trees"], "tree": tree})
+        self.probe_tree = None
+        if tree:
+            d = min(out.depth, len(_LAST["chain"]) - 1)
+            self.probe_tree = {"depth": out.depth, "nodes": out.nodes, "modelled_e": _LAST["pick"][0],
+                               "chain_e": _LAST["chain"][d]}
+        return out
+
+    def probed_request_for(self, block):
+        self.probe_tree = getattr(self.policy, "probe_tree", None)
+        return request_for(self, block)
+
+    def probed_count(self, block, tree, path):
+        decision = getattr(self.s, "probe_tree", None)
+        if decision is not None:
+            spine = rounds._spine(tree, set(block.nodes))
+            same = next((k for k, (u, p) in enumerate(zip(spine, path)) if u != p), min(len(spine), len(path)))
+            TREES.append(dict(decision, sent=len(block.nodes), committed=len(path) + 1, spine_committed=same + 1))
+        return count(self, block, tree, path)
+
+    choose.pick, choose.tree_rows, choose.DraftPolicy.shape = probed_pick, probed_tree_rows, probed_shape
+    rounds.TreeRounds._count, session.EdgeSession.request_for = probed_count, probed_request_for
+
+
+def _mean_se(xs: list[float]) -> list[float]:
+    if not xs:
+        return []
+    se = statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else 0.0
+    return [round(statistics.mean(xs), 3), round(se, 3)]
+
+
+def summary() -> dict:
+    bands = {}
+    for low, high in ((0.0, 0.4), (0.4, 0.6), (0.6, 0.8), (0.8, float("inf"))):
+        mine = [s for s in SHAPES if s["c1_ms"] is not None and low <= s["c1_ms"] < high]
+        bands[f"{low}-{high}"] = {"shape_calls": len(mine), "a_tree_over_the_floor": sum(s["trees_over_floor"] > 0
+                                  for s in mine), "tree_drafted": sum(s["tree"] for s in mine)}
+    over = {"total": [t["modelled_e"] - t["committed"] for t in TREES],
+            "chain_part": [t["chain_e"] - t["spine_committed"] for t in TREES],
+            "side_branches": [(t["modelled_e"] - t["chain_e"]) - (t["committed"] - t["spine_committed"])
+                              for t in TREES]}
+    return {"shape_calls": len(SHAPES), "trees_drafted": sum(s["tree"] for s in SHAPES), "by_c1_ms": bands,
+            "tree_rounds": len(TREES), "modelled_e": _mean_se([t["modelled_e"] for t in TREES]),
+            "committed": _mean_se([t["committed"] for t in TREES]),
+            "overestimate_mean_se": {k: _mean_se(v) for k, v in over.items()}, "rounds": TREES}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    ap.add_argument("--out", default="bench_results/tree_decisions.json")
+    ap.add_argument("--slope-cap", type=float, default=None, metavar="MS",
+                    help="reprice --trees auto at a cloud slope of at most MS ms a token (an experiment)")
+    ap.add_argument("bench", nargs=argparse.REMAINDER, help="-- then a `specrelay bench sweep` command line")
+    args = ap.parse_args()
+    argv = args.bench[1:] if args.bench[:1] == ["--"] else args.bench
+    if argv[:1] != ["sweep"]:
+        raise SystemExit("tree_decisions.py: give `-- sweep ... --trees auto|compare` (its edges run in-process)")
+    _instrument(None if args.slope_cap is None else args.slope_cap / 1000)
+    from specrelay.bench.cli import main as bench
+    bench(argv)
+    result = summary()
+    print(f"--trees auto: {result['shape_calls']} shape() calls, {result['trees_drafted']} trees drafted")
+    print("| cloud slope c1 (ms a token) | shape() calls | a tree over the floor | a tree drafted |")
+    print("|---|---|---|---|")
+    for band, row in result["by_c1_ms"].items():
+        print(f"| {band} | " + " | ".join(str(v) for v in row.values()) + " |")
+    print(f"tree rounds: {result['tree_rounds']}; modelled E {result['modelled_e']} against committed "
+          f"{result['committed']} (mean, standard error); overestimate {result['overestimate_mean_se']}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"-> {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -299,8 +299,9 @@ class CloudWorker(transport.Service):
                 self._stats.spec.record(len(item.msg.draft), reply.n_accepted)
                 if reply.seq % P.HINT_EVERY == 1 and started is not None:
                     wait = max(0.0, started - item.arrived)
+                    curve = self.verifier.curve_us if reply.seq % P.HINT_EVERY ** 2 == 1 else ()  # measured once: 1 in 16
                     reply.load = P.LoadHint(len(batch), width, int(forward * 1e6), int(wait * 1e6), tokens,
-                                            prefilled, self._utilisation.per_mille(), self.verifier.token_us)
+                                            prefilled, self._utilisation.per_mille(), self.verifier.token_us, curve)
         self._stats.batches += 1
         self._stats.batch_sizes[len(batch)] += 1
         self._stats.verify_requests += len(batch)

@@ -141,36 +141,37 @@ class Verifier:
         self.bitmaps = BitmapCache(runner.vocab_size, clock)  # shared-vocabulary masks by hash (bitmaps.py)
         self._grammar_vocab: TokenVocab | None = None  # `grammar_vocab`: about 1 s per 100k tokens, built once
         self._grammar_lock = threading.Lock()
-        self.token_us = round(1e6 * self.token_cost_s())  # the load hint's slope (edge_worker/policy)
+        curve = self.cost_curve()
+        self.curve_us = [round(1e6 * t) for t in curve]  # the load hint's curve and slope (edge_worker/policy)
+        w = P.CURVE_WIDTHS
+        self.token_us = round(1e6 * max(0.0, (curve[1] - curve[0]) / (w[1] - w[0]))) if curve else 0
 
-    def token_cost_s(self, width: int = 5, repeats: int = 5) -> float:
-        """Seconds one more verified token adds to a step: VERIFYs of `width` tokens against VERIFYs of 1 on a
-        scratch session (the packed forward, the output head and the acceptance rule of each row), medians of
-        `repeats` (the fastest: load from other processes only adds). Measured once, before READY: one session at one
-        width cannot teach the edge this slope. 0 where the difference drowns in the timer's noise (a tiny model)."""
-        key, ids = (b"", -1), selfcheck.probe(self.runner.vocab_size)[0]
-        try:
-            self.open(key, P.Open(0, ids[:8]))
-        except RequestError:  # a KV store too small for the scratch session: no slope to send (the edge's is flat)
-            return 0.0
+    def cost_curve(self, repeats: int = 3) -> list[float]:
+        """Seconds of a VERIFY of each of P.CURVE_WIDTHS tokens on a scratch session (the packed forward, the output
+        head and the acceptance rule of each row), the fastest of `repeats` after one (a shape's first forward is
+        slow; load from other processes only adds). Measured once, before READY: the edge's rows keep a few widths,
+        and on a CPU the cost is not a line in the tokens (docs/policy.md). [] where the store cannot hold it."""
+        key, probe, top = (b"", -1), selfcheck.probe(self.runner.vocab_size)[0], max(P.CURVE_WIDTHS)
+        ids = (probe * (1 + top // len(probe)))[:top + 8]
+        if top + 8 > self.max_context:
+            return []
         seq = 0
 
-        def timed(n: int) -> float:
+        def timed(n: int) -> float:  # the scratch session reopened on 8 tokens: each VERIFY after the same context
             nonlocal seq
+            self.open(key, P.Open(0, ids[:8]))
             seq += 1
-            request = P.Verify(0, seq, len(self.sessions[key].tokens), [], ids[:n - 1])
             t0 = time.perf_counter()
-            self.verify([(key, request)])
+            self.verify([(key, P.Verify(0, seq, 8, [], ids[8:8 + n - 1]))])
             return time.perf_counter() - t0
 
         try:
-            timed(1), timed(width)  # the prompt, then the first forward of the wide shape
-            one = min(timed(1) for _ in range(repeats))
-            wide = min(timed(width) for _ in range(repeats))
+            return [min(timed(n) for _ in range(1 + repeats)) for n in P.CURVE_WIDTHS]
+        except RequestError:  # a KV store too small for the scratch session: no curve to send (the edge's is a line)
+            return []
         finally:
             self.close(key)
             self.stats.update(forward_passes=0, prefill_tokens=0, forward_tokens=0)
-        return max(0.0, (wide - one) / (width - 1))
 
     # ------------------------------------------------------------------ session lifecycle
     def open(self, key: SessionKey, msg: P.Open) -> None:

@@ -175,6 +175,7 @@ class Verify(Base):
     q_rows: Annotated[list[QRow], msgspec.Meta(max_length=MAX_DRAFT // 2)] = []
 
 
+CURVE_WIDTHS = (1, 4, 16, 64)  # the row widths a worker's LoadHint.curve_us times (its VERIFY cost at each)
 HINT_EVERY = 4  # a worker attaches a LoadHint to a session's VERDICTs with seq % HINT_EVERY == 1 (1, 5, 9, ...)
 
 
@@ -184,8 +185,10 @@ class LoadHint(Base):
     how long the request waited for it, tokens = all the tokens it ran (every row's uncached context and draft,
     and prompt chunks), prefill = how many were prompt chunks, busy = the worker's recent share of wall time in
     forward passes, per mille (the price of a cloud call), token_us = what one more verified token adds to a
-    forward (measured by the worker at start: a slope the edge cannot learn while its rows keep one width). On
-    every HINT_EVERY-th VERDICT only."""
+    forward (measured by the worker at start: a slope the edge cannot learn while its rows keep one width), curve_us
+    = its VERIFY's microseconds at each of CURVE_WIDTHS tokens (at start too: on a CPU the cost is not a line, and a
+    tree's nodes reach widths one session's chains never show; measured once, so sent on 1 in HINT_EVERY hints only).
+    On every HINT_EVERY-th VERDICT only."""
 
     batch: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
     width: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
@@ -195,6 +198,7 @@ class LoadHint(Base):
     prefill: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
     busy: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 0
     token_us: Annotated[int, msgspec.Meta(ge=0, le=2**40)] = 0
+    curve_us: Annotated[tuple[Annotated[int, msgspec.Meta(ge=0, le=2**40)], ...], msgspec.Meta(max_length=8)] = ()
 
 
 class Verdict(Base):

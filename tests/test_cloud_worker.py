@@ -747,3 +747,24 @@ async def test_a_worker_with_no_broker_says_it_is_waiting_for_it(zctx, tiny_runn
             await worker.stop()
     assert all(e["endpoint"] == endpoint for e in logs if e["event"] == "waiting for the broker")
     assert not any(e["event"] == "broker lost; reconnecting" for e in logs)
+
+
+def test_the_worker_times_its_verify_at_each_curve_width_on_a_scratch_session(tiny_runners):
+    """The load hint's curve_us: at start the worker times VERIFYs of each of P.CURVE_WIDTHS tokens, each after the
+    same 8-token context (a scratch session reopened: a session grown by the measures would run out of context
+    before the widest), and leaves no session, KV span or forward count behind. On a CPU the cost is not a line in
+    the tokens (the demo target's path: 8.6 ms at 1, 13.1 at 5, 26.5 at 61), so one slope cannot stand for it."""
+    verifier, rows = Verifier(tiny_runners[0]), []
+    assert len(verifier.curve_us) == len(P.CURVE_WIDTHS) and all(us > 0 for us in verifier.curve_us)
+    verify = verifier.verify
+
+    def counted(batch):
+        rows.extend((req.pos, len(req.draft) + 1) for _, req in batch)
+        return verify(batch)
+
+    verifier.verify = counted
+    curve = verifier.cost_curve(repeats=2)
+    assert len(curve) == len(P.CURVE_WIDTHS) and all(t > 0 for t in curve)
+    assert rows == [(8, n) for n in P.CURVE_WIDTHS for _ in range(3)]  # one untimed, then the fastest of 2
+    assert not verifier.sessions and verifier.store.free_tokens == verifier.store.capacity
+    assert verifier.stats["forward_passes"] == 0

@@ -132,6 +132,7 @@ async def test_speculation_metrics_and_load_hints(zctx, linked, twin_drafter, ti
     # the worker's own measure of a verified token is timer noise on a tiny model (0 on a busy machine): a known
     # value shows that the hint carries it and the edge's cost line takes it as its slope
     worker.verifier.token_us = 4321
+    worker.verifier.curve_us = [1000, 2000, 2500, 4000]  # and of a VERIFY at each of P.CURVE_WIDTHS tokens
     async with (edge(zctx, endpoint, twin_drafter, tiny_runners[0].tokenizer) as running,
                 EdgeHealth(running, None, "127.0.0.1", 0) as health):
         results = await generate_all(running, [SessionConfig(max_new_tokens=16, draft_len=3)] * len(PROMPTS))
@@ -140,6 +141,7 @@ async def test_speculation_metrics_and_load_hints(zctx, linked, twin_drafter, ti
         assert ready.status == 200
         # VERDICTs carried the worker's load hint, with its measure of a verified token
         assert running.estimates.cloud.slope == 4321e-6
+        assert running.estimates.curve == pytest.approx([1e-3, 2e-3, 2.5e-3, 4e-3])
         assert running.estimates.draft.known and running.estimates.step() > 0  # the draft thread was timed
         assert running.estimates.handled[1].count and running.estimates.handled[1].value > 0  # and the edge's own time
     drafts = sum(s["cloud_calls"] for _, s in results)

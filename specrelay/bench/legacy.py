@@ -244,6 +244,8 @@ def bench_wire(args) -> dict:
         "VERDICT of a tree (+ the deepest accepted node)": size(P.Verdict(sid, 57, 3, 8001, node=5)),
         f"VERDICT + load hint (1 in {P.HINT_EVERY})": size(P.Verdict(sid, 57, 3, 8001,
                                                                      load=P.LoadHint(16, 5, 41000, 3000, 80, 0, 350, 777))),
+        f"VERDICT + load hint with the cost curve (1 in {P.HINT_EVERY ** 2})": size(P.Verdict(
+            sid, 57, 3, 8001, load=P.LoadHint(16, 5, 41000, 3000, 80, 0, 350, 777, [8600, 12400, 15200, 26500]))),
         "VERDICT srdv (4 candidates)": size(P.Verdict(sid, 57, 1, -1, candidates=ids(4), cand_p=f32([0.1] * 4))),
         "VERDICT hr (p on V_c: 2950 floats + θ_o)": size(P.Verdict(sid, 57, 1, -1, p=f32([0.0] * 2950), theta_o=0.1)),
         "VERDICT full (8192 floats)": size(P.Verdict(sid, 57, 1, -1, p=f32([0.0] * 8192))),

@@ -186,7 +186,7 @@ class EdgeSession:
         grammar = None if self.grammar is None else (self.grammar, tuple(self.generated))
         pen = c.penalties if self.drafter.penalises else None
         self._job = DraftJob(self.state, context, len(self.tokens), d, self.mode, c.params, c.seed, grammar=grammar,
-                             penalties=pen, prompt_len=len(self.prompt_ids))
+                             penalties=pen, prompt_len=len(self.prompt_ids), ranks=self.trees.on)
         rest = self.drafter.continue_job(self._job, self._reused.ids, d - n) if n else None
         if rest is None:  # nothing reused, or the draft cannot continue after the chain's tokens
             self._reused = DraftBlock()
@@ -317,6 +317,8 @@ class EdgeSession:
         if not block.ids and not match:  # a guess at d = 0 that missed: the draft rolls it back and realigns, so
             self._guessed = False        # the next block catches up first (not a clean round: not timed)
         self.policy.observe_block(len(block.ids), n, match, opening=self._prefilled)
+        if len(block.ranked) == len(block.ids) > 0 and v.next_token >= 0 and self.mode == Mode.GREEDY:
+            self.policy.edge.ranks.observe_chain(block.ranked[:n + 1], n, v.next_token)
         start = len(self.generated)
         self._commit(block.ids[:n])
         if v.next_token >= 0:

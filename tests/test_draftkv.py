@@ -296,3 +296,24 @@ async def queued_mid_batch(runner, batcher, first_job, second_job):
         return first, await second[0]
     finally:
         runner.model.forward = real
+
+
+def test_a_greedy_job_that_asks_keeps_each_positions_likeliest_ids(tiny_runners):
+    """`ranks` (a session that may draft trees): each drafted position keeps the draft's MAX_BRANCH likeliest ids,
+    its own token first, and its confidence class, through a pre-draft's continuation too (DraftBlock.part / +):
+    a greedy chain's rejection then shows which of them the target took (RankAcceptance.observe_chain)."""
+    from specrelay.edge_worker.trees.tree import BUCKETS, MAX_BRANCH
+
+    target, draft = tiny_runners
+    drafter = Drafter(draft, target.vocab_size)
+    context = draft.tokenizer("def add(a, b):\n").input_ids
+    asked, plain = (DraftJob(drafter.new_state(context), context, len(context), 5, Mode.GREEDY, SamplingParams(), 0,
+                             ranks=ranks) for ranks in (True, False))
+    (block,), (other,) = drafter.draft_batch([asked]), drafter.draft_batch([plain])
+    assert block.ids == other.ids and not other.ranked  # asking changes no draft
+    assert len(block.ranked) == len(block.ids) == 5
+    for x, (ids, bucket) in zip(block.ids, block.ranked):
+        assert ids[0] == x and len(set(ids)) == MAX_BRANCH and 0 <= bucket <= len(BUCKETS)
+    assert (block.part(0, 2) + block.part(2)).ranked == block.ranked
+    rest = drafter.continue_job(asked, block.ids[:2], 3)
+    assert rest.ranks

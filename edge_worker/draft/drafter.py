@@ -22,7 +22,7 @@ from ...common.rng import Purpose, gumbel, sample_index, uniform
 from ...common.runner import ModelRunner, common_prefix
 from ...common.sampling import SamplingParams, probs_from_logits
 from .kv import LockstepKV, SessionKV, Workspace
-from ..trees.tree import DraftTree, adopt
+from ..trees.tree import DraftTree, adopt, ranked
 from ..trees.drafter import TreeBlock, TreeJob, draft_trees
 
 
@@ -71,6 +71,7 @@ class DraftJob:
     grammar: tuple[Constraint, tuple[int, ...]] | None = None  # the session's constraint, its generated tokens
     penalties: Penalties | None = None  # applied to the draft's logits, as the cloud applies them to the target's
     prompt_len: int = 0                 # where the generated tokens start in `context` (the penalties' counts)
+    ranks: bool = False                 # greedy: keep each position's likeliest ids (DraftBlock.ranked, for trees)
 
 
 @dataclass
@@ -82,13 +83,17 @@ class DraftBlock:
     formed: list[int] = field(default_factory=list)           # target tokens their text held after each of them
     steps: int = 0  # draft-model forwards of the lockstep batch that drafted it (what its session waited for)
     behind_trees: bool = False  # the draft thread ran tree work (a tree batch, a tree pre-draft) while it waited
+    ranked: list[tuple[list[int], int]] = field(default_factory=list)  # per token: the draft's likeliest ids there
+    # and their confidence class (a greedy job that asked, `ranks`: the chains teach a tree's rank acceptance)
 
     def part(self, start: int, stop: int | None = None) -> "DraftBlock":
         """Tokens start..stop-1 with their q' (q lists are empty outside sample mode)."""
-        return DraftBlock(self.ids[start:stop], self.q_tok[start:stop], self.q_rows[start:stop])
+        return DraftBlock(self.ids[start:stop], self.q_tok[start:stop], self.q_rows[start:stop],
+                          ranked=self.ranked[start:stop])
 
     def __add__(self, other: "DraftBlock") -> "DraftBlock":
-        return DraftBlock(self.ids + other.ids, self.q_tok + other.q_tok, self.q_rows + other.q_rows)
+        return DraftBlock(self.ids + other.ids, self.q_tok + other.q_tok, self.q_rows + other.q_rows,
+                          ranked=self.ranked + other.ranked)
 
 
 class Drafter:
@@ -131,7 +136,7 @@ class Drafter:
         if context is None:
             return None
         return DraftJob(job.state, context, job.position + len(ids), d, job.mode, job.params, job.seed,
-                        job.unverified + tuple(ids), job.grammar, job.penalties, job.prompt_len)
+                        job.unverified + tuple(ids), job.grammar, job.penalties, job.prompt_len, job.ranks)
 
     def open_vocab(self, resend: bool = False) -> tuple[bytes, bytes]:
         """(shared_vocab, shared_vocab_hash) for an OPEN: one vocabulary, so neither."""
@@ -159,7 +164,10 @@ class Drafter:
         if job.grammar is not None:  # after the penalties, as the cloud masks its penalised rows
             logits = self._constrained(logits, job, block)
         if job.mode == Mode.GREEDY:
-            return int(self.to_target(torch.softmax(logits.float(), -1)).argmax())
+            q = self.to_target(torch.softmax(logits.float(), -1))
+            if job.ranks:
+                block.ranked.append(ranked(q))
+            return int(q.argmax())
         q = self.to_target(probs_from_logits(logits, job.params))  # [V_target] q'
         if job.mode == Mode.COUPLED:  # argmax(log q' + g) with the noise the target will use
             return int((q.double().log() + gumbel(job.seed, pos, q.shape[0])).argmax())

@@ -31,6 +31,14 @@ def bucket_of(q: torch.Tensor) -> int:  # q: [V] the draft's probabilities after
     return bisect_right(BUCKETS, float(top[0] / top[1].clamp(min=1e-30)))
 
 
+def ranked(q: torch.Tensor) -> tuple[list[int], int]:  # q: [V] the draft's probabilities at a chain's position
+    """The MAX_BRANCH likeliest ids, likeliest first, and the confidence class: what a tree node there would have
+    had as children (a chain's rejection shows which of them the target took: RankAcceptance.observe_chain)."""
+    top = q.topk(min(MAX_BRANCH, q.shape[-1]))
+    v = top.values.double()
+    return top.indices.tolist(), bisect_right(BUCKETS, float(v[0] / v[1].clamp(min=1e-30))) if len(v) > 1 else 0
+
+
 @dataclass(frozen=True)
 class TreeShape:
     """widths[k - 1]: nodes at depth k. A chain of d: widths (1,) * d. min_value: a node less likely than this to

@@ -26,8 +26,7 @@ MIN_VALUE = 0.01       # a draft token (a chain's, a tree node) less likely than
 
 def pick(rows: list[tuple[float, float]], objective: Objective) -> int:
     """The one objective rule, for chains and trees: of the candidates (E, T) whose rate E / T is within the
-    objective's tolerance of the best, the one with the most tokens per call E (ties: the first, so order the
-    candidates cheapest first). speed's tolerance is 0: its argmax."""
+    objective's tolerance of the best, the most tokens per call E (ties: the first; order them cheapest first)."""
     rates = [e / max(t, 1e-12) for e, t in rows]
     floor = (1 - TOLERANCE[objective]) * max(rates) * (1 - 1e-9)
     return max((i for i, r in enumerate(rates) if r >= floor), key=lambda i: (rows[i][0], -i))
@@ -37,9 +36,8 @@ def chain_rows(est: EdgeEstimates, a: list[float], top: int, cut: bool = True,
                switch: float = 0.0) -> list[tuple[float, float]]:
     """(E(d), T(d)) for d = 0..top at acceptance a_0..a_top: E(d) = sum_{k<=d} P_k with P_k = prod_{j<k} a_j;
     T(d) = D(F(d + lookahead less the pre-drafted start: P_{d+1} x what fits the wait, x 1 - `switch` x E(d))) + R +
-    V(d) + H, F the draft forwards that many target tokens take (est.steps), D(n) the measured wait for n fresh
-    forwards (est.draft_line: a part per round, one per forward; 0: none). `switch`: after a tree round, 1 / tokens
-    left (nothing was pre-drafted: a fresh chain's extra time is paid once, as a tree's after a chain round)."""
+    V(d) + H (F: est.steps, D: est.draft_line). `switch`: after a tree round, 1 / tokens left (nothing was
+    pre-drafted: a fresh chain's extra time is paid once)."""
     rows, e, p, line, h = [(1.0, est.wait(0) + est.handled[0].value)], 1.0, a[0], est.draft_line(), est.handled[1].value
     share = PREDRAFT_SHARE / max(est.per_token(), 1e-12) if est.predraft and est.draft.known else 0.0
     (f0, f1), (w0, w1), ahead = est.steps.fit(), est.wait_line(), est.lookahead  # F(x) = f0 + f1 x (x > 0 tokens)
@@ -89,9 +87,8 @@ def tree_table(p: tuple[float, ...], saved: int, depth: int | None,
                nodes: int | None) -> tuple[tuple[tuple[int, ...], int, float, int, int, int, float, float], ...]:
     """The tree candidates at rank chances p (what tree_rows prices, less the estimates that change every round):
     (widths, depth d, value / spine, nodes, level forwards waited for, their columns, spine, the value of its least
-    valuable node: the last one grown), the most valuable least node first. A candidate's E is
-    1 + value x (E_chain(d) - 1) / spine: scaled so that a tree of one node per level has its chain's E (the
-    positions' acceptance: one estimate of how deep drafts go, the ranks only add the side branches' share)."""
+    valuable node: the last one grown), the most valuable least node first. A candidate's E is 1 + value x
+    (E_chain(d) - 1) / spine: a tree of one node per level has its chain's E (the ranks add the side branches)."""
     out, big = [], ((), (MAX_DRAFT + 1,))  # the last tree grown (deepest first); a sentinel as deep as none can be
     for d in [depth] if depth else [] if depth is not None else range(MAX_LEN, 0, -1):  # not by `top`: a miss costs
         if max(big[1][:(grow := min(MAX_DRAFT, nodes or 4 * d))], default=0) > d:  # ~1 ms; a deeper tree's first
@@ -112,10 +109,9 @@ def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | Non
               floor: float = 0.0, switch: float = 0.0) -> list[tuple[tuple[int, ...], float, float, float, float]]:
     """(widths, E, T, its least node's value x scale, scale) of the candidates where that is `floor` or more (scale:
     E(d) - 1, `chain` the chains' E(d), over a path's value at the rank chances). T(S): the wait for the level forwards
-    a pre-draft did not do (a level's: each session's of the lockstep batch) at the tree rounds' measured line against
-    their compute, the others' chain jobs' wait behind them (est.blocking), then R + V over its nodes and H; plus
-    `switch` x E of a fresh tree's extra time (f: none pre-drafted, as after a chain round: 1 / tokens left)."""
-    p = tuple(round(x, 2) for x in est.ranks.mean_p_rank())  # to the percent: the tables' cache hits
+    not pre-drafted (est.tree_line), the others' chain jobs' wait behind them, R + V (its spine as its chain, its side
+    nodes: est.more_wait), H; plus `switch` x E of a fresh tree's extra time (after a chain round: 1 / tokens left)."""
+    p = est.ranks.key()  # to the percent: the tables' cache hits
     spines = accumulate(p[0] ** k for k in range(1, top + 1))  # a path's value per depth, as tree_table's
     out, bound = [], max(((e - 1.0) / max(v, 1e-9) for e, v in zip(chain[1:], spines)), default=0.0)  # the most scale
     if not nodes and list(p) == sorted(p, reverse=True) and (p[1] + 1e-12) * bound < floor:  # more nodes than
@@ -132,7 +128,8 @@ def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | Non
             break
         if d <= top and last * (scale := (chain[d] - 1.0) / max(spine, 1e-9)) >= floor:
             e, t = 1.0 + r * (chain[d] - 1.0), draft(steps, cols)
-            t += w0 + h + w1 * (n + 1) + min(1.0, e * switch) * (draft(f[4], f[5]) - t)
+            k = len(w)  # its chain of k nodes at the wait line, the side nodes on the worker's curve past it
+            t += w0 + h + w1 * (k + 1) + est.more_wait(k + 1, n - k) + min(1.0, e * switch) * (draft(f[4], f[5]) - t)
             out.append((w, e, t, last * scale, scale))
     return out
 
@@ -157,13 +154,11 @@ class DraftPolicy:
         return self.own.rates(n, self.rates(n))
 
     def choose(self, remaining: int, explore: bool = True, stretch: int = 0, opening: bool = False) -> int:
-        """The chain length d in 0..min(MAX_LEN, remaining - 1): fixed; when exploring is due (EXPLORE_SHARE; not when
-        `explore` is False: a pre-draft asks), d = 1, or d = 0 and `guessing` where the pre-draft can guess the next
-        token (its catch-up in the wait's shadow), then one round at the fastest d > 0 (`timing`: the draft caught up,
-        its wait is a clean round's); else the objective's pick at its own rates (whether: the pooled rates' until its
+        """The chain length d in 0..min(MAX_LEN, remaining - 1): fixed; when exploring is due (EXPLORE_SHARE; not for
+        a pre-draft), d = 1, or d = 0 and `guessing` where the pre-draft can guess the next token, then one round at
+        the fastest d > 0 (`timing`); else the objective's pick at its own rates (whether: the pooled rates' until its
         own samples weigh PRIOR_WEIGHT), but d = 0 once in 1 / EXPLORE_SHARE drafting rounds while the worker's cost
-        line has seen one width only. `stretch`: target tokens the draft has not seen; `opening`: the block after the
-        prompt (_chains, as is the next one after an opening at d = 0)."""
+        line has seen one width only. `stretch`: target tokens the draft has not seen; `opening`: see _chains."""
         top = max(0, min(MAX_LEN, remaining - 1))
         if self.fixed is not None:
             return min(self.fixed, top)
@@ -193,9 +188,8 @@ class DraftPolicy:
         return d
 
     def _chains(self, top: int, stretch: int = 0, switch: float = 0.0, cut: bool = True) -> tuple[list, float]:
-        """(E, T) of chains d = 0..top at the pooled rates (chain_rows' `switch`), and a drafting block's catch-up: with
-        `stretch`, the block after the prompt's, at the openings' own acceptance (shrunk toward the pooled rates), the
-        catch-up on the prompt's `stretch` target tokens added (d = 0 pays none: a pre-draft runs it in the wait)."""
+        """(E, T) of chains d = 0..top at the pooled rates, and a drafting block's catch-up: with `stretch`, the block
+        after the prompt's, at the openings' acceptance, plus the catch-up on `stretch` tokens (d = 0: none)."""
         a, est = self.rates(top + 1), self.edge
         catchup = est.step(stretch * est.steps_per_token.value) if stretch else 0.0
         rows = chain_rows(est, est.opening.rates(top + 1, a) if stretch else a, top, cut, switch)
@@ -204,8 +198,7 @@ class DraftPolicy:
     def shape(self, remaining: int, trees: str, depth: int | None, nodes: int | None, after_tree: bool = True,
               opening: bool = False, stretch: int = 0) -> TreeShape | None:
         """The tree to draft (`--trees on|auto`): the objective's pick over trees and, with `auto`, chains (None: a
-        chain wins). depth / nodes: fixed by the caller; `after_tree` False: no tree pre-draft saved a level; a block
-        after the prompt (`opening`, DraftPolicy.second) priced as choose prices it (`stretch`: its catch-up)."""
+        chain wins). `after_tree` False: no tree pre-draft saved a level; an `opening` priced as choose prices it."""
         top, est = max(0, min(MAX_LEN, remaining - 1)), self.edge
         opens = (opening or self.second) and stretch > 0 and est.waits.count > 0 and not est.provisional  # as
         if trees == "auto" and (opening or self.second) and not opens:  # choose prices it, once a verify is measured
@@ -213,8 +206,8 @@ class DraftPolicy:
         fresh = 1 / max(1, remaining)  # a switch's fresh drafts, once: a tree's after a chain, a chain's after a tree
         chains, catchup = self._chains(top, stretch * opens, fresh * after_tree, depth is None)  # pooled (policy.md)
         top = len(chains) - 1  # no deeper than the longest chain worth drafting (MIN_VALUE)
-        c1 = est.cloud.fit()[1] if est.cloud.known else 0.0  # one more node's seconds: its verify and its draft
-        node_cost = c1 * est.batch.value + est.draft.fit()[1] * est.rows.value
+        c1 = est.cloud.fit()[1] * est.batch.value if est.cloud.known else 0.0  # one more node's seconds: its verify
+        node_cost = (est.more_wait(top + 1, 1) if est.curve else c1) + est.draft.fit()[1] * est.rows.value  # and draft
         offered = chains if depth is None else chains[min(depth, top):min(depth, top) + 1]  # the chains `auto` weighs
         # a node worth less than its seconds at the best rate is not drafted: a tree whose least node is under it
         # would go out smaller than priced (trees of 3-4 nodes went out as chains of 2-3); `auto`: chains' best rate
@@ -238,8 +231,7 @@ class DraftPolicy:
     def observe_block(self, d: int, n: int, bonus_match: bool | None = None, opening: bool = False) -> None:
         """A VERDICT on a block of d drafts (n accepted; the pre-drafted guess's match after a full block).
         `opening`: the block right after the prompt, counted apart, and so is the next one after an opening at d = 0
-        (a prompt may end where the target's tokenizer never stops; demo pair's draft: 3 %, one token on 10 %, 68 %
-        later; counted, a wave of fresh sessions took the edge to d = 0, and a session rested on a sure rejection)."""
+        (a prompt may end where the target's tokenizer never stops: docs/policy.md)."""
         if opening or self.second:  # counted apart: what the next opening (and the block after one at d = 0) is
             self.second = opening and not d  # priced at
             if d > 0 or bonus_match is not None:
@@ -257,8 +249,7 @@ class DraftPolicy:
                       steps: int = 0, catchup: bool = False, prefilled: bool = False,
                       tree: TreeShape | None = None, handled_s: float | None = None) -> None:
         """The round's timings: `draft_s` the wait for its chain's (or `tree`'s) `steps` fresh forwards (None: not
-        timed), `catchup` whether they first caught the draft up on a stretch it had not seen (exploring's cost),
-        `prefilled` whether the worker ran the prompt before verifying, `handled_s` the edge's own time besides."""
+        timed; `catchup`: they first caught up on a stretch), `handled_s` the edge's own time besides."""
         self.edge.observe_round(width, latency_s, hint, prefilled)
         if handled_s is not None:
             self.edge.handled[width > 1].observe(handled_s)

@@ -3,7 +3,9 @@ chains and trees. Pure: numbers in, numbers out; no clocks, no sockets."""
 
 from __future__ import annotations
 
-from ...common.protocol import LoadHint
+from bisect import bisect_left
+
+from ...common.protocol import CURVE_WIDTHS, LoadHint
 
 from ..trees.tree import BUCKETS, MAX_BRANCH
 
@@ -35,8 +37,7 @@ class EWMean:
 
 class EWLine:
     """y = c + s * x by exponentially weighted least squares, its slope shrunk toward `slope` (a prior worth one unit
-    of x's variance; 0, flat, when none is known). The first observation's y is at most `first`, each later one CLIP x
-    the line's value (one stall is not a trend); one may hold several points (a block's prefixes), 1 / n each."""
+    of x's variance); y at most `first`, then CLIP x the line; an observation of n points weighs 1 / n each."""
 
     def __init__(self, slope: float = 0.0) -> None:
         self.slope, self.count, self._fit = slope, 0, (None, (0.0, 0.0))  # fit()'s at (count, slope): read often
@@ -93,9 +94,8 @@ class AcceptanceCounts:
             self.accepted[j] += float(j < n or bool(bonus_match))
 
     def rates(self, n: int, prior: list[float] | None = None) -> list[float]:
-        """a_0..a_{n-1}: each position's counts shrunk (worth PRIOR_WEIGHT rounds) toward the rate of the one before
-        (the first toward PRIOR_ACCEPT), or toward the `prior`'s less the share the last measured position fell short
-        of it: a session the draft knows badly is not assumed to get better where the pooled rates do."""
+        """a_0..a_{n-1}: each position's counts shrunk (worth PRIOR_WEIGHT rounds) toward the one before's (the first
+        toward PRIOR_ACCEPT), or toward the `prior`'s less the share the last measured position fell short of it."""
         out, before, scale = [], PRIOR_ACCEPT, 1.0
         for j in range(n):
             r, a = (self.reached[j], self.accepted[j]) if j < len(self.reached) else (0.0, 0.0)
@@ -113,7 +113,8 @@ class RankAcceptance:
         b = len(BUCKETS) + 1
         self.reached = [[0.0] * MAX_BRANCH for _ in range(b)]
         self.accepted = [[0.0] * MAX_BRANCH for _ in range(b)]
-        self.seen, self._mean = [0.0] * b, None  # mean_p_rank's (read every round; changed by tree rounds only)
+        self.seen, self._mean = [0.0] * b, None  # mean_p_rank's (read every round)
+        self._key: tuple[float, ...] | None = None  # key()'s
 
     def decay(self) -> None:
         for rows in (self.reached, self.accepted):
@@ -130,6 +131,14 @@ class RankAcceptance:
         if accepted is not None and accepted < MAX_BRANCH:
             self.accepted[bucket][accepted] += 1.0
 
+    def observe_chain(self, ranked: list[tuple[list[int], int]], n: int, target: int) -> None:
+        """A greedy chain's verdict (its positions' DraftBlock.ranked, n accepted, `target` the target's token at n):
+        what tree nodes there would have shown, every round (trees taken rarely would learn little alone)."""
+        self.decay()
+        for j, (ids, bucket) in enumerate(ranked[:n + 1]):
+            taken = 0 if j < n else ids.index(target) if target in ids else None  # rejected: which candidate, if any
+            self.observe(bucket, 1 if j < n else MAX_BRANCH, taken)
+
     def p_rank(self, bucket: int, n: int = MAX_BRANCH) -> list[float]:
         """P_0..P_{n-1}: the chance the target's token is a class-`bucket` node's r-th candidate (past the counted
         ranks, the last one's acceptance)."""
@@ -142,6 +151,14 @@ class RankAcceptance:
             miss *= 1.0 - a
         return out
 
+    def key(self) -> tuple[float, ...]:
+        """mean_p_rank to the percent, held while no chance moves a percent from it: the tree tables' cache key (a
+        miss costs ~1.6 ms, and chains move the chances a little every round: at a rounding edge, every round)."""
+        p = self.mean_p_rank()
+        if self._key is None or max(abs(a - b) for a, b in zip(p, self._key)) > 0.01:
+            self._key = tuple(round(x, 2) for x in p)
+        return self._key
+
     def mean_p_rank(self) -> list[float]:
         """P_r averaged over the classes the accepted path met (uniform before any verdict)."""
         if self._mean is None:
@@ -152,9 +169,8 @@ class RankAcceptance:
 
 
 class EdgeEstimates:
-    """What every session of an edge shares: pooled acceptance per position and per rank, the draft's cost per
-    forward against its columns, the cloud's cost per verify against its tokens, the link's round trip. With
-    nothing timed (the in-process reference) the costs are unit-free defaults, so choices are deterministic."""
+    """What every session of an edge shares: pooled acceptance per position and rank, the draft's and the cloud's
+    costs, the link's round trip. Untimed (the in-process reference): unit-free defaults, deterministic choices."""
 
     def __init__(self, predraft: bool = False) -> None:
         self.predraft = predraft
@@ -162,21 +178,18 @@ class EdgeEstimates:
         self.opening = AcceptanceCounts()     # the blocks right after a prompt, apart (DraftPolicy.observe_block)
         self.draft = EWLine()                 # seconds per draft forward vs its columns (rows x new tokens)
         self.rows = EWMean(1.0)               # sessions per lockstep draft forward (one column each per step)
-        self.cloud = EWLine()                 # the worker's forward, seconds vs its tokens (no prompt's; prior slope:
-                                              # the worker's token_us: one session's one row width teaches no slope)
+        self.cloud = EWLine()                 # the worker's forward, seconds vs its tokens (prior slope: token_us)
+        self.curve: list[float] = []          # its VERIFY's seconds at CURVE_WIDTHS tokens (a hint's curve_us)
         self.batch = EWMean(1.0)              # rows per worker forward
         self.queue_share = EWMean(clip=float("inf"))  # a VERIFY's wait at the worker over the worker's forward
                                               # (each at most CLIP: a backlog of forwards is not a trend)
         self.latency = EWLine()               # seconds from VERIFY to VERDICT vs our row (its slope: no hints)
-        self.waits, self.widths = EWMean(), EWMean()  # that latency and the row's tokens, means: the wait line's
-                                              # anchor (the link, the worker's queue and forward as they are now)
+        self.waits, self.widths = EWMean(), EWMean()  # that latency and the row's tokens: the wait line's anchor
         self.provisional = False              # the anchor is a round that also ran its prompt (nothing else yet)
         self.single = EWMean()                # the wait of a row of 1 (a round at d = 0): the line's low end
         self.steps_per_token = EWMean(1.0)    # draft forwards per target token (a cross-vocabulary draft: > 1)
-        self.steps = EWLine(1.0)              # draft forwards vs a block's target tokens: across vocabularies a
-                                              # round pays ~1 forward to align (prior slope: steps_per_token)
-        self.waited = EWLine()                # a chain round's wait for its draft vs its fresh forwards: a part per
-                                              # round (the loop, other sessions' batches) and one per forward
+        self.steps = EWLine(1.0)              # draft forwards vs a block's target tokens (across vocabularies)
+        self.waited = EWLine()                # a chain round's wait for its draft vs its fresh forwards
         self.explore_s = EWMean()             # the draft wait of a round exploring from d = 0 (its catch-up)
         self.drafting = 0                     # rounds at d > 0 (any session's) since the last one at d = 0
         self.tree_saved = EWMean(clip=float("inf"))  # levels a tree pre-draft had grown at the VERDICT (a count)
@@ -187,9 +200,8 @@ class EdgeEstimates:
 
     # ---------------------------------------------------------------- what the shell measured
     def observe_draft(self, rows: float, forwards: list[tuple[int, float]], others: float | None = None) -> None:
-        """The draft thread ran a lockstep batch of `rows` sessions per forward on average (0: a pre-draft chunk)
-        and its forwards, each (columns, seconds): a forward that first caught a session up on a long stretch is a
-        wide one, not a dear step; `others`: the chain jobs a second that came in meanwhile (None: a pre-draft)."""
+        """The draft thread ran a lockstep batch of `rows` sessions per forward on average (0: a pre-draft chunk), its
+        forwards (columns, seconds: a catch-up is a wide forward), `others` chain jobs a second meanwhile (None)."""
         if others is not None:
             self.others.observe(others)
         if rows:
@@ -200,8 +212,7 @@ class EdgeEstimates:
             self.draft.observe(columns, seconds)
 
     def observe_block_steps(self, points: list[tuple[int, int]], timed: bool = True) -> None:
-        """A cross-vocabulary block's (target tokens, draft forwards until its text held them), the last its own:
-        short blocks priced by measured prefixes; `timed` False: it first caught up on a stretch not seen."""
+        """A cross-vocabulary block's (target tokens, draft forwards until its text held them) per prefix (`timed`)."""
         self.lookahead = 1
         if timed:
             self.steps_per_token.observe(points[-1][1] / points[-1][0])
@@ -209,11 +220,12 @@ class EdgeEstimates:
             self.steps.observe_points(points)
 
     def observe_round(self, width: int, latency_s: float, hint: LoadHint | None, prefilled: bool = False) -> None:
-        """One VERIFY round: `width` = our row's tokens, `latency_s` from sending it to its VERDICT, the worker's
-        hint; `prefilled`: the worker ran the session's prompt first (its time is not a verify's: it stands in for
-        one only until a round without a prompt is measured)."""
+        """One VERIFY round: our row's `width` tokens, `latency_s` to its VERDICT, the worker's hint; `prefilled`: the
+        worker ran the prompt first (it stands in for a verify only until one without a prompt is measured)."""
         if hint is not None and hint.token_us:
             self.cloud.slope = hint.token_us * 1e-6
+        if hint is not None and len(hint.curve_us) == len(CURVE_WIDTHS):
+            self.curve = [us * 1e-6 for us in hint.curve_us]
         if hint is not None and hint.batch >= 1:  # rows per worker forward: a round that ran its prompt shows it too
             self.batch.observe(hint.batch)
         if prefilled or self.provisional:
@@ -254,8 +266,7 @@ class EdgeEstimates:
         return _at_least(self.tree_waited, 1.0) if self.tree_waited.known else (0.0, 1.0)
 
     def blocking(self, seconds: float) -> float:
-        """Seconds other sessions' chain jobs wait behind a tree batch of `seconds` (they join a chain's, not a tree's):
-        arrivals at `others` a second (as into any draft batch: 0 alone), each waiting the rest, half on average."""
+        """Seconds the chain jobs of others wait behind a tree batch of `seconds` (`others` a second, half each)."""
         return self.others.value * seconds * seconds / 2
 
     def draft_line(self) -> tuple[float, float]:
@@ -268,14 +279,24 @@ class EdgeEstimates:
         return self.draft_line()[1] * self.steps_per_token.value
 
     def wait_line(self) -> tuple[float, float]:
-        """(w0, w1): R + V = w0 + w1 (tokens + 1), seconds from sending a row of `tokens` draft tokens to its VERDICT:
-        the mean wait at the mean row, per token (1 + q) c1 B more (the worker's forward and the wait for the one
-        ahead, q of one, as every row of its batch drafts one more; without hints, the latency line's slope)."""
+        """(w0, w1): R + V = w0 + w1 (tokens + 1), seconds from sending a row of `tokens` drafts to its VERDICT: the
+        mean wait at the mean row, (1 + q) c1 B a token more (every row of the batch one more; no hints: latency's)."""
         if not self.waits.count:  # 1 / DRAFT_PRIOR draft forwards (in-process: in units of one)
             return (self.step() if self.draft.known else 1.0) / DRAFT_PRIOR, 0.0
         slope = (1 + self.queue_share.value) * self.cloud.fit()[1] * self.batch.value \
             if self.cloud.known or self.cloud.slope else self.latency.fit()[1]
         return max(0.0, self.waits.value - slope * self.widths.value), slope
+
+    def more_wait(self, tokens: int, more: int) -> float:
+        """Seconds `more` tokens past a row of `tokens` add to its wait, every row of the batch as much (wait_line's
+        slope), on the worker's curve where it sent one (piecewise linear, at its last slope past its end; >= 0)."""
+        if not self.curve or more <= 0:
+            return self.wait_line()[1] * max(0, more)
+        cost, w = [], CURVE_WIDTHS
+        for x in (self.batch.value * tokens, self.batch.value * (tokens + more)):  # the forward's tokens
+            k = min(max(1, bisect_left(w, x)), len(w) - 1)
+            cost.append(self.curve[k - 1] + (self.curve[k] - self.curve[k - 1]) * (x - w[k - 1]) / (w[k] - w[k - 1]))
+        return (1 + self.queue_share.value) * max(0.0, cost[1] - cost[0])
 
     def wait(self, tokens: int) -> float:
         """The line at `tokens`; at d = 0 at most a row of 1's own wait while our rows are the worker's only ones (a

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from pathlib import Path
 
 from specrelay.edge_worker import session
@@ -25,12 +26,15 @@ from specrelay.edge_worker.trees import rounds
 
 SHAPES: list[dict] = []
 TREES: list[dict] = []
+ROUNDS: list[dict] = []  # every round after an `auto` shape() call: its modelled (E, T) against its measured seconds
 _LAST: dict = {}
+AUTO: set[int] = set()  # the `--trees auto` edges' estimates (id): every other edge's rounds are the chain policy's
 
 
 def _instrument(cap_s: float | None) -> None:
     pick, tree_rows, shape = choose.pick, choose.tree_rows, choose.DraftPolicy.shape
     count, request_for = rounds.TreeRounds._count, session.EdgeSession.request_for
+    observe_round = choose.DraftPolicy.observe_round
 
     def probed_pick(rows, objective):
         best = pick(rows, objective)
@@ -49,16 +53,19 @@ def _instrument(cap_s: float | None) -> None:
         if cap_s is not None:
             cloud.fit = lambda: (lambda f: (f[0], min(f[1], cap_s)))(fit())
         _LAST.update(chain=None, trees=0, pick=None)
+        AUTO.add(id(self.edge))
+        t0 = time.perf_counter()
         try:
             out = shape(self, remaining, trees, *args, **kwargs)
+            spent = time.perf_counter() - t0
             c1 = cloud.fit()[1] if cloud.known else None
         finally:
             if cap_s is not None:
                 del cloud.fit  # the instance attribute: the class's fit again
         tree = out is not None and bool(out.widths) and _LAST["chain"] is not None
         SHAPES.append({"edge": id(self.edge), "c1_ms": None if c1 is None else 1000 * c1, "trees_over_floor":
-                       _LAST["trees"], "tree": tree})
-        self.probe_tree = None
+                       _LAST["trees"], "tree": tree, "ms": 1000 * spent})
+        self.probe_tree, self.probe_pick = None, (tree, _LAST["pick"], out.nodes if tree else 0)
         if tree:
             d = min(out.depth, len(_LAST["chain"]) - 1)
             self.probe_tree = {"depth": out.depth, "nodes": out.nodes, "modelled_e": _LAST["pick"][0],
@@ -77,7 +84,22 @@ def _instrument(cap_s: float | None) -> None:
             TREES.append(dict(decision, sent=len(block.nodes), committed=len(path) + 1, spine_committed=same + 1))
         return count(self, block, tree, path)
 
+    def probed_observe_round(self, width, latency_s, hint, draft_s, *args, **kwargs):
+        tree, picked, nodes = getattr(self, "probe_pick", (None, None, 0))
+        self.probe_pick = (None, None, 0)
+        prefilled = args[2] if len(args) > 2 else kwargs.get("prefilled")
+        if picked is None and not prefilled and id(self.edge) not in AUTO:  # the chain policy's own rounds
+            ROUNDS.append({"tree": None, "edge": id(self.edge), "width": width, "nodes": 0, "modelled_t_ms": 0.0,
+                           "draft_ms": 1000 * (draft_s or 0.0), "wait_ms": 1000 * latency_s,
+                           "handled_ms": 1000 * (kwargs.get("handled_s") or 0.0)})
+        if picked is not None and not prefilled:
+            ROUNDS.append({"tree": tree, "width": width, "nodes": nodes, "modelled_t_ms": 1000 * picked[1],
+                           "draft_ms": 1000 * (draft_s or 0.0), "wait_ms": 1000 * latency_s,
+                           "handled_ms": 1000 * (kwargs.get("handled_s") or 0.0)})
+        return observe_round(self, width, latency_s, hint, draft_s, *args, **kwargs)
+
     choose.pick, choose.tree_rows, choose.DraftPolicy.shape = probed_pick, probed_tree_rows, probed_shape
+    choose.DraftPolicy.observe_round = probed_observe_round
     rounds.TreeRounds._count, session.EdgeSession.request_for = probed_count, probed_request_for
 
 
@@ -98,7 +120,14 @@ def summary() -> dict:
             "chain_part": [t["chain_e"] - t["spine_committed"] for t in TREES],
             "side_branches": [(t["modelled_e"] - t["chain_e"]) - (t["committed"] - t["spine_committed"])
                               for t in TREES]}
-    return {"shape_calls": len(SHAPES), "trees_drafted": sum(s["tree"] for s in SHAPES), "by_c1_ms": bands,
+    timed = {}
+    groups = {"tree": [r for r in ROUNDS if r["tree"]], "chain": [r for r in ROUNDS if r["tree"] is False]}
+    for edge in dict.fromkeys(r["edge"] for r in ROUNDS if r["tree"] is None):  # the other edges, one by one
+        groups[f"another edge's ({len(groups) - 1})"] = [r for r in ROUNDS if r.get("edge") == edge]
+    for kind, mine in groups.items():
+        timed[kind] = {k: _mean_se([r[k] for r in mine]) for k in (
+            "width", "modelled_t_ms", "draft_ms", "wait_ms", "handled_ms")} | {"rounds": len(mine)}
+    return {"shape_calls": len(SHAPES), "shape_ms": _mean_se([s["ms"] for s in SHAPES]), "timed_rounds": timed, "trees_drafted": sum(s["tree"] for s in SHAPES), "by_c1_ms": bands,
             "tree_rounds": len(TREES), "modelled_e": _mean_se([t["modelled_e"] for t in TREES]),
             "committed": _mean_se([t["committed"] for t in TREES]),
             "overestimate_mean_se": {k: _mean_se(v) for k, v in over.items()}, "rounds": TREES}
@@ -118,13 +147,16 @@ def main() -> None:
     from specrelay.bench.cli import main as bench
     bench(argv)
     result = summary()
-    print(f"--trees auto: {result['shape_calls']} shape() calls, {result['trees_drafted']} trees drafted")
+    print(f"--trees auto: {result['shape_calls']} shape() calls ({result['shape_ms']} ms each: mean, standard "
+          f"error), {result['trees_drafted']} trees drafted")
     print("| cloud slope c1 (ms a token) | shape() calls | a tree over the floor | a tree drafted |")
     print("|---|---|---|---|")
     for band, row in result["by_c1_ms"].items():
         print(f"| {band} | " + " | ".join(str(v) for v in row.values()) + " |")
     print(f"tree rounds: {result['tree_rounds']}; modelled E {result['modelled_e']} against committed "
           f"{result['committed']} (mean, standard error); overestimate {result['overestimate_mean_se']}")
+    for kind, row in result["timed_rounds"].items():
+        print(f"{kind} rounds: {row}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"-> {args.out}")

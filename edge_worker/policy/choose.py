@@ -15,11 +15,9 @@ from .estimates import CLIP, PREDRAFT_SHARE, PRIOR_WEIGHT, AcceptanceCounts, Edg
 MAX_LEN = 32           # the longest chain, the deepest tree auto drafts (past it a demo pair's reach is ~0)
 TREE_FILL = (1.5, 2, 3, 4)  # tree candidates per depth D: ceil(f x D) nodes (up to MAX_BRANCH per level on average)
 TOLERANCE = {Objective.SPEED: 0.0, Objective.BALANCED: 0.10, Objective.CLOUD: 1.0}  # share of the best modelled
-                       # rate an objective gives up for more tokens per call (balanced's promise: within 10 %;
-                       # cloud: any, the fewest calls whatever the edge's time, to MIN_VALUE's limit)
-EXPLORE_SHARE = 0.03   # at d = 0, a round drafts d = 1 (an acceptance sample) once the rounds since the last
-                       # sample took 1 / EXPLORE_SHARE x what the last such round's draft cost (its catch-up on the
-                       # stretch the draft has not seen): where drafting does not pay, exploring costs ~3 %
+                       # rate given up for more tokens a call (balanced's promise: within 10 %; cloud: any)
+EXPLORE_SHARE = 0.03   # at d = 0, a round drafts d = 1 (an acceptance sample) once the rounds since the last took
+                       # 1 / EXPLORE_SHARE x its draft's cost (its catch-up): where drafting does not pay, ~3 %
 MIN_VALUE = 0.01       # a draft token (a chain's, a tree node) less likely than this to be accepted is never
                        # drafted: it adds under 1 % of a token per call
 
@@ -87,8 +85,8 @@ def tree_table(p: tuple[float, ...], saved: int, depth: int | None,
                nodes: int | None) -> tuple[tuple[tuple[int, ...], int, float, int, int, int, float, float], ...]:
     """The tree candidates at rank chances p (what tree_rows prices, less the estimates that change every round):
     (widths, depth d, value / spine, nodes, level forwards waited for, their columns, spine, the value of its least
-    valuable node: the last one grown), the most valuable least node first. A candidate's E is 1 + value x
-    (E_chain(d) - 1) / spine: a tree of one node per level has its chain's E (the ranks add the side branches)."""
+    valuable node: the last one grown), the most valuable least node first. A candidate's E is E_chain(d) + value -
+    spine: its spine as its chain (the positions' acceptance), its side nodes at the rank chances."""
     out, big = [], ((), (MAX_DRAFT + 1,))  # the last tree grown (deepest first); a sentinel as deep as none can be
     for d in [depth] if depth else [] if depth is not None else range(MAX_LEN, 0, -1):  # not by `top`: a miss costs
         if max(big[1][:(grow := min(MAX_DRAFT, nodes or 4 * d))], default=0) > d:  # ~1 ms; a deeper tree's first
@@ -106,11 +104,13 @@ def tree_table(p: tuple[float, ...], saved: int, depth: int | None,
 
 
 def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | None, nodes: int | None,
-              floor: float = 0.0, switch: float = 0.0) -> list[tuple[tuple[int, ...], float, float, float, float]]:
+              floor: float = 0.0, switch: float = 0.0,
+              need: float = 0.0) -> list[tuple[tuple[int, ...], float, float, float, float]]:
     """(widths, E, T, its least node's value x scale, scale) of the candidates where that is `floor` or more (scale:
     E(d) - 1, `chain` the chains' E(d), over a path's value at the rank chances). T(S): the wait for the level forwards
     not pre-drafted (est.tree_line), the others' chain jobs' wait behind them, R + V (its spine as its chain, its side
-    nodes: est.more_wait), H; plus `switch` x E of a fresh tree's extra time (after a chain round: 1 / tokens left)."""
+    nodes: est.more_wait), H; plus `switch` x E of a fresh tree's extra time (after a chain round: 1 / tokens left).
+    Candidates under `need` tokens a call are not priced (`auto`: no fewer than the chains it must beat)."""
     p = est.ranks.key()  # to the percent: the tables' cache hits
     spines = accumulate(p[0] ** k for k in range(1, top + 1))  # a path's value per depth, as tree_table's
     out, bound = [], max(((e - 1.0) / max(v, 1e-9) for e, v in zip(chain[1:], spines)), default=0.0)  # the most scale
@@ -127,9 +127,11 @@ def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | Non
         if last * bound < floor:  # the least nodes only fall from here on
             break
         if d <= top and last * (scale := (chain[d] - 1.0) / max(spine, 1e-9)) >= floor:
-            e, t = 1.0 + r * (chain[d] - 1.0), draft(steps, cols)
-            k = len(w)  # its chain of k nodes at the wait line, the side nodes on the worker's curve past it
-            t += w0 + h + w1 * (k + 1) + est.more_wait(k + 1, n - k) + min(1.0, e * switch) * (draft(f[4], f[5]) - t)
+            if (e := chain[d] + (r - 1.0) * spine) < need:  # its spine as its chain, its side nodes at the ranks
+                continue
+            k, t = len(w), draft(steps, cols)  # its chain of k nodes at the wait line, its side nodes on the curve
+            t += w0 + h + w1 * (k + 1) + est.more_wait(k + 1, n - k) + (min(1.0, e * switch) * (draft(f[4], f[5]) - t)
+                                                                        if switch else 0.0)
             out.append((w, e, t, last * scale, scale))
     return out
 
@@ -209,23 +211,23 @@ class DraftPolicy:
         c1 = est.cloud.fit()[1] * est.batch.value if est.cloud.known else 0.0  # one more node's seconds: its verify
         node_cost = (est.more_wait(top + 1, 1) if est.curve else c1) + est.draft.fit()[1] * est.rows.value  # and draft
         offered = chains if depth is None else chains[min(depth, top):min(depth, top) + 1]  # the chains `auto` weighs
-        # a node worth less than its seconds at the best rate is not drafted: a tree whose least node is under it
-        # would go out smaller than priced (trees of 3-4 nodes went out as chains of 2-3); `auto`: chains' best rate
+        # no node worth less than its seconds at the best rate (`auto`: the chains'): else a tree goes out smaller
         floor = node_cost * max(e / max(t, 1e-12) for e, t in offered) if trees == "auto" else 0.0
+        bars = []  # `auto`: a tree replaces the chain the objective picks, pooled and at the session's own rates,
+        if trees == "auto":  # only if modelled no slower and no fewer tokens a call (`balanced` took slower trees)
+            own = chains if opens else chain_rows(est, self.own_rates(top + 1), top, True, fresh * after_tree)
+            bars = [offered[pick(offered, self.objective)], own[pick(own, self.objective)]]
         rows = [(w, e, t + catchup, *r) for w, e, t, *r in tree_rows(est, [e for e, _ in chains], top, depth, nodes,
-                floor, 1.0 if opens else fresh * (not after_tree))]  # an opening's tree: fresh, with its catch-up
+                floor, 1.0 if opens else fresh * (not after_tree), max((e for e, _ in bars), default=0.0))]
         if not rows:  # no tree at all (with `auto`: none reaches the floor): `auto` drafts its chain, `on` nothing
             return None if trees == "auto" else TreeShape()
         rows = [(None, e, t, 1.0, 1.0) for e, t in offered] * (trees == "auto") + rows
-        least = max(MIN_VALUE, floor or node_cost * max(e / max(t, 1e-12) for _, e, t, *_ in rows))  # `auto`: a
-        # grown tree's higher rate must not filter out every tree (after a tree round chains won, after a chain trees)
-        rows = [r for r in rows if r[3] >= least] or rows
-        if trees == "auto":  # a tree replaces the chain the objective picks (pooled; and the one the session drafts
-            own = chains if opens else chain_rows(est, self.own_rates(top + 1), top, True, fresh * after_tree)  # at
-            bars = [offered[pick(offered, self.objective)], own[pick(own, self.objective)]]  # its own rates) only if
-            rows = [(None, *bars[0], 1.0, 1.0)] + [r for r in rows[len(offered):]  # modelled no slower and no fewer
-                    if all(r[1] >= e and r[1] * t >= e * r[2] for e, t in bars)]  # tokens a call (else `balanced`
-        best = pick([(e, t) for _, e, t, *_ in rows], self.objective)  # took trees slower, within its tolerance)
+        least = max(MIN_VALUE, floor or node_cost * max(e / max(t, 1e-12) for _, e, t, *_ in rows))  # `auto`: not
+        rows = [r for r in rows if r[3] >= least] or rows  # at a grown tree's rate: it would filter out every tree
+        if trees == "auto":
+            rows = [(None, *bars[0], 1.0, 1.0)] + [r for r in rows[len(offered):]
+                    if all(r[1] >= e and r[1] * t >= e * r[2] for e, t in bars)]
+        best = pick([(e, t) for _, e, t, *_ in rows], self.objective)
         return None if rows[best][0] is None else TreeShape(rows[best][0], min_value=least / rows[best][4])  # unscaled
 
     def observe_block(self, d: int, n: int, bonus_match: bool | None = None, opening: bool = False) -> None:

@@ -16,8 +16,7 @@ ACCEPT_DECAY = 0.995   # per verdict: acceptance counts (memory ~200 blocks of a
                        # reached rarely, and their rates must not fall back to the prior between two visits)
 DECAY = 0.98           # per observation: timings (memory ~50: follows a load change within seconds)
 CLIP = 3.0             # a timing over CLIP x its estimate counts as CLIP x (one stall is not a trend)
-DRAFT_PRIOR = 0.25     # a draft forward's cost relative to a verify's, until one is timed (a demo draft has
-                       # ~1/4 of its target's layers)
+DRAFT_PRIOR = 0.25     # a draft forward over a verify, until timed (a demo draft has ~1/4 of its target's layers)
 
 
 class EWMean:
@@ -181,8 +180,7 @@ class EdgeEstimates:
         self.cloud = EWLine()                 # the worker's forward, seconds vs its tokens (prior slope: token_us)
         self.curve: list[float] = []          # its VERIFY's seconds at CURVE_WIDTHS tokens (a hint's curve_us)
         self.batch = EWMean(1.0)              # rows per worker forward
-        self.queue_share = EWMean(clip=float("inf"))  # a VERIFY's wait at the worker over the worker's forward
-                                              # (each at most CLIP: a backlog of forwards is not a trend)
+        self.queue_share = EWMean(clip=float("inf"))  # a VERIFY's wait at the worker over its forward (each <= CLIP)
         self.latency = EWLine()               # seconds from VERIFY to VERDICT vs our row (its slope: no hints)
         self.waits, self.widths = EWMean(), EWMean()  # that latency and the row's tokens: the wait line's anchor
         self.provisional = False              # the anchor is a round that also ran its prompt (nothing else yet)

@@ -883,3 +883,33 @@ def test_a_trees_side_nodes_add_their_reach_at_the_rank_chances_not_the_chains_s
         side = r * spine - spine  # the side nodes' reach: the tree's value less its spine's
         assert 0 < side and e == pytest.approx(chain[d] + side, rel=1e-12)
         assert e < 1.0 + r * (chain[d] - 1.0)  # what the scale made of it here (E(d) - 1 > spine)
+
+
+def test_a_tree_after_a_chain_round_pays_its_fresh_levels_as_often_as_trees_switch():
+    """A tree after a chain round drafts every level fresh (the chain round's pre-draft grew a chain). Paid once
+    over the tokens left, that suits trees drafted in runs (one session over 50 ms: 76-90 % of rounds); where trees
+    came one at a time (loopback 5-7 %, 16 sessions over 50 ms 6 %) each paid it whole and was priced at a fraction
+    (16 sessions: tree rounds modelled at 226 ms, measured 280). The share of rounds that drafted a tree f says
+    how often a tree round switches, 1 - f: a tree after a chain pays at least that share of its fresh levels."""
+    est = edge(draft_s=0.004, rtt_s=0.01, accept=0.9)  # a short link: a tree wins by a little
+    chain_ranks(est, second=0.3)
+    saved_levels(est, 3)
+    for compute in (0.002, 0.004, 0.008, 0.016):  # tree rounds waited 2 x their levels' compute
+        est.tree_waited.observe(compute, 2 * compute)
+    chain = [e for e, _ in chain_rows(est, DraftPolicy(est).rates(17), 16, cut=False)]
+    grown, once = tree_rows(est, chain, 16, None, None), tree_rows(est, chain, 16, None, None, switch=1 / 48)
+    whole = tree_rows(est, chain, 16, None, None, switch=1 / 48, runs=1.0)
+    fresh = tree_rows(est, chain, 16, None, None, switch=1.0)
+    for g, o, w, f in zip(grown, once, whole, fresh):
+        assert g[2] < o[2] < w[2] == pytest.approx(f[2], rel=1e-12)
+    for share, rounds in ((1.0, 40), (0.0, 40)):
+        for _ in range(rounds):
+            DraftPolicy(est).observe_block(8, 5, tree=bool(share))
+        assert est.tree_share.value == pytest.approx(share, abs=0.5 ** (rounds / 35))
+    seen = {}
+    for share in (0.9, 0.05):
+        est.tree_share.value = share
+        for name, after in (("after_chain", False), ("after_tree", True)):
+            seen[share, name] = DraftPolicy(est).shape(48, "auto", None, None, after_tree=after)
+    assert seen[0.9, "after_chain"] is not None and seen[0.05, "after_tree"] is not None
+    assert seen[0.05, "after_chain"] is None  # trees one at a time: a tree after a chain round is not worth it

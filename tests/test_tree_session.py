@@ -209,3 +209,25 @@ def test_a_chain_block_that_waited_behind_trees_does_not_teach_the_chains_draft_
         s.apply(reply)
         if behind is not None:
             assert block.steps > 0 and waited.count == before + (not behind)
+
+
+def test_a_trees_sessions_greedy_chain_rounds_teach_the_rank_chances(tiny_runners, monkeypatch):
+    """With --trees auto a greedy session's chain rounds keep each position's likeliest draft ids, and each
+    verdict teaches the edge's rank chances (RankAcceptance.observe_chain: the rejected position shows which of them
+    the target took); with trees off nothing is kept or taught (the topk costs a draft step)."""
+    from specrelay.edge_worker.policy import RankAcceptance
+
+    target, draft = tiny_runners
+    seen, observe = [], RankAcceptance.observe_chain
+    monkeypatch.setattr(RankAcceptance, "observe_chain",
+                        lambda self, ranked, n, token: (seen.append((ranked, n, token)), observe(self, ranked, n, token)))
+    ids = [target.tokenizer(p).input_ids for p in PROMPTS]
+    for trees in ("off", "auto"):
+        seen.clear()
+        configs = [SessionConfig(max_new_tokens=24, trees=trees, draft_len=d) for d in (None, 3, 6)]
+        for (out, stats), p in zip(speculative_generate_batch(draft, target, ids, configs), ids):
+            assert out == target_generate(target, p, 24)
+        assert bool(seen) == (trees == "auto")
+    for ranked, n, token in seen:
+        assert n + 1 >= len(ranked) >= n and all(len(r) == 4 for r, _ in ranked)
+        assert token >= 0

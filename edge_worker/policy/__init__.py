@@ -2,7 +2,7 @@
 whether to pre-draft. The model (docs/policy.md states it with its measurements):
 
     E(d) = sum_{k=0..d} P_k,  P_k = prod_{j<k} a_j        tokens a chain of d commits per cloud call
-    E(S) = 1 + sum over the tree's nodes of their reach    the same for a tree (reach from the rank chances P_r)
+    E(S) = E(d) + sum over its side nodes of their reach  the same for a tree (reach from the rank chances P_r)
     T    = D(F(d + lookahead - pre-drafted start)) + W(d) + H     seconds a round takes
 
 with one set of estimators per edge (estimates.py) and one objective rule for chains and trees (choose.pick).

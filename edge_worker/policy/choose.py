@@ -50,8 +50,8 @@ def chain_rows(est: EdgeEstimates, a: list[float], top: int, cut: bool = True,
 
 @lru_cache(maxsize=256)
 def static_tree(p: tuple[float, ...], depth: int, nodes: int) -> tuple[tuple[float, ...], tuple[int, ...]]:
-    """The best tree of at most `depth` levels at rank chances p (the same at every node), grown node by node by
-    value (the chance the accepted path passes it): the sum of values of its first n nodes, and each node's depth."""
+    """The best tree of `depth` levels at most at rank chances p, grown node by node by value (its reach): the sum
+    of its first n nodes' values and each node's depth."""
     heap, totals, depths, total = [(-p[0], 1, 0, 1.0)], [], [], 0.0
     while heap and len(totals) < nodes:
         v, k, r, up = heapq.heappop(heap)
@@ -104,13 +104,11 @@ def tree_table(p: tuple[float, ...], saved: int, depth: int | None,
 
 
 def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | None, nodes: int | None,
-              floor: float = 0.0, switch: float = 0.0,
-              need: float = 0.0) -> list[tuple[tuple[int, ...], float, float, float, float]]:
+              floor: float = 0.0, switch: float = 0.0, need: float = 0.0, runs: float = 0.0) -> list[tuple]:
     """(widths, E, T, its least node's value x scale, scale) of the candidates where that is `floor` or more (scale:
-    E(d) - 1, `chain` the chains' E(d), over a path's value at the rank chances). T(S): the wait for the level forwards
-    not pre-drafted (est.tree_line), the others' chain jobs' wait behind them, R + V (its spine as its chain, its side
-    nodes: est.more_wait), H; plus `switch` x E of a fresh tree's extra time (after a chain round: 1 / tokens left).
-    Candidates under `need` tokens a call are not priced (`auto`: no fewer than the chains it must beat)."""
+    E(d) - 1 over a path's value at the rank chances; `chain`: the chains' E(d)), none under `need` E. T(S): the level
+    forwards not pre-drafted (est.tree_line), the others' wait behind them, R + V (its spine as its chain, its side
+    nodes: est.more_wait), H; after a chain round `switch` x E (1 / tokens left), at least `runs`, of a fresh tree's."""
     p = est.ranks.key()  # to the percent: the tables' cache hits
     spines = accumulate(p[0] ** k for k in range(1, top + 1))  # a path's value per depth, as tree_table's
     out, bound = [], max(((e - 1.0) / max(v, 1e-9) for e, v in zip(chain[1:], spines)), default=0.0)  # the most scale
@@ -130,8 +128,8 @@ def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | Non
             if (e := chain[d] + (r - 1.0) * spine) < need:  # its spine as its chain, its side nodes at the ranks
                 continue
             k, t = len(w), draft(steps, cols)  # its chain of k nodes at the wait line, its side nodes on the curve
-            t += w0 + h + w1 * (k + 1) + est.more_wait(k + 1, n - k) + (min(1.0, e * switch) * (draft(f[4], f[5]) - t)
-                                                                        if switch else 0.0)
+            t += w0 + h + w1 * (k + 1) + est.more_wait(k + 1, n - k) + (
+                min(1.0, max(e * switch, runs)) * (draft(f[4], f[5]) - t) if switch else 0.0)
             out.append((w, e, t, last * scale, scale))
     return out
 
@@ -218,7 +216,8 @@ class DraftPolicy:
             own = chains if opens else chain_rows(est, self.own_rates(top + 1), top, True, fresh * after_tree)
             bars = [offered[pick(offered, self.objective)], own[pick(own, self.objective)]]
         rows = [(w, e, t + catchup, *r) for w, e, t, *r in tree_rows(est, [e for e, _ in chains], top, depth, nodes,
-                floor, 1.0 if opens else fresh * (not after_tree), max((e for e, _ in bars), default=0.0))]
+                floor, 1.0 if opens else fresh * (not after_tree), max((e for e, _ in bars), default=0.0),
+                1.0 - est.tree_share.value)]  # paid once: trees run ~1 / (1 - share) rounds
         if not rows:  # no tree at all (with `auto`: none reaches the floor): `auto` drafts its chain, `on` nothing
             return None if trees == "auto" else TreeShape()
         rows = [(None, e, t, 1.0, 1.0) for e, t in offered] * (trees == "auto") + rows
@@ -230,10 +229,11 @@ class DraftPolicy:
         best = pick([(e, t) for _, e, t, *_ in rows], self.objective)
         return None if rows[best][0] is None else TreeShape(rows[best][0], min_value=least / rows[best][4])  # unscaled
 
-    def observe_block(self, d: int, n: int, bonus_match: bool | None = None, opening: bool = False) -> None:
+    def observe_block(self, d: int, n: int, bonus_match: bool | None = None, opening=False, tree=False) -> None:
         """A VERDICT on a block of d drafts (n accepted; the pre-drafted guess's match after a full block).
         `opening`: the block right after the prompt, counted apart, and so is the next one after an opening at d = 0
-        (a prompt may end where the target's tokenizer never stops: docs/policy.md)."""
+        (a prompt may end where the target's tokenizer never stops: docs/policy.md). `tree`: a tree round's spine."""
+        self.edge.tree_share.observe(float(tree))
         if opening or self.second:  # counted apart: what the next opening (and the block after one at d = 0) is
             self.second = opening and not d  # priced at
             if d > 0 or bonus_match is not None:

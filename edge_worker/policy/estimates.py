@@ -20,8 +20,7 @@ DRAFT_PRIOR = 0.25     # a draft forward over a verify, until timed (a demo draf
 
 
 class EWMean:
-    """Exponentially weighted mean; from the second observation on, one over `clip` x the mean counts as that
-    (while the mean is 0 nothing is clipped: a first observation of 0 must not hold it at 0 for ever)."""
+    """Exponentially weighted mean; from the second observation on, at most `clip` x the mean (unless it is 0)."""
 
     def __init__(self, default: float = 0.0, decay: float = DECAY, clip: float = CLIP) -> None:
         self.decay, self.value, self.weight, self.count, self.clip = decay, default, 0.0, 0, clip
@@ -191,6 +190,7 @@ class EdgeEstimates:
         self.explore_s = EWMean()             # the draft wait of a round exploring from d = 0 (its catch-up)
         self.drafting = 0                     # rounds at d > 0 (any session's) since the last one at d = 0
         self.tree_saved = EWMean(clip=float("inf"))  # levels a tree pre-draft had grown at the VERDICT (a count)
+        self.tree_share = EWMean(clip=float("inf"))  # the share of rounds (any session's) that drafted a tree
         self.tree_waited = EWLine(1.0)        # a tree round's wait for its draft vs its levels' modelled compute
         self.others = EWMean(clip=float("inf"))  # chain jobs a second that came in while a draft batch ran
         self.lookahead = 0                    # target tokens drafted past a block (1 across vocabularies)

@@ -166,7 +166,7 @@ class TreeRounds:
                 acc.observe(dist.bucket, len(sent_kids), sent_kids.index(walk[i + 1]) if i + 1 < len(walk) else None)
         spine = _spine(tree, sent)
         same = next((k for k, (u, p) in enumerate(zip(spine, path)) if u != p), min(len(spine), n))
-        self.s.policy.observe_block(len(spine), same, opening=self.s._prefilled)
+        self.s.policy.observe_block(len(spine), same, opening=self.s._prefilled, tree=not self.chain)
 
     # ------------------------------------------------------------------------------------ pre-drafting
     def predraft_job(self) -> TreePreDraft | None:

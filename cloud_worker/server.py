@@ -134,7 +134,8 @@ class CloudWorker(transport.Service):
         health.sd_notify("READY=1")
         self._log.info("cloud worker started", vocab_size=self.verifier.runner.vocab_size,
                        max_batch=self.config.max_batch, health_port=self.health_port,
-                       device=str(self.verifier.runner.device), attention=self.verifier.attention)
+                       device=str(self.verifier.runner.device), attention=self.verifier.attention,
+                       verify_us=dict(zip(P.CURVE_WIDTHS, self.verifier.curve_us)))  # its cost curve (load hints)
 
     def _loops(self):
         return [*(conn.keep_connected() for conn in self.connections), self._process(), self._tick()]

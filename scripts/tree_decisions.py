@@ -39,6 +39,7 @@ def _instrument(cap_s: float | None) -> None:
     def probed_pick(rows, objective):
         best = pick(rows, objective)
         _LAST["pick"] = rows[best]
+        _LAST.setdefault("picks", []).append(rows[best][:2])  # shape()'s: the two chain bars, then its decision
         return best
 
     def probed_tree_rows(est, chain, *args, **kwargs):
@@ -52,7 +53,7 @@ def _instrument(cap_s: float | None) -> None:
         cloud, fit = self.edge.cloud, self.edge.cloud.fit
         if cap_s is not None:
             cloud.fit = lambda: (lambda f: (f[0], min(f[1], cap_s)))(fit())
-        _LAST.update(chain=None, trees=0, pick=None)
+        _LAST.update(chain=None, trees=0, pick=None, picks=[])
         AUTO.add(id(self.edge))
         t0 = time.perf_counter()
         try:
@@ -69,7 +70,9 @@ def _instrument(cap_s: float | None) -> None:
         if tree:
             d = min(out.depth, len(_LAST["chain"]) - 1)
             self.probe_tree = {"depth": out.depth, "nodes": out.nodes, "modelled_e": _LAST["pick"][0],
-                               "chain_e": _LAST["chain"][d]}
+                               "chain_e": _LAST["chain"][d], "after_tree": args[2] if len(args) > 2 else
+                               kwargs.get("after_tree", True), "bars_e_t_ms": [(e, 1000 * t) for e, t in
+                               _LAST["picks"][:2]], "modelled_t_ms": 1000 * _LAST["pick"][1]}
         return out
 
     def probed_request_for(self, block):
@@ -127,7 +130,19 @@ def summary() -> dict:
     for kind, mine in groups.items():
         timed[kind] = {k: _mean_se([r[k] for r in mine]) for k in (
             "width", "modelled_t_ms", "draft_ms", "wait_ms", "handled_ms")} | {"rounds": len(mine)}
-    return {"shape_calls": len(SHAPES), "shape_ms": _mean_se([s["ms"] for s in SHAPES]), "timed_rounds": timed, "trees_drafted": sum(s["tree"] for s in SHAPES), "by_c1_ms": bands,
+    bars = {}
+    for after in (True, False):
+        mine = [t for t in TREES if t.get("after_tree") == after and len(t.get("bars_e_t_ms", [])) == 2]
+        bars[f"after_{'tree' if after else 'chain'}"] = {"rounds": len(mine)} | {
+            k: _mean_se([f(t) for t in mine]) for k, f in (
+                ("tree_e", lambda t: t["modelled_e"]), ("tree_t_ms", lambda t: t["modelled_t_ms"]),
+                ("pooled_bar_e", lambda t: t["bars_e_t_ms"][0][0]),
+                ("pooled_bar_t_ms", lambda t: t["bars_e_t_ms"][0][1]),
+                ("own_bar_e", lambda t: t["bars_e_t_ms"][1][0]), ("own_bar_t_ms", lambda t: t["bars_e_t_ms"][1][1]),
+                ("committed", lambda t: t["committed"]))}
+    return {"tree_decisions_against_their_bars": bars, "shape_calls": len(SHAPES),
+            "shape_ms": _mean_se([s["ms"] for s in SHAPES]), "timed_rounds": timed,
+            "trees_drafted": sum(s["tree"] for s in SHAPES), "by_c1_ms": bands,
             "tree_rounds": len(TREES), "modelled_e": _mean_se([t["modelled_e"] for t in TREES]),
             "committed": _mean_se([t["committed"] for t in TREES]),
             "overestimate_mean_se": {k: _mean_se(v) for k, v in over.items()}, "rounds": TREES}
@@ -155,6 +170,8 @@ def main() -> None:
         print(f"| {band} | " + " | ".join(str(v) for v in row.values()) + " |")
     print(f"tree rounds: {result['tree_rounds']}; modelled E {result['modelled_e']} against committed "
           f"{result['committed']} (mean, standard error); overestimate {result['overestimate_mean_se']}")
+    for kind, row in result["tree_decisions_against_their_bars"].items():
+        print(f"tree rounds {kind}: {row}")
     for kind, row in result["timed_rounds"].items():
         print(f"{kind} rounds: {row}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

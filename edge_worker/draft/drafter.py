@@ -165,8 +165,10 @@ class Drafter:
             logits = self._constrained(logits, job, block)
         if job.mode == Mode.GREEDY:
             q = self.to_target(torch.softmax(logits.float(), -1))
-            if job.ranks:
-                block.ranked.append(ranked(q))
+            if job.ranks:  # the likeliest id is the first, unless the first two tie (class 0: argmax's order)
+                block.ranked.append(top := ranked(q))
+                if top[1]:
+                    return top[0][0]
             return int(q.argmax())
         q = self.to_target(probs_from_logits(logits, job.params))  # [V_target] q'
         if job.mode == Mode.COUPLED:  # argmax(log q' + g) with the noise the target will use

@@ -34,9 +34,9 @@ def bucket_of(q: torch.Tensor) -> int:  # q: [V] the draft's probabilities after
 def ranked(q: torch.Tensor) -> tuple[list[int], int]:  # q: [V] the draft's probabilities at a chain's position
     """The MAX_BRANCH likeliest ids, likeliest first, and the confidence class: what a tree node there would have
     had as children (a chain's rejection shows which of them the target took: RankAcceptance.observe_chain)."""
-    top = q.topk(min(MAX_BRANCH, q.shape[-1]))
-    v = top.values.double()
-    return top.indices.tolist(), bisect_right(BUCKETS, float(v[0] / v[1].clamp(min=1e-30))) if len(v) > 1 else 0
+    top = q.topk(min(MAX_BRANCH, q.shape[-1]))  # to Python lists first: ~20 us a call, not ~60 (a call per token)
+    ids, v = top.indices.tolist(), top.values.tolist()
+    return ids, bisect_right(BUCKETS, v[0] / max(v[1], 1e-30)) if len(v) > 1 else 0
 
 
 @dataclass(frozen=True)

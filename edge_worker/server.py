@@ -247,7 +247,7 @@ class EdgeWorker(transport.Service):
                 self._batcher.cancel(pre)
         new = session.apply(reply)  # an ERROR reply raises its RequestError
         if isinstance(reply, P.Verdict):
-            session.record_timing(draft_s, latency, time.perf_counter() - start - waited - latency)
+            session.record_timing(draft_s, latency, time.perf_counter() - start - waited - latency, len(new))
             self.metrics.on_round(len(request.draft), reply.n_accepted, draft_s, latency)
         return new
 

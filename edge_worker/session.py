@@ -254,16 +254,17 @@ class EdgeSession:
                 self._guessed, self._seen = True, len(self.tokens)
             self._chain.extend(more)
 
-    def record_timing(self, draft_s: float | None, latency_s: float, handled_s: float | None = None) -> None:
+    def record_timing(self, draft_s: float | None, latency_s: float, handled_s: float | None = None,
+                      committed: int = 0) -> None:
         """What the shell measured for the last VERIFY round: seconds waited for its draft (None: not timed), from
         sending it to its VERDICT, and the edge's own besides (taking the pre-draft back, applying the VERDICT).
         Feeds the auto draft length."""
         self.stats.draft_s += draft_s or 0.0
         self.stats.verify_s += latency_s
-        tree = self.trees.shape if self.trees.last_steps else None  # a tree engine's round (its forwards waited)
+        tree = self.trees.shape if self.trees.last_tree else None  # a tree engine's round (0 steps: all grown)
         steps = self.trees.last_steps if tree is not None else self._steps
         self.policy.observe_round(self._width, latency_s, self._hint, draft_s, steps, self._catchup, self._prefilled,
-                                  tree=tree, handled_s=handled_s)
+                                  tree=tree, handled_s=handled_s, committed=committed)
 
     # ---------------------------------------------------------------------------- replies
     def apply(self, reply: P.Base) -> list[int]:

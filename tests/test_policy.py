@@ -3,6 +3,7 @@ would measure and checks the choice the model implies."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 from specrelay.common.protocol import LoadHint, Objective
 from specrelay.edge_worker.policy import TOLERANCE, DraftPolicy, EdgeEstimates, chain_rows, pick, tree_rows
 from specrelay.edge_worker.policy import choose
-from specrelay.edge_worker.policy.choose import TREE_FILL, tree_compute, tree_table, wait_for
+from specrelay.edge_worker.policy.choose import EXPLORE_SHARE, TREE_FILL, tree_compute, tree_table, wait_for
 from specrelay.edge_worker.policy.estimates import PRIOR_WEIGHT
 from specrelay.edge_worker.trees.tree import TreeShape
 
@@ -833,6 +834,40 @@ def test_a_trees_side_nodes_are_priced_on_the_workers_curve_not_the_chains_line(
     assert est.more_wait(64, 64) == pytest.approx(est.more_wait(16, 48) * 64 / 48, rel=1e-9)  # past: its last slope
     est.observe_round(9, 0.06, LoadHint(batch=1, forward_us=14_000, tokens=9, curve_us=[1, 2]))  # malformed: kept
     assert est.curve == pytest.approx(CURVE)
+
+
+def test_auto_weighs_trees_once_in_a_while_where_tree_rounds_committed_less_a_second_than_chain_rounds():
+    """On loopback with one session the model took trees in 1-29 % of rounds and ran at 0.87-0.97x the chain policy
+    (0.86x with trees every round): there a tree and a chain are priced within the model's own error of each other.
+    What chain rounds and tree rounds committed a second is measured; where tree rounds committed less, `auto`
+    weighs trees once in 1 / EXPLORE_SHARE turns (weighing costs ~0.5 ms a call), and a tree it then drafts goes on
+    while the model keeps picking trees."""
+    est = edge(draft_s=0.002, rtt_s=0.05, forward_s=0.008, per_token_s=0.0007)
+    chain_ranks(est, second=0.25)
+    est.curve = CURVE
+    policy = DraftPolicy(est, Objective.BALANCED)
+
+    def turns(n: int, after_tree: bool = False) -> int:  # the turns that drafted a tree
+        return sum(policy.shape(48, "auto", None, None, after_tree) is not None for _ in range(n))
+
+    assert turns(5) == 5  # nothing measured: the model weighs every turn (and takes trees)
+
+    def paid(tree: bool, tokens: int, seconds: float) -> None:  # PRIOR_WEIGHT rounds (the model's inputs unmoved)
+        for _ in range(int(PRIOR_WEIGHT)):
+            for x, y in zip(est.paid[tree], (tokens, seconds)):
+                x.observe(y)
+
+    paid(tree=False, tokens=5, seconds=0.080)  # chains: 62.5 tokens a second
+    paid(tree=True, tokens=6, seconds=0.105)   # trees: 57
+    assert turns(3 * math.ceil(1 / EXPLORE_SHARE)) == 3  # once in 1 / EXPLORE_SHARE turns
+    assert turns(5, after_tree=True) == 5        # a tree goes on while the model picks trees
+    paid(tree=True, tokens=8, seconds=0.090)     # trees now commit more a second than chains: every turn
+    assert turns(5) == 5
+    for tree, prefilled in ((True, False), (False, True), (False, False)):  # what a VERDICT's round paid, by kind
+        shape = TreeShape((1, 2, 2)) if tree else None  # (a round that ran its prompt too is not one)
+        policy.observe_round(9, 0.064, None, 0.020, prefilled=prefilled, tree=shape, handled_s=0.001, committed=4)
+    assert [x.count for pair in est.paid for x in pair] == [5, 5, 9, 9]
+    assert est.paid[0][1].value == pytest.approx(0.080 + (0.085 - 0.080) / est.paid[0][1].weight)
 
 
 def test_greedy_chains_teach_the_trees_rank_acceptance():

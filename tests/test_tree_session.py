@@ -211,6 +211,29 @@ def test_a_chain_block_that_waited_behind_trees_does_not_teach_the_chains_draft_
             assert block.steps > 0 and waited.count == before + (not behind)
 
 
+def test_each_round_teaches_what_its_kind_committed_a_second_a_fully_pre_drafted_tree_a_trees(tiny_runners):
+    """`--trees auto` weighs trees by what tree rounds and chain rounds committed a second (EdgeEstimates.paid).
+    A tree whose every level its predecessor's pre-draft grew waits for no draft forward (0 steps): it is still a
+    tree round, and it teaches no draft wait line (it was timed as a chain round, at a chain round's old steps)."""
+    for trees in ("on", "off"):
+        s, verifier = session_and_verifier(tiny_runners, trees=trees, draft_len=3, tree_nodes=6)
+        est = s.policy.edge
+        committed = []
+        for steps in (None, None, 0):  # the opening (not counted: the worker ran the prompt), two rounds
+            block = s.drafter.draft_batch([s.draft_job()])[0]
+            if steps is not None:
+                block.steps = steps
+            reply = verifier.verify([((b"", 1), s.request_for(block))])[0]
+            lines = est.waited.count, est.tree_waited.count
+            new = s.apply(reply)
+            s.record_timing(0.01, 0.02, 0.001, len(new))
+            committed.append(len(new))
+        (tokens, seconds), other = est.paid[trees == "on"], est.paid[trees == "off"]
+        assert tokens.count == seconds.count == 2 and other[0].count == other[1].count == 0
+        assert min(committed[-2:]) <= tokens.value <= max(committed[-2:]) and seconds.value == pytest.approx(0.031)
+        assert (est.waited.count, est.tree_waited.count) == lines  # the round of 0 steps taught no line
+
+
 def test_a_trees_sessions_greedy_chain_rounds_teach_the_rank_chances(tiny_runners, monkeypatch):
     """With --trees auto a greedy session's chain rounds keep each position's likeliest draft ids, and each
     verdict teaches the edge's rank chances (RankAcceptance.observe_chain: the rejected position shows which of them

@@ -32,10 +32,9 @@ def pick(rows: list[tuple[float, float]], objective: Objective) -> int:
 
 def chain_rows(est: EdgeEstimates, a: list[float], top: int, cut: bool = True,
                switch: float = 0.0) -> list[tuple[float, float]]:
-    """(E(d), T(d)) for d = 0..top at acceptance a_0..a_top: E(d) = sum_{k<=d} P_k with P_k = prod_{j<k} a_j;
-    T(d) = D(F(d + lookahead less the pre-drafted start: P_{d+1} x what fits the wait, x 1 - `switch` x E(d))) + R +
-    V(d) + H (F: est.steps, D: est.draft_line). `switch`: after a tree round, 1 / tokens left (nothing was
-    pre-drafted: a fresh chain's extra time is paid once)."""
+    """(E(d), T(d)) for d = 0..top at acceptance a_0..a_top (docs/policy.md): T(d) = D(F(d + lookahead - the
+    pre-drafted start: P_{d+1} x what fits the wait, x 1 - `switch` x E(d))) + R + V(d) + H (F: est.steps, D:
+    est.draft_line). `switch`: after a tree round, 1 / tokens left (a fresh chain's extra time is paid once)."""
     rows, e, p, line, h = [(1.0, est.wait(0) + est.handled[0].value)], 1.0, a[0], est.draft_line(), est.handled[1].value
     share = PREDRAFT_SHARE / max(est.per_token(), 1e-12) if est.predraft and est.draft.known else 0.0
     (f0, f1), (w0, w1), ahead = est.steps.fit(), est.wait_line(), est.lookahead  # F(x) = f0 + f1 x (x > 0 tokens)
@@ -50,8 +49,7 @@ def chain_rows(est: EdgeEstimates, a: list[float], top: int, cut: bool = True,
 
 @lru_cache(maxsize=256)
 def static_tree(p: tuple[float, ...], depth: int, nodes: int) -> tuple[tuple[float, ...], tuple[int, ...]]:
-    """The best tree of `depth` levels at most at rank chances p, grown node by node by value (its reach): the sum
-    of its first n nodes' values and each node's depth."""
+    """The best tree within `depth` levels at rank chances p, grown node by node by reach: running values, depths."""
     heap, totals, depths, total = [(-p[0], 1, 0, 1.0)], [], [], 0.0
     while heap and len(totals) < nodes:
         v, k, r, up = heapq.heappop(heap)
@@ -83,10 +81,9 @@ def tree_compute(est: EdgeEstimates, shape: TreeShape, steps: int, line: tuple[f
 @lru_cache(maxsize=512)
 def tree_table(p: tuple[float, ...], saved: int, depth: int | None,
                nodes: int | None) -> tuple[tuple[tuple[int, ...], int, float, int, int, int, float, float], ...]:
-    """The tree candidates at rank chances p (what tree_rows prices, less the estimates that change every round):
-    (widths, depth d, value / spine, nodes, level forwards waited for, their columns, spine, the value of its least
-    valuable node: the last one grown), the most valuable least node first. A candidate's E is E_chain(d) + value -
-    spine: its spine as its chain (the positions' acceptance), its side nodes at the rank chances."""
+    """The tree candidates at rank chances p (tree_rows prices them with what changes every round): (widths, depth d,
+    value / spine, nodes, level forwards waited for, their columns, spine, its least node's value: the last grown),
+    the most valuable least node first. Its E is E_chain(d) + value - spine (side nodes at the rank chances)."""
     out, big = [], ((), (MAX_DRAFT + 1,))  # the last tree grown (deepest first); a sentinel as deep as none can be
     for d in [depth] if depth else [] if depth is not None else range(MAX_LEN, 0, -1):  # not by `top`: a miss costs
         if max(big[1][:(grow := min(MAX_DRAFT, nodes or 4 * d))], default=0) > d:  # ~1 ms; a deeper tree's first
@@ -105,10 +102,9 @@ def tree_table(p: tuple[float, ...], saved: int, depth: int | None,
 
 def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | None, nodes: int | None,
               floor: float = 0.0, switch: float = 0.0, need: float = 0.0, runs: float = 0.0) -> list[tuple]:
-    """(widths, E, T, its least node's value x scale, scale) of the candidates where that is `floor` or more (scale:
-    E(d) - 1 over a path's value at the rank chances; `chain`: the chains' E(d)), none under `need` E. T(S): the level
-    forwards not pre-drafted (est.tree_line), the others' wait behind them, R + V (its spine as its chain, its side
-    nodes: est.more_wait), H; after a chain round `switch` x E (1 / tokens left), at least `runs`, of a fresh tree's."""
+    """(widths, E, T, its least node's value x scale, scale) of the candidates where that is `floor` or more, none
+    under `need` E (scale: E(d) - 1 over a path's value; `chain`: the chains' E(d)). T(S): docs/policy.md; after a
+    chain round `switch` x E (1 / tokens left), at least `runs`, of a fresh tree's extra time."""
     p = est.ranks.key()  # to the percent: the tables' cache hits
     spines = accumulate(p[0] ** k for k in range(1, top + 1))  # a path's value per depth, as tree_table's
     out, bound = [], max(((e - 1.0) / max(v, 1e-9) for e, v in zip(chain[1:], spines)), default=0.0)  # the most scale
@@ -155,10 +151,9 @@ class DraftPolicy:
 
     def choose(self, remaining: int, explore: bool = True, stretch: int = 0, opening: bool = False) -> int:
         """The chain length d in 0..min(MAX_LEN, remaining - 1): fixed; when exploring is due (EXPLORE_SHARE; not for
-        a pre-draft), d = 1, or d = 0 and `guessing` where the pre-draft can guess the next token, then one round at
-        the fastest d > 0 (`timing`); else the objective's pick at its own rates (whether: the pooled rates' until its
-        own samples weigh PRIOR_WEIGHT), but d = 0 once in 1 / EXPLORE_SHARE drafting rounds while the worker's cost
-        line has seen one width only. `stretch`: target tokens the draft has not seen; `opening`: see _chains."""
+        a pre-draft), d = 1, or d = 0 and `guessing` where the pre-draft can guess, then a round at the fastest d > 0
+        (`timing`); else the objective's pick at its own rates (whether: the pooled rates' until its own samples weigh
+        PRIOR_WEIGHT), d = 0 once in 1 / EXPLORE_SHARE drafting rounds while the worker's line has seen one width."""
         top = max(0, min(MAX_LEN, remaining - 1))
         if self.fixed is not None:
             return min(self.fixed, top)
@@ -200,6 +195,12 @@ class DraftPolicy:
         """The tree to draft (`--trees on|auto`): the objective's pick over trees and, with `auto`, chains (None: a
         chain wins). `after_tree` False: no tree pre-draft saved a level; an `opening` priced as choose prices it."""
         top, est = max(0, min(MAX_LEN, remaining - 1)), self.edge
+        if trees == "auto" and not after_tree:  # where tree rounds committed less a second than chain rounds (each
+            (t0, s0), (t1, s1) = est.paid  # timed PRIOR_WEIGHT times), trees are weighed once in 1 / EXPLORE_SHARE
+            lose = min(s0.count, s1.count) >= PRIOR_WEIGHT and t1.value * s0.value < t0.value * s1.value  # turns (a
+            est.vetoed = est.vetoed + 1 if lose and (est.vetoed + 1) * EXPLORE_SHARE < 1 else 0  # tree then goes
+            if est.vetoed:  # on while the model picks it: after_tree)
+                return None
         opens = (opening or self.second) and stretch > 0 and est.waits.count > 0 and not est.provisional  # as
         if trees == "auto" and (opening or self.second) and not opens:  # choose prices it, once a verify is measured
             return None  # (at a fresh edge's unit-free prices 16 sessions opened with trees: docs/policy.md)
@@ -230,9 +231,8 @@ class DraftPolicy:
         return None if rows[best][0] is None else TreeShape(rows[best][0], min_value=least / rows[best][4])  # unscaled
 
     def observe_block(self, d: int, n: int, bonus_match: bool | None = None, opening=False, tree=False) -> None:
-        """A VERDICT on a block of d drafts (n accepted; the pre-drafted guess's match after a full block).
-        `opening`: the block right after the prompt, counted apart, and so is the next one after an opening at d = 0
-        (a prompt may end where the target's tokenizer never stops: docs/policy.md). `tree`: a tree round's spine."""
+        """A VERDICT on a block of d drafts (n accepted; the pre-drafted guess's match after a full block). `opening`:
+        the block right after the prompt, counted apart, as is the next after an opening at d = 0 (docs/policy.md)."""
         self.edge.tree_share.observe(float(tree))
         if opening or self.second:  # counted apart: what the next opening (and the block after one at d = 0) is
             self.second = opening and not d  # priced at
@@ -249,10 +249,13 @@ class DraftPolicy:
 
     def observe_round(self, width: int, latency_s: float, hint: LoadHint | None, draft_s: float | None,
                       steps: int = 0, catchup: bool = False, prefilled: bool = False,
-                      tree: TreeShape | None = None, handled_s: float | None = None) -> None:
+                      tree: TreeShape | None = None, handled_s: float | None = None, committed: int = 0) -> None:
         """The round's timings: `draft_s` the wait for its chain's (or `tree`'s) `steps` fresh forwards (None: not
-        timed; `catchup`: they first caught up on a stretch), `handled_s` the edge's own time besides."""
+        timed; `catchup`: after a stretch), `handled_s` the edge's own time besides; the tokens it `committed`."""
         self.edge.observe_round(width, latency_s, hint, prefilled)
+        if committed and draft_s is not None and handled_s is not None and not prefilled:  # a round's yield
+            for x, y in zip(self.edge.paid[tree is not None], (committed, draft_s + latency_s + handled_s)):
+                x.observe(y)
         if handled_s is not None:
             self.edge.handled[width > 1].observe(handled_s)
         if draft_s is not None and (self.exploring or self.timing == 2):

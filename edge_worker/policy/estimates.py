@@ -16,6 +16,8 @@ ACCEPT_DECAY = 0.995   # per verdict: acceptance counts (memory ~200 blocks of a
                        # reached rarely, and their rates must not fall back to the prior between two visits)
 DECAY = 0.98           # per observation: timings (memory ~50: follows a load change within seconds)
 CLIP = 3.0             # a timing over CLIP x its estimate counts as CLIP x (one stall is not a trend)
+PREDRAFT_SHARE = 0.8   # pre-drafting stops this far into the expected wait, so the draft thread is idle (and the
+                       # GIL free) when the VERDICT arrives and its handling is not delayed
 DRAFT_PRIOR = 0.25     # a draft forward over a verify, until timed (a demo draft has ~1/4 of its target's layers)
 
 
@@ -116,8 +118,7 @@ class RankAcceptance:
 
     def decay(self) -> None:
         for rows in (self.reached, self.accepted):
-            for row in rows:
-                row[:] = [x * ACCEPT_DECAY for x in row]
+            rows[:] = [[x * ACCEPT_DECAY for x in row] for row in rows]
         self.seen, self._mean = [x * ACCEPT_DECAY for x in self.seen], None
 
     def observe(self, bucket: int, children: int, accepted: int | None) -> None:
@@ -191,12 +192,13 @@ class EdgeEstimates:
         self.drafting = 0                     # rounds at d > 0 (any session's) since the last one at d = 0
         self.tree_saved = EWMean(clip=float("inf"))  # levels a tree pre-draft had grown at the VERDICT (a count)
         self.tree_share = EWMean(clip=float("inf"))  # the share of rounds (any session's) that drafted a tree
+        self.paid = tuple((EWMean(clip=float("inf")), EWMean()) for _ in range(2))  # chain rounds', tree rounds':
+        self.vetoed = 0                       # (tokens committed, seconds) a round; trees' turns vetoed in a row
         self.tree_waited = EWLine(1.0)        # a tree round's wait for its draft vs its levels' modelled compute
         self.others = EWMean(clip=float("inf"))  # chain jobs a second that came in while a draft batch ran
         self.lookahead = 0                    # target tokens drafted past a block (1 across vocabularies)
         self.handled = (EWMean(), EWMean())   # H: the edge's own seconds a round besides its waits: d = 0, d > 0
 
-    # ---------------------------------------------------------------- what the shell measured
     def observe_draft(self, rows: float, forwards: list[tuple[int, float]], others: float | None = None) -> None:
         """The draft thread ran a lockstep batch of `rows` sessions per forward on average (0: a pre-draft chunk), its
         forwards (columns, seconds: a catch-up is a wide forward), `others` chain jobs a second meanwhile (None)."""
@@ -242,7 +244,6 @@ class EdgeEstimates:
             if hint.forward_us:
                 self.queue_share.observe(min(CLIP, hint.queue_us / hint.forward_us))
 
-    # ---------------------------------------------------------------- the cost model
     def step(self, columns: float | None = None) -> float:
         """t: seconds per draft forward at `columns` (default: one per session of a lockstep batch); before any
         timing a guess from the verify's cost (1 unit in-process)."""
@@ -312,11 +313,7 @@ class EdgeEstimates:
 
 
 def _at_least(line: EWLine, least: float) -> tuple[float, float]:
-    """A measured wait line's (c, s), s no less than `least` (the compute it waits for: a slope under it is noise),
-    then through the measured mean."""
+    """A measured line's (c, s), s at least `least` (a slope under the compute it waits for is noise): via its mean."""
     (c, s), mx, my = line.fit(), line.sx / line.sw, line.sy / line.sw
     return (c, s) if s >= least else (max(0.0, my - least * mx), least)
 
-
-PREDRAFT_SHARE = 0.8   # pre-drafting stops this far into the expected wait, so the draft thread is idle (and the
-                       # GIL free) when the VERDICT arrives and its handling is not delayed

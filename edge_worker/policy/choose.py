@@ -232,7 +232,7 @@ class DraftPolicy:
 
     def observe_block(self, d: int, n: int, bonus_match: bool | None = None, opening=False, tree=False) -> None:
         """A VERDICT on a block of d drafts (n accepted; the pre-drafted guess's match after a full block). `opening`:
-        the block right after the prompt, counted apart, as is the next after an opening at d = 0 (docs/policy.md)."""
+        the block right after the prompt, counted apart, as the next after an opening at d = 0. `tree`: its spine."""
         self.edge.tree_share.observe(float(tree))
         if opening or self.second:  # counted apart: what the next opening (and the block after one at d = 0) is
             self.second = opening and not d  # priced at

@@ -27,16 +27,18 @@ CANDIDATES = 8                    # candidates kept per fed node: children, then
 
 def bucket_of(q: torch.Tensor) -> int:  # q: [V] the draft's probabilities after the node
     """The node's confidence class, 0 (the draft hesitates between two tokens) .. len(BUCKETS) (sure)."""
-    top = q.topk(2).values.double()
-    return bisect_right(BUCKETS, float(top[0] / top[1].clamp(min=1e-30)))
+    return _class(q.topk(min(2, q.shape[-1])).values.tolist())
+
+
+def _class(top: list[float]) -> int:  # the likeliest probabilities, likeliest first (Python floats: ~3x faster)
+    return bisect_right(BUCKETS, top[0] / max(top[1], 1e-30)) if len(top) > 1 else 0
 
 
 def ranked(q: torch.Tensor) -> tuple[list[int], int]:  # q: [V] the draft's probabilities at a chain's position
     """The MAX_BRANCH likeliest ids, likeliest first, and the confidence class: what a tree node there would have
     had as children (a chain's rejection shows which of them the target took: RankAcceptance.observe_chain)."""
     top = q.topk(min(MAX_BRANCH, q.shape[-1]))  # to Python lists first: ~20 us a call, not ~60 (a call per token)
-    ids, v = top.indices.tolist(), top.values.tolist()
-    return ids, bisect_right(BUCKETS, v[0] / max(v[1], 1e-30)) if len(v) > 1 else 0
+    return top.indices.tolist(), _class(top.values.tolist())
 
 
 @dataclass(frozen=True)

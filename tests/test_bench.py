@@ -186,3 +186,12 @@ def test_sweep_runs_a_throwaway_edge_before_the_measured_edges_warm_up(monkeypat
     assert ran[:2] == [(0, ("a",)), ("closed", 0)]  # the throwaway edge: made first, run on slice 0, closed
     assert ran[2:4] == [(2, ("a",)), (3, ("a",))]  # then each auto edge's own warm-up (edge 1: the fixed lengths)
     assert all(i != 0 for i, _ in ran[4:])  # the throwaway edge measures nothing
+
+
+def test_sweep_warns_where_its_slice_runs_rotate_the_configurations_unevenly():
+    """`_sweep_link` rotates the configurations' order slice by slice; with 4 slice runs over 7 configurations some
+    ran first more often (16 sessions, `--num-prompts 32 --repeat 2 --trees compare --control`)."""
+    from specrelay.bench.sweep import uneven_order
+
+    assert "4 slice runs" in uneven_order(4, 7) and "multiple of 7" in uneven_order(4, 7)
+    assert uneven_order(21, 7) is None and uneven_order(5, 5) is None

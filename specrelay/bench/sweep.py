@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import sys
 import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -121,6 +122,8 @@ def run(args) -> dict:
                                args.trees, args.tree_nodes)
     if getattr(args, "control", False):  # the chain policy twice: the noise of a bar line (treesweep.control)
         configs += [c._replace(copy=1) for c in configs if is_auto(c.d) and c.trees == "off"]
+    if note := uneven_order(args.repeat * -(-len(texts) // args.sessions), len(configs)):
+        print(note, file=sys.stderr)
     rows, itl, tpot = [], {}, {}
     cluster = LocalCluster(args.target, workers=args.workers, max_batch=args.max_batch, threads=args.threads,
                            pin=not args.no_pin)
@@ -226,6 +229,15 @@ async def _sweep_link(args, endpoint: str, worker_ports: list[int], pids: list[i
                         after = await asyncio.to_thread(scrape, worker_ports) | _cpu(pids)
                         tallies[c].add(r, runs, wall, {k: after[k] - before[k] for k in after})
     return tallies
+
+
+def uneven_order(runs: int, configs: int) -> str | None:
+    """A warning where `runs` slice runs are not a whole number of rotations of the configurations' order: some
+    then run first in a slice more often than others, and a bar line between two may read that place, not them."""
+    if runs % configs == 0:
+        return None
+    return (f"bench sweep: {runs} slice runs (--repeat x slices of --sessions prompts) rotate {configs} "
+            f"configurations unevenly; a multiple of {configs} gives each the same places in a slice's order")
 
 
 def _edge_key(c: Config) -> tuple:

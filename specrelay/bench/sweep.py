@@ -191,7 +191,7 @@ def _run_async(coro):
 async def _sweep_link(args, endpoint: str, worker_ports: list[int], pids: list[int], texts: list[str], configs,
                       drafter, tokenizer) -> dict:
     """Run every configuration on every slice of `sessions` prompts, slice by slice and configuration after
-    configuration (the order rotates), `repeat` times: a slow spell of a shared machine hits all alike. `auto`
+    configuration (in `orders`' orders, slice run after slice run), `repeat` times: a slow spell of a shared machine hits all alike. `auto`
     runs on an edge of its own (one per pre-drafting setting), so it learns only from its own rounds."""
     from contextlib import AsyncExitStack
 
@@ -200,7 +200,7 @@ async def _sweep_link(args, endpoint: str, worker_ports: list[int], pids: list[i
     from ..edge_worker.config import EdgeConfig
     from ..edge_worker.server import EdgeWorker
 
-    tallies = {c: Tally() for c in configs}
+    tallies, order = {c: Tally() for c in configs}, orders(len(configs))
     slices = [texts[i:i + args.sessions] for i in range(0, len(texts), args.sessions)]
     async with AsyncExitStack() as stack:
         edges = {}
@@ -221,8 +221,7 @@ async def _sweep_link(args, endpoint: str, worker_ports: list[int], pids: list[i
         with tqdm(total=total, unit="tok", desc="sweep", leave=False, disable=None) as bar:
             for r in range(args.repeat):
                 for i, part in enumerate(slices):
-                    turn = (r * len(slices) + i) % len(configs)
-                    for c in configs[turn:] + configs[:turn]:
+                    for c in (configs[j] for j in order[(r * len(slices) + i) % len(order)]):
                         edge = edges[_edge_key(c)]
                         before = await asyncio.to_thread(scrape, worker_ports) | _cpu(pids)
                         runs, wall = await run_sessions(edge, part, _session_config(args, c), args.sessions, bar)
@@ -231,13 +230,25 @@ async def _sweep_link(args, endpoint: str, worker_ports: list[int], pids: list[i
     return tallies
 
 
+def orders(n: int) -> list[list[int]]:
+    """The slice runs' orders of n configurations (a Williams design): over these, each configuration runs in each
+    place of a slice's order and right after each other one equally often. A plain rotation keeps each one's
+    predecessor: the chain policy then always ran after the same configuration and read 0.92-0.99x its own copy in 8
+    of 8 runs (16 sessions; docs/benchmarks.md)."""
+    first = [0] + [(j + 1) // 2 if j % 2 else n - j // 2 for j in range(1, n)]  # 0, 1, n-1, 2, n-2, ...
+    rows = [[(k + j) % n for j in first] for k in range(n)]
+    return rows + [row[::-1] for row in rows] * (n % 2 and n > 1)  # odd n: the reversed rows balance the
+    # predecessors
+
+
 def uneven_order(runs: int, configs: int) -> str | None:
-    """A warning where `runs` slice runs are not a whole number of rotations of the configurations' order: some
-    then run first in a slice more often than others, and a bar line between two may read that place, not them."""
-    if runs % configs == 0:
+    """A warning where `runs` slice runs are not a whole number of passes over the `orders` of `configs`
+    configurations: a bar line between two may then read their places in the order, not them."""
+    if runs % (period := len(orders(configs))) == 0:
         return None
-    return (f"bench sweep: {runs} slice runs (--repeat x slices of --sessions prompts) rotate {configs} "
-            f"configurations unevenly; a multiple of {configs} gives each the same places in a slice's order")
+    return (f"bench sweep: {runs} slice runs (--repeat x slices of --sessions prompts) over {configs} configurations "
+            f"give them unequal places in a slice's order; a multiple of {period} runs each in each place and after "
+            f"each other one equally often")
 
 
 def _edge_key(c: Config) -> tuple:

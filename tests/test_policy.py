@@ -884,16 +884,18 @@ def test_greedy_chains_teach_the_trees_rank_acceptance():
     assert est.ranks.reached[3][3] > 0 and est.ranks.accepted[3][3] == pytest.approx(1.0)
 
 
-def test_the_rank_key_holds_within_a_percent():
-    """The tree tables are cached by the rank chances to the percent (~1.6 ms a miss); chains move them a little
+def test_the_rank_key_holds_within_two_percent():
+    """The tree tables are cached by the rank chances to the percent (~0.9 ms a miss); chains move them a little
     every round, and a chance at a rounding edge missed the cache round after round (shape() 0.85 ms a call on
-    loopback, 2 % of a round). The key holds until a chance moves more than a percent from it."""
+    loopback, 2 % of a round). Held within one percent, 38 of 188 table lookups still missed with one session on
+    loopback (8 within two). The key holds until a chance moves more than two percent from it."""
     est = EdgeEstimates()
-    chances = iter([[0.7, 0.0449, 0.02, 0.0], [0.7, 0.0451, 0.02, 0.0]] * 5 + [[0.7, 0.058, 0.02, 0.0]])
-    est.ranks.mean_p_rank = lambda: next(chances)  # at a rounding edge, then past a percent from the key
-    keys = [est.ranks.key() for _ in range(10)]
-    assert keys == [(0.7, 0.04, 0.02, 0.0)] * 10  # rounded, each call would miss the cache
-    assert est.ranks.key() == (0.7, 0.06, 0.02, 0.0)
+    chances = iter([[0.7, 0.0449, 0.02, 0.0], [0.7, 0.0451, 0.02, 0.0], [0.7, 0.058, 0.02, 0.0]] * 4
+                   + [[0.7, 0.068, 0.02, 0.0]])
+    est.ranks.mean_p_rank = lambda: next(chances)  # at a rounding edge, a percent and more, then past two from it
+    keys = [est.ranks.key() for _ in range(12)]
+    assert keys == [(0.7, 0.04, 0.02, 0.0)] * 12  # rounded, each call would miss the cache
+    assert est.ranks.key() == (0.7, 0.07, 0.02, 0.0)
     est = EdgeEstimates()
     chain_ranks(est, second=0.2)
     assert est.ranks.key() == tuple(round(x, 2) for x in est.ranks.mean_p_rank())

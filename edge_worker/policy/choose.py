@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import Counter
 from functools import lru_cache
 from itertools import accumulate
 
@@ -91,9 +92,8 @@ def tree_table(p: tuple[float, ...], saved: int, depth: int | None,
         totals, depths = big[0][:grow], big[1][:grow]
         spine = sum(p[0] ** k for k in range(1, d + 1))  # a path's value: what the chain's E(d) - 1 scales
         for n in sorted({min(nodes, len(totals))} if nodes else {math.ceil(f * d) for f in TREE_FILL}):
-            if d < n <= len(totals) or nodes:
-                first = depths[:n]  # its first n nodes, per level (they may not reach depth d)
-                value, w = totals[n - 1], tuple(map(first.count, range(1, max(first) + 1)))
+            if d < n <= len(totals) or nodes:  # its first n nodes per level (a node comes after its parent)
+                value, w = totals[n - 1], tuple(Counter(depths[:n]).values())
                 steps = len(w) - min(len(w), saved)
                 last = value - (totals[n - 2] if n > 1 else 0.0)
                 out.append((w, d, value / max(spine, 1e-9), n, steps, waited_columns(w, steps), spine, last))

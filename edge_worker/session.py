@@ -264,7 +264,8 @@ class EdgeSession:
         tree = self.trees.shape if self.trees.last_tree else None  # a tree engine's round (0 steps: all grown)
         steps = self.trees.last_steps if tree is not None else self._steps
         self.policy.observe_round(self._width, latency_s, self._hint, draft_s, steps, self._catchup, self._prefilled,
-                                  tree=tree, handled_s=handled_s, committed=committed)
+                                  tree=tree, handled_s=handled_s, committed=committed * (not self.done))  # the last
+        # round commits what was left, and what was left picked its kind (a chain): no kind's rate (policy.md)
 
     # ---------------------------------------------------------------------------- replies
     def apply(self, reply: P.Base) -> list[int]:

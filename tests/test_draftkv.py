@@ -15,7 +15,7 @@ from specrelay.common.protocol import Mode
 from specrelay.common.runner import Decoder
 from specrelay.common.sampling import SamplingParams
 from specrelay.edge_worker.draft.kv import LockstepKV, SessionKV, Workspace
-from specrelay.edge_worker.draft.drafter import Drafter, DraftJob
+from specrelay.edge_worker.draft.drafter import DraftBlock, Drafter, DraftJob
 from specrelay.edge_worker.draft.batcher import _rows_per_forward
 
 
@@ -296,6 +296,21 @@ async def queued_mid_batch(runner, batcher, first_job, second_job):
         return first, await second[0]
     finally:
         runner.model.forward = real
+
+
+def test_a_greedy_one_vocabulary_draft_picks_from_its_logits_as_from_its_probabilities(tiny_runners):
+    """The greedy draft of one vocabulary skips the softmax (~10 us a row a draft step: 16 sessions drafting 8
+    tokens each pay it 128 times a round): the same token, the same likeliest ids and the same confidence class."""
+    from specrelay.edge_worker.trees.tree import ranked
+
+    target, draft = tiny_runners
+    drafter = Drafter(draft, target.vocab_size)
+    rows = [torch.randn(draft.vocab_size) * scale for scale in (0.1, 1.0, 3.0, 10.0) for _ in range(8)]
+    for logits in rows:
+        q = drafter.to_target(torch.softmax(logits, -1))
+        job = DraftJob(drafter.new_state([1]), [1], 1, 1, Mode.GREEDY, SamplingParams(), 0)
+        assert drafter.choose(logits, job, 1, DraftBlock()) == int(q.argmax())
+        assert ranked(logits[:target.vocab_size], logits=True) == ranked(q)
 
 
 def test_a_greedy_job_that_asks_keeps_each_positions_likeliest_ids(tiny_runners):

@@ -14,6 +14,7 @@ while the VERIFY was in flight, starts the next block.
 from __future__ import annotations
 
 import heapq
+import math
 from bisect import bisect_right
 from dataclasses import dataclass, field
 
@@ -34,11 +35,13 @@ def _class(top: list[float]) -> int:  # the likeliest probabilities, likeliest f
     return bisect_right(BUCKETS, top[0] / max(top[1], 1e-30)) if len(top) > 1 else 0
 
 
-def ranked(q: torch.Tensor) -> tuple[list[int], int]:  # q: [V] the draft's probabilities at a chain's position
+def ranked(q: torch.Tensor, logits: bool = False) -> tuple[list[int], int]:  # q: [V] the draft's probabilities
     """The MAX_BRANCH likeliest ids, likeliest first, and the confidence class: what a tree node there would have
-    had as children (a chain's rejection shows which of them the target took: RankAcceptance.observe_chain)."""
+    had as children (a chain's rejection shows which of them the target took: RankAcceptance.observe_chain).
+    `logits`: q holds logits (the class is of their probabilities, exp(l_r - l_0) times a common factor)."""
     top = q.topk(min(MAX_BRANCH, q.shape[-1]))  # to Python lists first: ~20 us a call, not ~60 (a call per token)
-    return top.indices.tolist(), _class(top.values.tolist())
+    values = top.values.tolist()
+    return top.indices.tolist(), _class([math.exp(v - values[0]) for v in values] if logits else values)
 
 
 @dataclass(frozen=True)

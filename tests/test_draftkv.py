@@ -313,6 +313,29 @@ def test_a_greedy_one_vocabulary_draft_picks_from_its_logits_as_from_its_probabi
         assert ranked(logits[:target.vocab_size], logits=True) == ranked(q)
 
 
+def test_a_steps_greedy_rows_take_their_likeliest_ids_from_one_topk(tiny_runners, monkeypatch):
+    """A lockstep step's greedy rows read their tokens and ranks from one topk over the step's logits
+    (Drafter._tops; one call a row cost ~14-26 us a draft step, 16 sessions x 8 steps a round): the same blocks as
+    each job drafted alone, where `choose` takes its own."""
+    target, draft = tiny_runners
+    drafter = Drafter(draft, target.vocab_size)
+    prompts = ["def add(a, b):\n", "The capital of", "import numpy as np\n", "for i in range("]
+    contexts = [draft.tokenizer(p).input_ids for p in prompts]
+
+    def jobs():
+        return [DraftJob(drafter.new_state(c), c, len(c), 6, Mode.GREEDY, SamplingParams(), 0, ranks=i % 2 == 0)
+                for i, c in enumerate(contexts)]
+
+    alone = [drafter.draft_batch([job])[0] for job in jobs()]
+    read, tops = [], Drafter._tops
+    monkeypatch.setattr(Drafter, "_tops", lambda self, *args: (tops(self, *args), read.append(sum(
+        job.state.last_top is not None and job.state.last_top[0] is job.state.last_logits for job in args[0]))))
+    together = drafter.draft_batch(jobs())
+    assert read and read[0] == len(prompts)  # every row's ids came from the one topk
+    assert [b.ids for b in together] == [b.ids for b in alone]
+    assert [b.ranked for b in together] == [b.ranked for b in alone] and together[0].ranked and not together[1].ranked
+
+
 def test_a_greedy_job_that_asks_keeps_each_positions_likeliest_ids(tiny_runners):
     """`ranks` (a session that may draft trees): each drafted position keeps the draft's MAX_BRANCH likeliest ids,
     its own token first, and its confidence class, through a pre-draft's continuation too (DraftBlock.part / +):

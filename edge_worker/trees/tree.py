@@ -35,13 +35,17 @@ def _class(top: list[float]) -> int:  # the likeliest probabilities, likeliest f
     return bisect_right(BUCKETS, top[0] / max(top[1], 1e-30)) if len(top) > 1 else 0
 
 
-def ranked(q: torch.Tensor, logits: bool = False) -> tuple[list[int], int]:  # q: [V] the draft's probabilities
+def ranked(q: torch.Tensor, logits: bool = False, top: tuple[list[int], list[float]] | None = None
+           ) -> tuple[list[int], int]:  # q: [V] the draft's probabilities at a chain's position
     """The MAX_BRANCH likeliest ids, likeliest first, and the confidence class: what a tree node there would have
     had as children (a chain's rejection shows which of them the target took: RankAcceptance.observe_chain).
-    `logits`: q holds logits (the class is of their probabilities, exp(l_r - l_0) times a common factor)."""
-    top = q.topk(min(MAX_BRANCH, q.shape[-1]))  # to Python lists first: ~20 us a call, not ~60 (a call per token)
-    values = top.values.tolist()
-    return top.indices.tolist(), _class([math.exp(v - values[0]) for v in values] if logits else values)
+    `logits`: q holds logits (the class is of their probabilities, exp(l_r - l_0) times a common factor); `top`:
+    q's (ids, values) already taken (a batched topk)."""
+    if top is None:
+        found = q.topk(min(MAX_BRANCH, q.shape[-1]))  # to Python lists first: ~20 us a call, not ~60
+        top = found.indices.tolist(), found.values.tolist()
+    ids, values = top
+    return ids, _class([math.exp(v - values[0]) for v in values] if logits else values)
 
 
 @dataclass(frozen=True)

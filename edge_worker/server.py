@@ -237,6 +237,8 @@ class EdgeWorker(transport.Service):
         self._send(route, request)
         sent = time.perf_counter()
         pre = self._predraft(session) if expect is P.Verdict else None
+        if expect is P.Verdict:
+            session.plan()  # the next round's tree or chain (`--trees auto`), weighed while this one is in flight
         try:
             reply = await self._wait(session, waiter, request.seq)
             latency = time.perf_counter() - sent

@@ -231,6 +231,12 @@ class EdgeSession:
         self._predrafted = job is not None
         return job
 
+    def plan(self) -> None:
+        """While a chain's VERIFY is in flight (after its pre-draft is queued): with `--trees auto`, weigh whether
+        the next round drafts a tree, off the critical path (TreeRounds.plan)."""
+        if self._block is not None and self.trees.block is None and not self.done and self._pending is None:
+            self.trees.plan(self.config.max_new_tokens - len(self.generated) - len(self._block.ids) - 1)
+
     def _chain_predraft(self) -> DraftJob | None:
         chain, job = self._chain, self._job
         guess, self.policy.guessing = self.policy.guessing, False  # exploring: the guess alone, a sample

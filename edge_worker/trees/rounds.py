@@ -42,6 +42,7 @@ class TreeRounds:
         self.chains_only = False
         self.last_steps = 0                   # forwards the last tree job ran (0: not a tree round)
         self.last_tree = False                # the last round drafted a tree (its pre-draft grew the next one)
+        self.planned: tuple[int, TreeShape | None] | None = None  # (seq, shape): the next round's, weighed in flight
 
     @property
     def on(self) -> bool:
@@ -64,8 +65,14 @@ class TreeRounds:
         nothing when no draft pays at all."""
         s, c = self.s, self.s.config
         retry = self.block is not None and self.root_len == len(s.tokens)
-        shape = self.shape if retry else self.next_shape(c.max_new_tokens - len(s.generated), self.last_tree,
-                                                         opening=s.prefill_due > 0)
+        remaining, (seq, planned) = c.max_new_tokens - len(s.generated), self.planned or (None, None)
+        self.planned = None
+        if retry:
+            shape = self.shape
+        elif seq == s.seq and s.prefill_due == 0 and (planned is None or planned.depth < remaining):
+            shape = planned  # weighed while the round before was in flight (plan, predraft_job)
+        else:
+            shape = self.next_shape(remaining, self.last_tree, opening=s.prefill_due > 0)
         if shape is None or (not retry and self.trees == "auto" and shape.is_chain):
             return None
         if shape.depth == 0:
@@ -74,6 +81,14 @@ class TreeRounds:
         self.shape, s._job, s._seen = shape, None, len(s.tokens)  # the tree job catches the draft up
         return TreeJob(s.state, list(s.tokens), shape, s.mode, c.params, c.seed, self.edge().ranks,
                        branching=self._rows_left())
+
+    def plan(self, remaining: int) -> None:
+        """While a chain round is in flight (`auto`): weigh the next round's tree now, at the estimates before its
+        VERDICT, `remaining` tokens left if the whole chain is accepted; `job` takes it. Its 0.3-0.5 ms (one session,
+        loopback) then is not on the critical path between a VERDICT and the next VERIFY (docs/policy.md)."""
+        s = self.s
+        if self.trees == "auto" and self.on and remaining > 1 and not (s._prefilled or s.policy.second):
+            self.planned = s.seq, self.next_shape(remaining, after_tree=False)
 
     def _rows_left(self) -> int | None:
         """Sample mode: branching nodes a VERIFY can carry (a dense q row is 4 bytes per target id)."""
@@ -176,6 +191,7 @@ class TreeRounds:
             return None
         remaining = s.config.max_new_tokens - len(s.generated) - 1
         shape = self.next_shape(remaining)
+        self.planned = (s.seq, shape) if not s._prefilled else None  # job takes it if the verdict leaves room
         if shape is None or shape.depth == 0 or remaining <= 1:
             return None
         chunks = self._chunks(shape)

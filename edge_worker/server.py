@@ -236,9 +236,10 @@ class EdgeWorker(transport.Service):
         waiter = route.wait_for(request.seq, expect)
         self._send(route, request)
         sent = time.perf_counter()
-        pre = self._predraft(session) if expect is P.Verdict else None
-        if expect is P.Verdict:
-            session.plan()  # the next round's tree or chain (`--trees auto`), weighed while this one is in flight
+        pre = None
+        if expect is P.Verdict:  # while this round is in flight: the next one's pre-draft, and its tree or chain
+            pre = self._predraft(session)
+            session.plan()  # (`--trees auto`)
         try:
             reply = await self._wait(session, waiter, request.seq)
             latency = time.perf_counter() - sent

@@ -112,6 +112,11 @@ class Drafter:
         self._workspaces = threading.local()  # lockstep K/V buffers, reused batch after batch, one per thread
         self._grammar_vocab: TokenVocab | None = None
 
+    @property
+    def one_vocabulary(self) -> bool:
+        """The draft's logits are over the target's ids as they stand (no `to_target` mapping): q' orders them."""
+        return type(self).to_target is Drafter.to_target
+
     def grammar_vocab(self) -> TokenVocab:
         """The target tokenizer as the grammar engine sees it: built at the first constrained session."""
         if self._grammar_vocab is None:
@@ -165,7 +170,7 @@ class Drafter:
         if job.grammar is not None:  # after the penalties, as the cloud masks its penalised rows
             logits = self._constrained(logits, job, block)
         if job.mode == Mode.GREEDY:
-            raw = type(self).to_target is Drafter.to_target  # one vocabulary: q' orders the ids both models have
+            raw = self.one_vocabulary
             q = logits[:self.target_vocab_size] if raw else self.to_target(torch.softmax(logits.float(), -1))  # as
             step = job.state.last_top if raw and job.state.last_top and job.state.last_top[0] is logits else None
             if job.ranks:  # their logits do (no softmax: ~25 us a row a step); the likeliest id is the first,
@@ -280,7 +285,7 @@ class Drafter:
         """The step's greedy rows' likeliest ids in ONE topk over their logits (`choose` reads them): one call a row
         cost ~14 us (argmax) or ~26 (the ranks' topk) a draft step, 16 sessions x 8 steps a round."""
         rows = [r for r, (job, fed) in enumerate(zip(jobs, feeds)) if fed and job.mode == Mode.GREEDY
-                and job.penalties is None and job.grammar is None and type(self).to_target is Drafter.to_target]
+                and job.penalties is None and job.grammar is None and self.one_vocabulary]
         if len(rows) < 2 or logits.shape[-1] < 2:  # one row: choose's own call costs the same
             return
         picked = logits[rows, [len(feeds[r]) - 1 for r in rows], :self.target_vocab_size]

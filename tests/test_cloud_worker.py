@@ -476,12 +476,14 @@ async def test_silent_broker_means_reconnect_and_ready_again(fake_broker, start_
     target, _ = tiny_runners
     broker = fake_broker(heartbeat=0.02)  # beats until the session is open: a loaded machine may take > 0.15 s
     worker = await start_worker(broker, heartbeat_interval=0.05, heartbeat_liveness=3)
-    while True:  # a loaded machine can starve the beats past 0.15 s: an early reconnect drops the OPEN, so resend
+    for _ in range(5):  # a loaded machine can starve the beats past 0.15 s: an early reconnect drops the OPEN: resend
         readies = len(broker.of_type(P.Ready))
         await broker.send(b"e", P.Open(51, ids_of(target, PROMPTS[0])))
         await wait_until(lambda: worker.stats["sessions_open"] == 1 or len(broker.of_type(P.Ready)) > readies)
         if worker.stats["sessions_open"] == 1 and len(broker.of_type(P.Ready)) == readies:
             break
+    else:
+        pytest.fail(f"the worker reconnected 5 times before a session opened: {worker.stats['reconnects']} reconnects")
     first = broker.worker
     broker.heartbeat = None  # now silent
     await broker.ready(count=readies + 1)

@@ -14,7 +14,7 @@ from specrelay.common.protocol import LoadHint, Objective
 from specrelay.edge_worker.policy import TOLERANCE, DraftPolicy, EdgeEstimates, chain_rows, pick, tree_rows
 from specrelay.edge_worker.policy import choose
 from specrelay.edge_worker.policy.choose import EXPLORE_SHARE, TREE_FILL, tree_compute, tree_table, wait_for
-from specrelay.edge_worker.policy.estimates import PRIOR_WEIGHT
+from specrelay.edge_worker.policy.estimates import PRIOR_WEIGHT, AcceptanceCounts
 from specrelay.edge_worker.trees.tree import TreeShape
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -950,3 +950,16 @@ def test_a_tree_after_a_chain_round_pays_its_fresh_levels_as_often_as_trees_swit
             seen[share, name] = DraftPolicy(est).shape(48, "auto", None, None, after_tree=after)
     assert seen[0.9, "after_chain"] is not None and seen[0.05, "after_tree"] is not None
     assert seen[0.05, "after_chain"] is None  # trees one at a time: a tree after a chain round is not worth it
+
+
+def test_pooled_rates_are_computed_once_between_two_verdicts():
+    """Every session's choices read the edge's pooled rates (a few times a round each): they are computed once until
+    the next verdict's counts, which show at once; rates toward a prior (a session's own) are not cached."""
+    counts, fresh = AcceptanceCounts(), AcceptanceCounts()
+    first = counts.rates(8)
+    assert counts.rates(8) is first and counts.rates(4) == first[:4]
+    for c in (counts, fresh):
+        c.observe(4, 1)
+    assert counts.rates(8) == fresh.rates(8) != first
+    prior = [0.5] * 8
+    assert counts.rates(8, prior) != counts.rates(8) and counts.rates(8, prior) is not counts.rates(8, prior)

@@ -73,10 +73,9 @@ def waited_columns(widths: tuple[int, ...], steps: int) -> int:
     return sum((1, *widths[:-1])[-steps:]) if steps > 0 else 0
 
 
-def tree_compute(est: EdgeEstimates, shape: TreeShape, steps: int, line: tuple[float, float] | None = None) -> float:
-    """Seconds of draft compute in a tree's last `steps` level forwards (each t(rows x its columns), t: `line`)."""
-    c, s = line or est.step_line()
-    return max(0, steps) * c + s * est.rows.value * waited_columns(shape.widths, steps)
+def tree_compute(est: EdgeEstimates, shape: TreeShape, steps: int) -> float:
+    """Seconds of draft compute in a tree's last `steps` level forwards (each t(rows x its columns): step_line)."""
+    return max(0, steps) * (line := est.step_line())[0] + line[1] * est.rows.value * waited_columns(shape.widths, steps)
 
 
 @lru_cache(maxsize=512)
@@ -212,13 +211,14 @@ class DraftPolicy:
         offered = chains if depth is None else chains[min(depth, top):min(depth, top) + 1]  # the chains `auto` weighs
         # no node worth less than its seconds at the best rate (`auto`: the chains'): else a tree goes out smaller
         floor = node_cost * max(e / max(t, 1e-12) for e, t in offered) if trees == "auto" else 0.0
-        bars = []  # `auto`: a tree replaces the chain the objective picks, pooled and at the session's own rates,
-        if trees == "auto":  # only if modelled no slower and no fewer tokens a call (`balanced` took slower trees)
-            own = chains if opens else chain_rows(est, self.own_rates(top + 1), top, True, fresh * after_tree)
-            bars = [offered[pick(offered, self.objective)], own[pick(own, self.objective)]]
+        bars = [offered[pick(offered, self.objective)]] * (trees == "auto")  # `auto`: a tree replaces the chain
         rows = [(w, e, t + catchup, *r) for w, e, t, *r in tree_rows(est, [e for e, _ in chains], top, depth, nodes,
                 floor, 1.0 if opens else fresh * (not after_tree), max((e for e, _ in bars), default=0.0),
                 1.0 - est.tree_share.value)]  # paid once: trees run ~1 / (1 - share) rounds
+        if rows and bars:  # the objective picks, pooled and (weighed last: mostly no tree is left) at the session's
+            own = chains if opens else chain_rows(est, self.own_rates(top + 1), top, True, fresh * after_tree)  # own
+            bars.append(own[pick(own, self.objective)])  # rates, only if modelled no slower and no fewer tokens
+            rows = [r for r in rows if r[1] >= bars[1][0]]  # a call (`balanced` took slower trees)
         if not rows:  # no tree at all (with `auto`: none reaches the floor): `auto` drafts its chain, `on` nothing
             return None if trees == "auto" else TreeShape()
         rows = [(None, e, t, 1.0, 1.0) for e, t in offered] * (trees == "auto") + rows

@@ -28,10 +28,8 @@ class EWMean:
         self.decay, self.value, self.weight, self.count, self.clip = decay, default, 0.0, 0, clip
 
     def observe(self, x: float) -> None:
-        if self.count and self.value > 0:
-            x = min(x, self.clip * self.value)
-        self.count += 1
-        self.weight = self.decay * self.weight + 1
+        x = min(x, self.clip * self.value) if self.count and self.value > 0 else x
+        self.count, self.weight = self.count + 1, self.decay * self.weight + 1
         self.value += (x - self.value) / self.weight
 
 
@@ -81,12 +79,12 @@ class AcceptanceCounts:
     """Decayed counts per draft position: how often position j was reached and accepted."""
 
     def __init__(self) -> None:
-        self.reached, self.accepted = [], []  # decayed counts (floats) per position
+        self.reached, self.accepted, self._rates = [], [], {}  # decayed counts (floats) per position; rates(n)'s
 
     def observe(self, d: int, n: int, bonus_match: bool | None = None) -> None:
         """A block of d drafts, n accepted; bonus_match: the guess past a full block matched (None: no guess)."""
         top = d + 1 if n == d and bonus_match is not None else d
-        grow = max(0, top - len(self.reached))
+        grow, self._rates = max(0, top - len(self.reached)), {}
         self.reached = [r * ACCEPT_DECAY for r in self.reached] + [0.0] * grow
         self.accepted = [a * ACCEPT_DECAY for a in self.accepted] + [0.0] * grow
         for j in range(min(n + 1, top)):  # positions 0..n reached, 0..n-1 accepted (n too if the guess matched)
@@ -96,13 +94,15 @@ class AcceptanceCounts:
     def rates(self, n: int, prior: list[float] | None = None) -> list[float]:
         """a_0..a_{n-1}: each position's counts shrunk (worth PRIOR_WEIGHT rounds) toward the one before's (the first
         toward PRIOR_ACCEPT), or toward the `prior`'s less the share the last measured position fell short of it."""
+        if prior is None and n in self._rates:  # read by every session's choices between two verdicts
+            return self._rates[n]
         out, before, scale = [], PRIOR_ACCEPT, 1.0
         for j in range(n):
             r, a = (self.reached[j], self.accepted[j]) if j < len(self.reached) else (0.0, 0.0)
             before = (a + PRIOR_WEIGHT * (prior[j] * scale if prior else before)) / (r + PRIOR_WEIGHT)
             scale = min(1.0, before / max(prior[j], 1e-9)) if prior else 1.0
             out.append(before)
-        return out
+        return out if prior else self._rates.setdefault(n, out)
 
 
 class RankAcceptance:

@@ -207,3 +207,26 @@ def test_sweep_orders_each_configuration_in_each_place_and_after_each_other_equa
     assert "4 slice runs" in uneven_order(4, 7) and "multiple of 14" in uneven_order(4, 7)
     assert "multiple of 10" in uneven_order(5, 5)
     assert uneven_order(14, 7) is None and uneven_order(10, 5) is None and uneven_order(8, 4) is None
+
+
+def test_trees_vs_chains_weighs_the_best_tree_against_chains_only():
+    """A `--trees auto` row that drafted trees in 21 % of its rounds is no chain: counted as the best chain (it was
+    the fastest row by majority shape), its tree rounds lent the chains their tokens per call, and the bar read
+    1.16x where the trees committed 1.29x the chain policy's (one session over 50 ms, this stop's run)."""
+    from specrelay.bench.treesweep import trees_vs_chains
+
+    def row(trees, shape, tokens_per_s, tokens_per_call, d="auto"):
+        return {"draft_len": d, "objective": "balanced", "trees": trees, "tree_nodes": None, "shape": shape,
+                "link": "RTT 50 ms", "sessions": 1, "predraft": True, "tokens_per_s": tokens_per_s,
+                "tokens_per_call": tokens_per_call, "mean_nodes": 5.0, "predraft_hit_rate": 0.7,
+                "outputs_identical_to_target_alone": True}
+
+    rows = [row("off", "chain", 13.7, 1.0, d=0), row("off", "chain", 38.9, 5.21), row("on", "tree", 39.8, 6.72),
+            row("auto", "chain", 39.6, 5.79), row("off", "chain", 36.0, 5.17, d=12)]
+    bar = trees_vs_chains(rows)["RTT 50 ms sessions=1 predraft=True"]
+    assert (bar["best_chain"]["trees"], bar["best_chain"]["tokens_per_s"]) == ("off", 38.9)
+    assert bar["best_tree"]["trees"] == "on" and bar["tokens_per_call_ratio"] == 1.29 and bar["bar_met"]
+    rows[3]["shape"] = "tree"  # an auto row that drafted trees in most rounds is a tree (the faster one here)
+    assert trees_vs_chains(rows)["RTT 50 ms sessions=1 predraft=True"]["best_tree"]["trees"] == "on"
+    rows[3]["tokens_per_s"] = 40.0
+    assert trees_vs_chains(rows)["RTT 50 ms sessions=1 predraft=True"]["best_tree"]["trees"] == "auto"

@@ -62,17 +62,19 @@ def fields(config: Config, stats: list[dict], tokens: int, verify_requests: floa
 
 
 def trees_vs_chains(rows: list[dict]) -> dict:
-    """Per link, sessions and pre-drafting: the best chain row and the best tree row by tokens/s, and whether the
-    best tree commits >= 1.2x the chain's tokens per call at >= 1.0x its tokens/s with identical outputs; also
-    the tree row with the most tokens per call at >= 1.0x the best chain's tokens/s."""
+    """Per link, sessions and pre-drafting: the best chain row (trees off) and the best tree row (trees on or auto,
+    most rounds trees) by tokens/s, and whether the best tree commits >= 1.2x the chain's tokens per call at >= 1.0x
+    its tokens/s with identical outputs; also the tree row with the most tokens per call at >= 1.0x the best chain's
+    tokens/s. A `--trees auto` row that drafted mostly chains is neither: its tree rounds would lend a "chain" their
+    tokens per call."""
     out = {}
     groups: dict = {}
     for r in rows:
         if r["draft_len"] != 0:
             groups.setdefault((r["link"], r["sessions"], r["predraft"]), []).append(r)
     for (link, sessions, predraft), group in groups.items():
-        chains = [r for r in group if r["shape"] == "chain"]
-        trees = [r for r in group if r["shape"] == "tree"]
+        chains = [r for r in group if r.get("trees", "off") == "off"]
+        trees = [r for r in group if r.get("trees", "off") != "off" and r["shape"] == "tree"]
         if not (chains and trees):
             continue
         chain = max(chains, key=lambda r: r["tokens_per_s"])

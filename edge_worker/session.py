@@ -116,6 +116,7 @@ class EdgeSession:
         self._width = self._steps = 0              # the last block's cloud row width, fresh draft forwards
         self._catchup = False                      # its draft first caught up on a stretch the draft never saw
         self._prefilled = False                    # the worker ran the prompt before verifying it
+        self._after_tree = False                   # the chain round in flight follows a tree round (a switch)
         self._seen = 0                             # committed tokens the draft had when it last drafted
         self._hint: P.LoadHint | None = None
         self._predrafted = False                   # a pre-draft of the verdict in flight was handed out (a try)
@@ -204,6 +205,7 @@ class EdgeSession:
         if isinstance(block, TreeBlock):
             self._steps = 0
             return self.trees.request(block)
+        self._after_tree = self.trees.last_tree  # its pre-draft grew trees: this chain starts fresh
         self.trees.block, self.trees.last_steps, self.trees.last_tree = None, 0, False
         self._catchup = self._catchup or block.behind_trees
         self._prefilled = self.prefill_due > 0
@@ -270,8 +272,9 @@ class EdgeSession:
         tree = self.trees.shape if self.trees.last_tree else None  # a tree engine's round (0 steps: all grown)
         steps = self.trees.last_steps if tree is not None else self._steps
         self.policy.observe_round(self._width, latency_s, self._hint, draft_s, steps, self._catchup, self._prefilled,
-                                  tree=tree, handled_s=handled_s, committed=committed * (not self.done))  # the last
-        # round commits what was left, and what was left picked its kind (a chain): no kind's rate (policy.md)
+                                  tree=tree, handled_s=handled_s, committed=committed * (not self.done),  # the
+                                  after_tree=tree is None and self._after_tree)  # last round commits what was
+        # left, and what was left picked its kind (a chain): no kind's rate; a chain after a tree is the tree's exit
 
     # ---------------------------------------------------------------------------- replies
     def apply(self, reply: P.Base) -> list[int]:

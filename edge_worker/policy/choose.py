@@ -239,23 +239,23 @@ class DraftPolicy:
             if d > 0 or bonus_match is not None:
                 self.edge.opening.observe(d, n, bonus_match)
             return
-        if d > 0 or bonus_match is not None:  # an acceptance sample, the edge's and its own: nothing to explore
+        sample = d > 0 or bonus_match is not None  # an acceptance sample, the edge's and its own: nothing to explore
+        if sample:
             self.edge.acceptance.observe(d, n, bonus_match)
             self.own.observe(d, n, bonus_match)
-            self.idle = 0
-        else:
-            self.idle += 1
+        self.idle = 0 if sample else self.idle + 1
         self.edge.drafting = self.edge.drafting + 1 if d > 0 else 0
 
     def observe_round(self, width: int, latency_s: float, hint: LoadHint | None, draft_s: float | None,
-                      steps: int = 0, catchup: bool = False, prefilled: bool = False,
+                      steps: int = 0, catchup: bool = False, prefilled: bool = False, after_tree: bool = False,
                       tree: TreeShape | None = None, handled_s: float | None = None, committed: int = 0) -> None:
         """The round's timings: `draft_s` the wait for its chain's (or `tree`'s) `steps` fresh forwards (None: not
-        timed; `catchup`: after a stretch), `handled_s` the edge's own time besides; the tokens it `committed`."""
+        timed; `catchup`: after a stretch), `handled_s` the edge's own time besides; the tokens it `committed` (a
+        chain round `after_tree` counts as the tree rounds': it pays their exit, its start drafted fresh)."""
         self.edge.observe_round(width, latency_s, hint, prefilled)
         if committed and draft_s is not None and handled_s is not None and not prefilled:  # a round's yield
-            for x, y in zip(self.edge.paid[tree is not None], (committed, draft_s + latency_s + handled_s)):
-                x.observe(y)
+            (n, t), spent = self.edge.paid[tree is not None or after_tree], draft_s + latency_s + handled_s
+            n.observe(committed), t.observe(spent)
         if handled_s is not None:
             self.edge.handled[width > 1].observe(handled_s)
         if draft_s is not None and (self.exploring or self.timing == 2):

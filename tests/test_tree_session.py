@@ -92,6 +92,19 @@ def session_and_verifier(runners, **config):
     return s, verifier
 
 
+def whole_trees_of_one_shape(runners):
+    """A session drafting trees of depth 4 and 8 nodes, 40 tokens, every node its shape holds drafted. The shape's
+    nodes priced out (min_value: a node's seconds x the best rate) would depend on the clock: in-process nothing
+    times the verify (a prior of 4 draft forwards) and only the first tree job's forwards time the draft (the shell's
+    batcher times pre-drafts). One slow forward there made the line all slope, priced every node out, and 30 rounds
+    in 34 sent empty trees (CI, stop 72)."""
+    s, verifier = session_and_verifier(runners, trees="on", draft_len=4, tree_nodes=8)
+    s.config = SessionConfig(max_new_tokens=40, trees="on", draft_len=4, tree_nodes=8)
+    shape = s.policy.shape
+    s.policy.shape = lambda *a, **k: replace(shape(*a, **k), min_value=0.0)
+    return s, verifier
+
+
 def one_round(s, verifier, before_verdict=None):
     job = s.draft_job()
     request = s.request_for(s.drafter.draft_batch([job])[0])
@@ -143,13 +156,7 @@ def test_predrafted_verdicts_start_the_next_tree(demo_runners):
     """Between each VERIFY and its VERDICT the pre-draft runs (as the edge shell runs it when the draft thread is
     idle): most rounds then start from a pre-drafted tree, and the output is still the target's own."""
     target, draft = demo_runners
-    s, verifier = session_and_verifier(demo_runners, trees="on", draft_len=4, tree_nodes=8)  # one shape
-    s.config = SessionConfig(max_new_tokens=40, trees="on", draft_len=4, tree_nodes=8)
-    shape = s.policy.shape  # no timing: nodes the shape prices out (at least = a node's seconds x the best rate) are
-    s.policy.shape = lambda *a, **k: replace(shape(*a, **k), min_value=0.0)  # kept. In-process nothing times the
-    # verify (a prior of 4 draft forwards), and only the first tree job's 4 forwards time the draft (pre-drafts are
-    # timed by the shell's batcher): one slow forward there, the line went all slope, every node was priced out,
-    # and 30 rounds in 34 sent empty trees (CI, stop 72)
+    s, verifier = whole_trees_of_one_shape(demo_runners)
 
     def predraft(session):
         pre = session.predraft_job()
@@ -177,13 +184,7 @@ def test_a_tree_round_is_an_acceptance_sample_of_its_first_ranked_chain(demo_run
     rates measured (chains are priced from them, trees' E scaled by them) while no chain runs."""
     from specrelay.edge_worker.policy.estimates import AcceptanceCounts
 
-    s, verifier = session_and_verifier(demo_runners, trees="on", draft_len=4, tree_nodes=8)  # one shape
-    s.config = SessionConfig(max_new_tokens=40, trees="on", draft_len=4, tree_nodes=8)
-    shape = s.policy.shape  # no timing: nodes the shape prices out (at least = a node's seconds x the best rate) are
-    s.policy.shape = lambda *a, **k: replace(shape(*a, **k), min_value=0.0)  # kept. In-process nothing times the
-    # verify (a prior of 4 draft forwards), and only the first tree job's 4 forwards time the draft (pre-drafts are
-    # timed by the shell's batcher): one slow forward there, the line went all slope, every node was priced out,
-    # and 30 rounds in 34 sent empty trees (CI, stop 72)
+    s, verifier = whole_trees_of_one_shape(demo_runners)
     expected, branched = AcceptanceCounts(), 0
     while not s.done:
         request, reply = one_round(s, verifier)

@@ -159,9 +159,9 @@ async def test_ready_announces_the_model(fake_broker, start_worker, tiny_runners
 
 async def test_ready_and_heartbeats_report_kv_memory(fake_broker, start_worker, tiny_runners):
     target, _ = tiny_runners
-    broker = fake_broker()
-    worker = await start_worker(broker, heartbeat_interval=0.05)
-    ready = await broker.ready()
+    broker = fake_broker(heartbeat=0.05)  # beats as often as the worker: at 0.1 s a 50 ms stall of the machine made
+    worker = await start_worker(broker, heartbeat_interval=0.05)  # it "silent for 3 intervals"; it reconnected and
+    ready = await broker.ready()                                   # lost the session whose load the test waits for
     assert ready.kv_capacity == worker.verifier.store.capacity > 0
     await broker.send(b"e", P.Open(3, ids_of(target, PROMPTS[0])))
     await wait_until(lambda: any(m.load == 1 for _, m, _ in broker.of_type(P.Heartbeat)))
@@ -524,7 +524,7 @@ async def test_a_beat_waiting_unread_is_the_broker_heard_not_a_silent_broker(zct
 
 
 async def test_broker_disconnect_means_ready_again(fake_broker, start_worker):
-    broker = fake_broker()
+    broker = fake_broker(heartbeat=0.05)  # as often as the worker beats: no reconnect for silence besides the one
     worker = await start_worker(broker, heartbeat_interval=0.05)
     await broker.sock.send_multipart([broker.worker, b"", *P.encode(P.Disconnect("unknown worker"))])
     await broker.ready(count=2)

@@ -697,6 +697,20 @@ def test_a_first_wide_forward_prices_a_narrow_one_in_proportion():
     assert 0.003 < est.step(8) < 0.005
 
 
+def test_a_slow_first_narrow_forward_does_not_price_the_draft_for_good():
+    """A cold first forward of one column sets the slope prior at its whole time (10x the rest). Where widths then
+    stay the same (one session's chains) the prior keeps the slope: the line through the means then crosses x = 0
+    below 0, and clamping c alone priced every forward at the cold one's cost (CI's failing tree test: (0, 1.9 ms)).
+    With c = 0 the fit is the least squares through the origin: the forwards measured since set the price."""
+    est = EdgeEstimates()
+    est.observe_draft(1, [(1, 0.050)])
+    est.observe_draft(1, [(1, 0.005)] * 40)
+    assert 0.004 < est.step(1) < 0.007
+    est.observe_draft(2, [(1, 0.005), (3, 0.007)] * 20)  # widths vary: the data's own line (c 4 ms, s 1 ms)
+    c, s = est.draft.fit()
+    assert 0.003 < c < 0.005 and 0.0005 < s < 0.0015 and 0.004 < est.step(1) < 0.007
+
+
 def test_a_drafting_session_resets_its_exploring_count():
     """Rounds at d = 0 scattered between its drafting rounds (the width probe) are no stretch without acceptance
     samples: they must not add up to an exploring round (d = 1) that cuts a drafting session's length."""

@@ -62,13 +62,13 @@ class EWLine:
         return max(0.0, self.sxx - self.sx * self.sx / self.sw) if self.count else 0.0
 
     def fit(self) -> tuple[float, float]:
-        """(c, s): through the weighted means, s = (S_xy + s0 / 2) / (S_xx + 1 / 2) over the centred sums."""
+        """(c, s): s = (S_xy + s0 / 2) / (S_xx + 1 / 2), centred sums, through the means; if c < 0: c = 0, raw sums."""
         if not self.count:
             return 0.0, self.slope
         if self._fit[0] != (key := (self.count, self.slope)):
             mx, my = self.sx / self.sw, self.sy / self.sw
             s = max(0.0, (self.sxy - self.sw * mx * my + self.slope / 2) / (self.spread + 0.5))
-            self._fit = key, (max(0.0, my - s * mx), s)
+            self._fit = key, (my - s * mx, s) if my >= s * mx else (0.0, (self.sxy + self.slope / 2) / (self.sxx + .5))
         return self._fit[1]
 
     def at(self, x: float) -> float:

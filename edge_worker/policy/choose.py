@@ -35,7 +35,7 @@ def chain_rows(est: EdgeEstimates, a: list[float], top: int, cut: bool = True,
                switch: float = 0.0) -> list[tuple[float, float]]:
     """(E(d), T(d)) for d = 0..top at acceptance a_0..a_top (docs/policy.md): T(d) = D(F(d + lookahead - the
     pre-drafted start: P_{d+1} x what fits the wait, x 1 - `switch` x E(d))) + R + V(d) + H (F: est.steps, D:
-    est.draft_line). `switch`: after a tree round, 1 / tokens left (a fresh chain's extra time is paid once)."""
+    est.draft_line). `switch`: after a tree round 1 / tokens left (a fresh chain's extra time paid once), opening: 1."""
     rows, e, p, line, h = [(1.0, est.wait(0) + est.handled[0].value)], 1.0, a[0], est.draft_line(), est.handled[1].value
     share = PREDRAFT_SHARE / max(est.per_token(), 1e-12) if est.predraft and est.draft.known else 0.0
     (f0, f1), (w0, w1), ahead = est.steps.fit(), est.wait_line(), est.lookahead  # F(x) = f0 + f1 x (x > 0 tokens)
@@ -100,10 +100,10 @@ def tree_table(p: tuple[float, ...], saved: int, depth: int | None,
 
 
 def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | None, nodes: int | None,
-              floor: float = 0.0, switch: float = 0.0, need: float = 0.0, runs: float = 0.0) -> list[tuple]:
+              floor=0.0, switch=0.0, need=0.0, runs=0.0, catchup=0.0) -> list[tuple]:
     """(widths, E, T, its least node's value x scale, scale) of the candidates where that is `floor` or more, none
     under `need` E (scale: E(d) - 1 over a path's value; `chain`: the chains' E(d)). T(S): docs/policy.md; after a
-    chain round `switch` x E (1 / tokens left), at least `runs`, of a fresh tree's extra time."""
+    chain round `switch` x E (1 / tokens left), at least `runs` of a fresh tree's extra time, an opening's `catchup`."""
     p = est.ranks.key()  # to the percent: the tables' cache hits
     spines = accumulate(p[0] ** k for k in range(1, top + 1))  # a path's value per depth, as tree_table's
     out, bound = [], max(((e - 1.0) / max(v, 1e-9) for e, v in zip(chain[1:], spines)), default=0.0)  # the most scale
@@ -113,8 +113,8 @@ def tree_rows(est: EdgeEstimates, chain: list[float], top: int, depth: int | Non
     line, s_rows, depth = est.tree_line(), s * est.rows.value, None if depth is None else min(depth, top)
     grown, fresh = (tree_table(p, saved, depth, nodes) for saved in (round(est.tree_saved.value), 0))  # one order
 
-    def draft(steps: int, columns: int) -> float:  # the wait for a tree's level forwards not pre-drafted, and the
-        return wait_for(line, x := steps * c + s_rows * columns) + est.blocking(x)  # others' behind them
+    def draft(steps: int, columns: int) -> float:  # the wait for its catch-up, its level forwards not pre-drafted,
+        return catchup + wait_for(line, x := steps * c + s_rows * columns) + est.blocking(catchup + x)  # others' too
 
     for (w, d, r, n, steps, cols, spine, last), f in zip(grown, fresh):
         if last * bound < floor:  # the least nodes only fall from here on
@@ -200,21 +200,21 @@ class DraftPolicy:
             est.vetoed = est.vetoed + 1 if lose and (est.vetoed + 1) * EXPLORE_SHARE < 1 else 0  # tree then goes
             if est.vetoed:  # on while the model picks it: after_tree)
                 return None
-        opens = (opening or self.second) and stretch > 0 and est.waits.count > 0 and not est.provisional  # as
-        if trees == "auto" and (opening or self.second) and not opens:  # choose prices it, once a verify is measured
+        opens = (opening or self.second) and stretch > 0 and est.waits.count > 0 and not est.provisional  # with
+        if trees == "auto" and (opening or self.second) and not opens:  # its catch-up, once a verify is measured
             return None  # (at a fresh edge's unit-free prices 16 sessions opened with trees: docs/policy.md)
         fresh = 1 / max(1, remaining)  # a switch's fresh drafts, once: a tree's after a chain, a chain's after a tree
-        chains, catchup = self._chains(top, stretch * opens, fresh * after_tree, depth is None)  # pooled (policy.md)
-        top = len(chains) - 1  # no deeper than the longest chain worth drafting (MIN_VALUE)
+        chains, catchup = self._chains(top, stretch * opens, 1.0 if opens else fresh * after_tree, depth is None)  # an
+        top = len(chains) - 1  # opening's all (none pre-drafted); no deeper than the longest worth drafting (MIN_VALUE)
         c1 = est.cloud.fit()[1] * est.batch.value if est.cloud.known else 0.0  # one more node's seconds: its verify
         node_cost = (est.more_wait(top + 1, 1) if est.curve else c1) + est.draft.fit()[1] * est.rows.value  # and draft
         offered = chains if depth is None else chains[min(depth, top):min(depth, top) + 1]  # the chains `auto` weighs
         # no node worth less than its seconds at the best rate (`auto`: the chains'): else a tree goes out smaller
         floor = node_cost * max(e / max(t, 1e-12) for e, t in offered) if trees == "auto" else 0.0
         bars = [offered[pick(offered, self.objective)]] * (trees == "auto")  # `auto`: a tree replaces the chain
-        rows = [(w, e, t + catchup, *r) for w, e, t, *r in tree_rows(est, [e for e, _ in chains], top, depth, nodes,
-                floor, 1.0 if opens else fresh * (not after_tree), max((e for e, _ in bars), default=0.0),
-                1.0 - est.tree_share.value)]  # paid once: trees run ~1 / (1 - share) rounds
+        switch = 1.0 if opens else fresh * (not after_tree)  # a tree's fresh levels: paid once, at least 1 - share
+        rows = tree_rows(est, [e for e, _ in chains], top, depth, nodes, floor, switch,  # (trees run ~1 / (1 - share)
+                         max((e for e, _ in bars), default=0.0), 1.0 - est.tree_share.value, catchup)  # rounds)
         if rows and bars:  # the objective picks, pooled and (weighed last: mostly no tree is left) at the session's
             own = chains if opens else chain_rows(est, self.own_rates(top + 1), top, True, fresh * after_tree)  # own
             bars.append(own[pick(own, self.objective)])  # rates, only if modelled no slower and no fewer tokens

@@ -1,8 +1,8 @@
 """Alternating A/B runs of draft-policy variants: one `specrelay bench sweep` per arm per run, the arms in turn (their
 order reversed every other run), each in a process of its own whose policy a patch file may change first. Prints per
 arm and cell, run by run and as mean and standard error: `--trees auto` against the chain policy's tokens/s, its tree
-rounds, its tokens a call over the chain policy's, and the control (the chain policy against its own copy); with two
-arms, their paired difference run by run. Writes JSON.
+rounds, its tokens a call over the chain policy's, and the control (the chain policy against its own copy: tokens/s,
+tokens a call); with two arms, their paired difference run by run. Writes JSON.
 
     python scripts/policy_ab.py --runs 4 --arm code --arm noveto=/tmp/noveto.py -- sweep --no-plots --link 0 \\
         --sessions 1 --draft-lens auto --objectives balanced --trees compare --control --num-prompts 7 \\
@@ -59,13 +59,16 @@ def measures(sweep: dict) -> dict[str, dict]:
     for cell, line in bars.get("trees_auto_vs_chain_policy", {}).items():
         def row(trees: str, copy: int = 0) -> dict:
             return next((r for r in rows if r["draft_len"] == "auto" and r["trees"] == trees
-                         and bool(r.get("copy")) == bool(copy) and cell.startswith(r["link"])
-                         and f"sessions={r['sessions']} " in cell and f"objective={r['objective']}" in cell), {})
-        auto, chain = row("auto"), row("off")
+                         and bool(r.get("copy")) == bool(copy) and cell == f"{r['link']} sessions={r['sessions']} "
+                         f"predraft={r['predraft']} objective={r['objective']}"), {})
+        auto, chain, copy = row("auto"), row("off"), row("off", copy=1)
+
+        def calls(a: dict, b: dict) -> float | None:  # a's tokens a call over b's
+            return round(a["tokens_per_call"] / b["tokens_per_call"], 3) if a and b else None
         out[cell] = {"auto_vs_chain_policy": line["ratio"], "tree_round_share": line["tree_round_share"],
-                     "tokens_per_call_vs_chain_policy": round(auto["tokens_per_call"] / chain["tokens_per_call"], 3)
-                     if auto.get("tokens_per_call") and chain.get("tokens_per_call") else None,
+                     "tokens_per_call_vs_chain_policy": calls(auto, chain),
                      "control": bars.get("control", {}).get(cell, {}).get("ratio"),
+                     "control_tokens_per_call": calls(chain, copy),
                      "outputs_identical": all(r["outputs_identical_to_target_alone"] for r in rows)}
     return out
 
@@ -115,7 +118,8 @@ def main() -> None:
         print(f"\n{cell}")
         for name, runs in results.items():
             col = {k: [got.get(cell, {}).get(k) for got in runs] for k in (
-                "auto_vs_chain_policy", "tree_round_share", "tokens_per_call_vs_chain_policy", "control")}
+                "auto_vs_chain_policy", "tree_round_share", "tokens_per_call_vs_chain_policy", "control",
+                "control_tokens_per_call")}
             summary.setdefault(cell, {})[name] = col
             print(f"  {name}: " + "; ".join(f"{k} {_mean_se(v)} {v}" for k, v in col.items()))
         if len(arms) == 2:

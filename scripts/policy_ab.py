@@ -93,13 +93,14 @@ def main() -> None:
     argv = args.bench[1:] if args.bench[:1] == ["--"] else args.bench
     if args.child is not None:
         return _child(args.child, argv)
-    if argv[:1] != ["sweep"] or "--trees" not in argv:
+    if argv[:1] != ["sweep"] or not any(a.startswith("--trees") for a in argv):
         raise SystemExit("policy_ab.py: give `-- sweep ... --trees compare|auto` (the bar lines it compares)")
     arms = dict(a.partition("=")[::2] for a in args.arm or ["code"])
     for name, path in arms.items():
         if path and not Path(path).is_file():
             raise SystemExit(f"policy_ab.py: arm {name}: no patch file {path}")
     results: dict[str, list[dict]] = {name: [] for name in arms}
+    print(f"policy_ab.py: {len(arms)} arm(s) x {args.runs} run(s), one sweep each; a line after each", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for run in range(args.runs):
             for name in list(arms)[::-1 if run % 2 else 1]:

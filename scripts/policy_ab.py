@@ -73,6 +73,11 @@ def measures(sweep: dict) -> dict[str, dict]:
     return out
 
 
+def sweep_warnings(stderr: str) -> list[str]:
+    """The lines of a sweep's stderr that warn about the run itself (`bench sweep: ...`), not its progress."""
+    return [line for line in stderr.splitlines() if line.startswith("bench sweep:")]
+
+
 def _mean_se(xs: list[float]) -> str:
     xs = [x for x in xs if x is not None]
     if not xs:
@@ -109,6 +114,9 @@ def main() -> None:
                                        str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                 if done.returncode:
                     raise SystemExit(f"policy_ab.py: arm {name}, run {run + 1} failed:\n{done.stderr[-3000:]}")
+                if not run and name == list(arms)[0]:  # the sweep's own warnings (an uneven order: docs/policy.md)
+                    for line in sweep_warnings(done.stderr):
+                        print(line, flush=True)
                 got = measures(json.loads((out / "sweep.json").read_text()))
                 results[name].append(got)
                 print(f"run {run + 1}/{args.runs} {name} ({time.monotonic() - t0:.0f} s): " + "; ".join(

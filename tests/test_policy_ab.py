@@ -41,3 +41,13 @@ def test_each_runs_bar_lines_are_read_per_cell():
                     "outputs_identical": True}
     assert slow["auto_vs_chain_policy"] == 1.1 and slow["tokens_per_call_vs_chain_policy"] == 1.25
     assert slow["control"] is None
+
+
+def test_the_sweeps_uneven_order_warning_reaches_the_ab_runs_output():
+    # `--trees compare --control` with auto alone is 5 configurations: 10 orders (odd n: n rows and their reverses)
+    assert sweep.uneven_order(10, 5) is None and sweep.uneven_order(20, 5) is None
+    uneven = sweep.uneven_order(16, 5)  # 8 prompts x 2 repeats, one session: 1.6 passes
+    assert uneven is not None and "multiple of 10" in uneven
+    stderr = f"loading the draft\rsweep:  40%|####      | 200/500\n{uneven}\nTraceback is not here\n"
+    assert AB["sweep_warnings"](stderr) == [uneven]
+    assert AB["sweep_warnings"]("sweep: 100%|##########| 500/500\n") == []

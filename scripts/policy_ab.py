@@ -5,8 +5,11 @@ rounds, its tokens a call over the chain policy's, and the control (the chain po
 tokens a call); with two arms, their paired difference run by run. Writes JSON.
 
     python scripts/policy_ab.py --runs 4 --arm code --arm noveto=/tmp/noveto.py -- sweep --no-plots --link 0 \\
-        --sessions 1 --draft-lens auto --objectives balanced --trees compare --control --num-prompts 7 \\
-        --max-new-tokens 48 --repeat 2
+        --sessions 1 --draft-lens auto --objectives balanced --trees compare --control --num-prompts 10 \\
+        --max-new-tokens 48 --repeat 1
+
+(10 slice runs: one pass over the Williams orders of those 5 configurations; the bench's warning where a size is
+not a whole number of passes is printed here too.)
 
 A patch file is Python run in the arm's process before the bench; it gets `patch(fn, [(old, new), ...])`, which
 rebuilds a function or method from its source with those replacements (each must occur once) and returns it, e.g.

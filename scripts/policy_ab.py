@@ -58,12 +58,13 @@ def _child(patch_file: str, argv: list[str]) -> None:
 
 def measures(sweep: dict) -> dict[str, dict]:
     """Per cell (link, sessions, pre-drafting, objective): the bar lines of one sweep's JSON."""
+    from specrelay.bench import treesweep
+
     bars, rows, out = sweep.get("bars", {}), sweep.get("rows", []), {}
     for cell, line in bars.get("trees_auto_vs_chain_policy", {}).items():
         def row(trees: str, copy: int = 0) -> dict:
             return next((r for r in rows if r["draft_len"] == "auto" and r["trees"] == trees
-                         and bool(r.get("copy")) == bool(copy) and cell == f"{r['link']} sessions={r['sessions']} "
-                         f"predraft={r['predraft']} objective={r['objective']}"), {})
+                         and bool(r.get("copy")) == bool(copy) and treesweep.cell(r) == cell), {})
         auto, chain, copy = row("auto"), row("off"), row("off", copy=1)
 
         def calls(a: dict, b: dict) -> float | None:  # a's tokens a call over b's

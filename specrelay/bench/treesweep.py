@@ -94,6 +94,11 @@ def trees_vs_chains(rows: list[dict]) -> dict:
     return out
 
 
+def cell(r: dict) -> str:
+    """A row's cell in the bar lines keyed per link, sessions, pre-drafting and objective."""
+    return f"{r['link']} sessions={r['sessions']} predraft={r['predraft']} objective={r['objective']}"
+
+
 def auto_vs_chain_policy(rows: list[dict], paired) -> dict:
     """Per link, sessions, pre-drafting and objective: `--trees auto` against the chain policy (`auto` with trees
     off), tokens/s over the whole run and slice by slice (`paired`); the bar: no slower (>= 1.0x)."""
@@ -101,7 +106,7 @@ def auto_vs_chain_policy(rows: list[dict], paired) -> dict:
     for r in (r for r in rows if r["draft_len"] == "auto" and r["trees"] == "auto"):
         if chain := _chain_policy(rows, r):
             ratio = r["tokens_per_s"] / chain["tokens_per_s"]
-            out[f"{r['link']} sessions={r['sessions']} predraft={r['predraft']} objective={r['objective']}"] = {
+            out[cell(r)] = {
                 "ratio": round(ratio, 3), "bar_met": ratio >= 1.0, "tree_round_share": r["tree_round_share"],
                 "paired_ratios": paired(r.get("tokens_per_s_slices"), chain.get("tokens_per_s_slices"))}
     return out
@@ -113,7 +118,7 @@ def control(rows: list[dict], paired) -> dict:
     out = {}
     for r in (r for r in rows if r.get("copy")):
         if (first := _chain_policy(rows, r)) and r["tokens_per_s"]:
-            out[f"{r['link']} sessions={r['sessions']} predraft={r['predraft']} objective={r['objective']}"] = {
+            out[cell(r)] = {
                 "ratio": round(first["tokens_per_s"] / r["tokens_per_s"], 3),
                 "paired_ratios": paired(first.get("tokens_per_s_slices"), r.get("tokens_per_s_slices"))}
     return out

@@ -230,3 +230,29 @@ def test_trees_vs_chains_weighs_the_best_tree_against_chains_only():
     assert trees_vs_chains(rows)["RTT 50 ms sessions=1 predraft=True"]["best_tree"]["trees"] == "on"
     rows[3]["tokens_per_s"] = 40.0
     assert trees_vs_chains(rows)["RTT 50 ms sessions=1 predraft=True"]["best_tree"]["trees"] == "auto"
+
+
+def test_sweep_bars_leave_out_a_configuration_whose_every_generation_failed():
+    """A configuration whose sessions all failed (a cloud that went away, a broken policy) has 0 tokens/s: the bar
+    lines that divide by it raised ZeroDivisionError after the whole sweep had run, and its rows were lost. Its bars
+    are left out, and `failed` names it with its errors."""
+    from specrelay.bench.sweep import evaluate
+
+    def row(d, trees="off", tokens_per_s=40.0, copy=0, predraft=True, errors=0):
+        return {"draft_len": d, "objective": None if d != "auto" else "balanced", "trees": trees, "tree_nodes": None,
+                "copy": copy, "shape": "tree" if trees == "on" else "chain", "link": "none (loopback)", "sessions": 1,
+                "predraft": predraft, "tokens_per_s": tokens_per_s, "tokens_per_call": 3.0, "mean_nodes": 3.0,
+                "predraft_hit_rate": 0.5, "outputs_identical_to_target_alone": not errors, "calls_vs_theory": 1.0,
+                "speedup_vs_target_alone": 1.5, "cloud_calls_per_token": 0.3, "tree_round_share": 0.1 * (trees != "off"),
+                "tokens_per_s_slices": [tokens_per_s] * 2, "errors": errors, "error_samples": ["timeout"] * bool(errors)}
+
+    rows = [row(0, predraft=False), row("auto", tokens_per_s=0.0, errors=10), row("auto", "on"), row("auto", "auto"),
+            row("auto", copy=1), row("auto", predraft=False)]
+    bars = evaluate(rows)
+    assert bars["trees_auto_vs_chain_policy"] == {} and bars["control"] == {}
+    assert bars["failed"] == [{"config": "auto (balanced)", "link": "none (loopback)", "errors": 10,
+                               "error_samples": ["timeout"]}]
+    rows[1].update(tokens_per_s=38.0, errors=0, error_samples=[])
+    bars = evaluate(rows)
+    assert bars["failed"] == [] and bars["trees_auto_vs_chain_policy"]["none (loopback) sessions=1 predraft=True "
+                                                                      "objective=balanced"]["ratio"] == 1.053

@@ -26,7 +26,7 @@ from .treesweep import Config
 from .link import LinkRelay, LinkSpec, measure_rtt
 from ..common.protocol import Objective
 from ..placement import stamp
-from .plots import sample_key
+from .plots import configuration, sample_key
 from .runs import SessionRun, cpu_seconds, load_prompts, run_sessions, wall_split
 
 AUTO = "auto"
@@ -146,6 +146,9 @@ def run(args) -> dict:
                 itl[label] = sorted(round(g, 2) for r in tally.sessions for g in r.gaps_ms())
                 tpot[label] = sorted(round(t, 2) for r in tally.sessions if (t := r.tpot_ms()) is not None)
     bars = evaluate(rows)
+    for f in bars["failed"]:  # the bars leave out a configuration that committed nothing: say why here
+        print(f"bench sweep: {f['config']} over {f['link']}: {f['errors']} generation(s) failed: "
+              f"{'; '.join(f['error_samples'])}", file=sys.stderr)
     return {"config": {"links": [x.label for x in links], "draft_lens": lens, "sessions": args.sessions,
                        "prompts": len(texts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeat,
                        "predraft": args.predraft, "trees": args.trees, "tree_nodes": args.tree_nodes,
@@ -329,15 +332,20 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 def evaluate(rows: list[dict]) -> dict:
-    """The issue's bars, from this run's rows (a copy's, --control, only in `control`)."""
-    copies, rows = rows, [r for r in rows if not r.get("copy")]
+    """The issue's bars, from this run's rows (a copy's, --control, only in `control`). A configuration whose every
+    generation failed (0 tokens/s: nothing to divide by) has no bar; `failed` names each row with errors."""
+    failed = [{"config": configuration(r), "link": r["link"], "errors": r["errors"],
+               "error_samples": r.get("error_samples", [])}
+              for r in rows if r.get("errors")]
+    copies = [r for r in rows if r["tokens_per_s"] > 0]
+    rows = [r for r in copies if not r.get("copy")]
     calls = [r["calls_vs_theory"] for r in rows  # chains: theory is a chain's E(d) (a tree row's is shown only)
              if r["draft_len"] != 0 and r["calls_vs_theory"] is not None and r.get("trees", "off") == "off"]
     out: dict = {"calls_vs_theory_max": max(calls) if calls else None,
                  "calls_le_1.02x_theory": bool(calls) and max(calls) <= 1.02, "auto_vs_best_fixed": {},
                  "predraft_gain": {}, "trees_vs_chains": treesweep.trees_vs_chains(rows),
                  "trees_auto_vs_chain_policy": treesweep.auto_vs_chain_policy(rows, paired),
-                 "control": treesweep.control(copies, paired)}
+                 "control": treesweep.control(copies, paired), "failed": failed}
     for (link, predraft, _), group in _groups(rows).items():
         fixed = [r for r in group if r["draft_len"] != AUTO]
         best = max(fixed, key=lambda r: r["tokens_per_s"]) if fixed else None

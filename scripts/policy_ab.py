@@ -17,6 +17,8 @@ rebuilds a function or method from its source with those replacements (each must
     from specrelay.edge_worker.policy import choose
     choose.DraftPolicy.shape = patch(choose.DraftPolicy.shape, [("if est.vetoed:", "if False:")])
 
+(a property's source keeps its decorator: `Cls.prop = patch(Cls.prop.fget, ...)` gets the property back).
+
 An arm without a file runs the code as it is. The edges run in the arm's process (the bench's), so a patch reaches
 them; the broker and cloud worker are the bench's usual processes. One run's bar lines swing by several percent
 (the control read 0.91-1.08x in one session on loopback): compare arms over several runs, not one.
@@ -109,6 +111,7 @@ def main() -> None:
         if path and not Path(path).is_file():
             raise SystemExit(f"policy_ab.py: arm {name}: no patch file {path}")
     results: dict[str, list[dict]] = {name: [] for name in arms}
+    said: set[str] = set()
     print(f"policy_ab.py: {len(arms)} arm(s) x {args.runs} run(s), one sweep each; a line after each", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for run in range(args.runs):
@@ -118,9 +121,10 @@ def main() -> None:
                                        str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                 if done.returncode:
                     raise SystemExit(f"policy_ab.py: arm {name}, run {run + 1} failed:\n{done.stderr[-3000:]}")
-                if not run and name == list(arms)[0]:  # the sweep's own warnings (an uneven order: docs/policy.md)
-                    for line in sweep_warnings(done.stderr):
-                        print(line, flush=True)
+                for line in sweep_warnings(done.stderr):  # the sweep's own warnings, each once (an uneven order:
+                    if line not in said:  # docs/policy.md; a configuration whose generations failed)
+                        said.add(line)
+                        print(f"{name}, run {run + 1}: {line}", flush=True)
                 got = measures(json.loads((out / "sweep.json").read_text()))
                 results[name].append(got)
                 print(f"run {run + 1}/{args.runs} {name} ({time.monotonic() - t0:.0f} s): " + "; ".join(

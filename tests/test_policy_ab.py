@@ -51,3 +51,5 @@ def test_the_sweeps_uneven_order_warning_reaches_the_ab_runs_output():
     stderr = f"loading the draft\rsweep:  40%|####      | 200/500\n{uneven}\nTraceback is not here\n"
     assert AB["sweep_warnings"](stderr) == [uneven]
     assert AB["sweep_warnings"]("sweep: 100%|##########| 500/500\n") == []
+    failed = "bench sweep: auto (balanced) over none (loopback): 10 generation(s) failed: timed out"  # sweep.run's
+    assert AB["sweep_warnings"](f"{uneven}\n{failed}\n") == [uneven, failed]  # line for a configuration that failed

@@ -243,8 +243,9 @@ def test_sweep_bars_leave_out_a_configuration_whose_every_generation_failed():
                 "copy": copy, "shape": "tree" if trees == "on" else "chain", "link": "none (loopback)", "sessions": 1,
                 "predraft": predraft, "tokens_per_s": tokens_per_s, "tokens_per_call": 3.0, "mean_nodes": 3.0,
                 "predraft_hit_rate": 0.5, "outputs_identical_to_target_alone": not errors, "calls_vs_theory": 1.0,
-                "speedup_vs_target_alone": 1.5, "cloud_calls_per_token": 0.3, "tree_round_share": 0.1 * (trees != "off"),
-                "tokens_per_s_slices": [tokens_per_s] * 2, "errors": errors, "error_samples": ["timeout"] * bool(errors)}
+                "speedup_vs_target_alone": 1.5, "cloud_calls_per_token": 0.3,
+                "tree_round_share": 0.1 * (trees != "off"), "tokens_per_s_slices": [tokens_per_s] * 2,
+                "errors": errors, "error_samples": ["timeout"] * bool(errors)}
 
     rows = [row(0, predraft=False), row("auto", tokens_per_s=0.0, errors=10), row("auto", "on"), row("auto", "auto"),
             row("auto", copy=1), row("auto", predraft=False)]

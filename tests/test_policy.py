@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from specrelay.common.protocol import LoadHint, Objective
-from specrelay.edge_worker.policy import TOLERANCE, DraftPolicy, EdgeEstimates, chain_rows, pick, tree_rows
+from specrelay.edge_worker.policy import MAX_LEN, TOLERANCE, DraftPolicy, EdgeEstimates, chain_rows, pick, tree_rows
 from specrelay.edge_worker.policy import choose
 from specrelay.edge_worker.policy.choose import EXPLORE_SHARE, TREE_FILL, tree_compute, tree_table, wait_for
 from specrelay.edge_worker.policy.estimates import PRIOR_WEIGHT, AcceptanceCounts
@@ -907,6 +907,33 @@ def test_auto_weighs_trees_once_in_a_while_where_tree_rounds_committed_less_a_se
     assert [x.count for pair in est.paid for x in pair] == [5, 5, 9, 9]
     assert est.paid[0][1].value == pytest.approx(0.080 + (0.085 - 0.080) / est.paid[0][1].weight)
 
+
+
+def test_the_guard_weighs_each_rounds_yield_against_its_own_sessions_best_chain():
+    """The guard compared what tree rounds and chain rounds committed a second pooled over the edge's sessions, and
+    `auto` takes trees on the prompts the draft knows well: there tree rounds out-committed the chain rounds of the
+    prompts it knows badly, so trees were not vetoed where they lost to the chains of their own prompts (one session
+    on loopback: tree rounds 0.12-0.14 tokens a ms against 0.11-0.13). Each round's yield is now counted over its
+    session's best modelled chain rate (4 runs alternating there: 0.968x the chain policy against 0.910x)."""
+    est = edge(draft_s=0.002, rtt_s=0.05, forward_s=0.008, per_token_s=0.0007)
+    easy, hard = DraftPolicy(est, Objective.BALANCED), DraftPolicy(est, Objective.BALANCED)
+    for _ in range(10):  # the prompt the draft knows well, and one it knows badly (their own samples)
+        easy.own.observe(8, 8, None), hard.own.observe(8, 1, None)
+
+    def best(policy: DraftPolicy) -> float:  # tokens a second of its best chain at its own rates
+        return max(e / max(t, 1e-12) for e, t in chain_rows(est, policy.own_rates(MAX_LEN + 1), MAX_LEN))
+
+    assert best(easy) > 2 * best(hard)
+    for _ in range(int(PRIOR_WEIGHT)):  # trees on the easy prompt at 0.8x its chains, chains on the hard at 1.0x
+        easy.observe_round(9, 0.01, None, 0.01, tree=TreeShape((1, 2, 2)), handled_s=0.0,
+                           committed=0.8 * best(easy) * 0.02)
+        hard.observe_round(9, 0.01, None, 0.01, handled_s=0.0, committed=best(hard) * 0.02)
+    (chain_n, chain_s), (tree_n, tree_s) = est.paid
+    assert tree_s.value == chain_s.value == pytest.approx(0.02)  # trees committed more tokens a second, less than
+    assert tree_n.value / tree_s.value == pytest.approx(0.8, rel=0.05)  # their own chains' best would have
+    assert chain_n.value / chain_s.value == pytest.approx(1.0, rel=0.05)
+    easy.shape(48, "auto", None, None, after_tree=False)  # so trees are vetoed
+    assert est.vetoed == 1
 
 def test_greedy_chains_teach_the_trees_rank_acceptance():
     """A tree's side branches were priced at the ranks' prior (0.35 for a later sibling) until trees had been

@@ -243,7 +243,8 @@ def test_each_round_teaches_what_its_kind_committed_a_second_a_fully_pre_drafted
             committed.append(len(new))
         (tokens, seconds), other = est.paid[trees == "on"], est.paid[trees == "off"]
         assert tokens.count == seconds.count == 2 and other[0].count == other[1].count == 0
-        assert min(committed[-2:]) <= tokens.value <= max(committed[-2:]) and seconds.value == pytest.approx(0.031)
+        assert 0 < tokens.value < min(committed[-2:])  # over the session's best modelled chain rate (> 1 a second)
+        assert seconds.value == pytest.approx(0.031)
         assert (est.waited.count, est.tree_waited.count) == lines  # the round of 0 steps taught no line
 
 

@@ -5,8 +5,7 @@ whether to pre-draft. The model (docs/policy.md states it with its measurements)
     E(S) = E(d) + sum over its side nodes of their reach  the same for a tree (reach from the rank chances P_r)
     T    = D(F(d + lookahead - pre-drafted start)) + W(d) + H     seconds a round takes
 
-with one set of estimators per edge (estimates.py) and one objective rule for chains and trees (choose.pick).
-"""
+with one set of estimators per edge (estimates.py) and one objective rule for chains and trees (choose.pick)."""
 
 from .choose import MAX_LEN, TOLERANCE, DraftPolicy, chain_rows, pick, static_tree, tree_rows
 from .estimates import PREDRAFT_SHARE, AcceptanceCounts, EdgeEstimates, EWLine, EWMean, RankAcceptance

@@ -253,9 +253,10 @@ class DraftPolicy:
         timed; `catchup`: after a stretch), `handled_s` the edge's own time besides; the tokens it `committed` (a
         chain round `after_tree` counts as the tree rounds': it pays their exit, its start drafted fresh)."""
         self.edge.observe_round(width, latency_s, hint, prefilled)
-        if committed and draft_s is not None and handled_s is not None and not prefilled:  # a round's yield
-            (n, t), spent = self.edge.paid[tree is not None or after_tree], draft_s + latency_s + handled_s
-            n.observe(committed), t.observe(spent)
+        if committed and draft_s is not None and handled_s is not None and not prefilled:  # a round's yield in units
+            (n, t), spent = self.edge.paid[tree is not None or after_tree], draft_s + latency_s + handled_s  # of
+            best = max(e / max(x, 1e-12) for e, x in chain_rows(self.edge, self.own_rates(MAX_LEN + 1), MAX_LEN))
+            n.observe(committed / best), t.observe(spent)  # its session's best modelled chain rate: prompts apart
         if handled_s is not None:
             self.edge.handled[width > 1].observe(handled_s)
         if draft_s is not None and (self.exploring or self.timing == 2):

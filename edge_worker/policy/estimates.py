@@ -193,7 +193,7 @@ class EdgeEstimates:
         self.tree_saved = EWMean(clip=float("inf"))  # levels a tree pre-draft had grown at the VERDICT (a count)
         self.tree_share = EWMean(clip=float("inf"))  # the share of rounds (any session's) that drafted a tree
         self.paid = tuple((EWMean(clip=float("inf")), EWMean()) for _ in range(2))  # chain rounds', tree rounds':
-        self.vetoed = 0                       # (tokens committed, seconds) a round; trees' turns vetoed in a row
+        self.vetoed = 0                       # (tokens / its session's best modelled rate, seconds); vetoes in a row
         self.tree_waited = EWLine(1.0)        # a tree round's wait for its draft vs its levels' modelled compute
         self.others = EWMean(clip=float("inf"))  # chain jobs a second that came in while a draft batch ran
         self.lookahead = 0                    # target tokens drafted past a block (1 across vocabularies)

@@ -272,9 +272,15 @@ class EdgeSession:
         tree = self.trees.shape if self.trees.last_tree else None  # a tree engine's round (0 steps: all grown)
         steps = self.trees.last_steps if tree is not None else self._steps
         self.policy.observe_round(self._width, latency_s, self._hint, draft_s, steps, self._catchup, self._prefilled,
-                                  tree=tree, handled_s=handled_s, committed=committed * (not self.done),  # the
-                                  after_tree=tree is None and self._after_tree)  # last round commits what was
-        # left, and what was left picked its kind (a chain): no kind's rate; a chain after a tree is the tree's exit
+                                  tree=tree, handled_s=handled_s, committed=committed * self._weighs,
+                                  after_tree=tree is None and self._after_tree)
+
+    @property
+    def _weighs(self) -> bool:
+        """Whether the round's tokens teach its kind's rate (only `--trees auto` reads them: its guard): not the last
+        round's, which commits what was left, and what was left picked its kind (a chain); a chain after a tree is the
+        tree's exit."""
+        return self.trees.trees == "auto" and not self.done
 
     # ---------------------------------------------------------------------------- replies
     def apply(self, reply: P.Base) -> list[int]:

@@ -227,9 +227,14 @@ def test_a_chain_block_that_waited_behind_trees_does_not_teach_the_chains_draft_
 def test_each_round_teaches_what_its_kind_committed_a_second_a_fully_pre_drafted_tree_a_trees(tiny_runners):
     """`--trees auto` weighs trees by what tree rounds and chain rounds committed a second (EdgeEstimates.paid).
     A tree whose every level its predecessor's pre-draft grew waits for no draft forward (0 steps): it is still a
-    tree round, and it teaches no draft wait line (it was timed as a chain round, at a chain round's old steps)."""
-    for trees in ("on", "off"):
+    tree round, and it teaches no draft wait line (it was timed as a chain round, at a chain round's old steps). Only
+    `auto` reads them (its guard): with `on` or `off` nothing is counted."""
+    from specrelay.edge_worker.trees.tree import TreeShape
+
+    for trees, kind in (("auto", "on"), ("auto", "off"), ("on", "on"), ("off", "off")):
         s, verifier = session_and_verifier(tiny_runners, trees=trees, draft_len=3, tree_nodes=6)
+        if trees == "auto":
+            s.policy.shape = lambda *a, tree=kind == "on", **k: TreeShape((2, 2, 1)) if tree else None
         est = s.policy.edge
         committed = []
         for steps in (None, None, 0):  # the opening (not counted: the worker ran the prompt), two rounds
@@ -241,8 +246,12 @@ def test_each_round_teaches_what_its_kind_committed_a_second_a_fully_pre_drafted
             new = s.apply(reply)
             s.record_timing(0.01, 0.02, 0.001, len(new))
             committed.append(len(new))
-        (tokens, seconds), other = est.paid[trees == "on"], est.paid[trees == "off"]
-        assert tokens.count == seconds.count == 2 and other[0].count == other[1].count == 0
+        (tokens, seconds), other = est.paid[kind == "on"], est.paid[kind == "off"]
+        assert other[0].count == other[1].count == 0
+        if trees != "auto":
+            assert tokens.count == seconds.count == 0
+            continue
+        assert tokens.count == seconds.count == 2
         assert 0 < tokens.value < min(committed[-2:])  # over the session's best modelled chain rate (> 1 a second)
         assert seconds.value == pytest.approx(0.031)
         assert (est.waited.count, est.tree_waited.count) == lines  # the round of 0 steps taught no line
@@ -274,8 +283,8 @@ def test_the_round_that_ends_a_generation_teaches_no_kind_its_rate(tiny_runners)
     chain rounds are mostly such last rounds (`--trees on`, one session on loopback: a token in 10.8 ms, 93 tokens a
     second against the trees' 99 and mid-generation chains' 120), so the chains' rate read as low as the trees'. Only
     the rounds between the opening and the last teach EdgeEstimates.paid."""
-    s, verifier = session_and_verifier(tiny_runners, trees="off", draft_len=3, max_new_tokens=10)
-    rounds = 0
+    s, verifier = session_and_verifier(tiny_runners, trees="auto", draft_len=3, max_new_tokens=10)
+    s.policy.shape, rounds = lambda *a, **k: None, 0  # chains only
     while not s.done:
         block = s.drafter.draft_batch([s.draft_job()])[0]
         s.apply(verifier.verify([((b"", 1), s.request_for(block))])[0])
@@ -294,7 +303,8 @@ def test_a_trees_sessions_greedy_chain_rounds_teach_the_rank_chances(tiny_runner
     target, draft = tiny_runners
     seen, observe = [], RankAcceptance.observe_chain
     monkeypatch.setattr(RankAcceptance, "observe_chain",
-                        lambda self, ranked, n, token: (seen.append((ranked, n, token)), observe(self, ranked, n, token)))
+                        lambda self, ranked, n, token: (seen.append((ranked, n, token)),
+                                                        observe(self, ranked, n, token)))
     ids = [target.tokenizer(p).input_ids for p in PROMPTS]
     for trees in ("off", "auto"):
         seen.clear()

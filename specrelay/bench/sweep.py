@@ -350,7 +350,7 @@ def evaluate(rows: list[dict]) -> dict:
         fixed = [r for r in group if r["draft_len"] != AUTO]
         best = max(fixed, key=lambda r: r["tokens_per_s"]) if fixed else None
         # a group whose every fixed run failed has nothing to compare with: its rows' errors say why
-        for auto in (r for r in group if r["draft_len"] == AUTO and best and best["tokens_per_s"]):
+        for auto in (r for r in group if r["draft_len"] == AUTO and best):
             bar = auto_bar(auto["objective"])
             trees = f" trees={auto['trees']}" if auto["trees"] != "off" else ""  # apart from the chain policy's
             out["auto_vs_best_fixed"][f"{link} predraft={predraft} objective={auto['objective']}{trees}"] = {
